@@ -1,0 +1,181 @@
+"""Paged GQA attention over 128-token blocks, split-K (flash-decoding).
+
+One kernel serves ``sparse_decode`` (the blocks each token's indexer chose),
+``dense_decode`` (every visible block) and the prefill ops.
+
+A program owns one (row tile, KV head, split):
+
+* row tile: up to ``TOKENS_PER_TILE`` consecutive query tokens of ONE request
+  times the ``GROUP`` query heads that read the KV head, packed as the rows of
+  one MMA tile, so every K/V block is read once for all of them. ``row_map``
+  describes each tile (built on the host from shapes for decode, from
+  ``cu_seqlens_q`` for prefill):
+  ``[request, first token (global index), first token's position - seq_len, tokens]``.
+* split: every NUM_SPLITS-th "entry", from the split's index on (strided, so
+  splits stay balanced). Dense: entry e is logical block e.
+  Sparse: entry e is slot ``e % TOPK`` of tile token ``e // TOPK``; a block
+  that an earlier token of the tile also chose is skipped, since it was
+  already done for every token that chose it. The tile reads each distinct
+  chosen block once.
+
+Each program writes its softmax-normalised partial output and log-sum-exp
+(base 2); ``merge_splits_kernel`` combines the splits. With one split the
+program writes the final output itself. Rows that see nothing get zeros.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import PAGE_SIZE, dot_operand
+
+
+@triton.jit(do_not_specialize=["qk_scale", "k_off", "v_off", "num_entries"])
+def paged_attention_kernel(
+    q_ptr,            # [T, Hq, D]                        q dtype
+    k_ptr,            # [pages, Hk, PAGE_SIZE, D] @ k_off  cache dtype
+    v_ptr,            # [pages, Hk, PAGE_SIZE, D] @ v_off  cache dtype
+    block_ids_ptr,    # [Hk, T, TOPK] int32, -1 = empty slot (read only if SPARSE)
+    block_table_ptr,  # [R, max_blocks] int32
+    seq_lens_ptr,     # [R] int32, KV length including the request's query tokens
+    row_map_ptr,      # [num_tiles, 4] int32, see the module docstring
+    qk_scale,         # sm_scale * log2(e)
+    k_off, v_off,     # element offsets of the caches inside their buffers
+    stride_qt, stride_qh, stride_qd,
+    stride_kp, stride_kh, stride_kn, stride_kd,
+    stride_vp, stride_vh, stride_vn, stride_vd,
+    stride_ih, stride_it, stride_is,
+    stride_br, stride_bb,
+    stride_ot, stride_oh, stride_os, stride_od,
+    num_entries,      # TOPK * TOKENS_PER_TILE (sparse) or max_blocks (dense)
+    o_ptr,            # NUM_SPLITS == 1: out [T, Hq, D]; else partial out [T, Hq, NUM_SPLITS, D] fp32
+    lse_ptr,          # [T, Hq, NUM_SPLITS] fp32, contiguous; unused when NUM_SPLITS == 1
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPARSE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    split = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    # -- the tile's request, tokens and positions
+    req = tl.load(row_map_ptr + tile * 4)
+    tok0 = tl.load(row_map_ptr + tile * 4 + 1)
+    pos0_minus_len = tl.load(row_map_ptr + tile * 4 + 2)
+    ntok = tl.load(row_map_ptr + tile * 4 + 3)
+    seq_len = tl.load(seq_lens_ptr + req)
+    # A block past the request's last written block is never read: its page
+    # table entry may hold garbage.
+    req_blocks = tl.cdiv(seq_len, PAGE_SIZE)
+    tile_blocks = tl.cdiv(tl.maximum(seq_len + pos0_minus_len + ntok, 0), PAGE_SIZE)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_tok = offs_m // GROUP_PAD                      # tile-local token of each row
+    m_head = kv_head * GROUP + offs_m % GROUP_PAD    # query head of each row
+    m_valid = (m_tok < ntok) & (offs_m % GROUP_PAD < GROUP)
+    m_pos = seq_len + pos0_minus_len + m_tok         # each row's query position
+    m_t = tok0 + m_tok
+
+    # [BLOCK_M, D]
+    q = tl.load(q_ptr + m_t[:, None] * stride_qt + m_head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=m_valid[:, None], other=0.0)
+    q = dot_operand(q)
+
+    if SPARSE:
+        offs_s = tl.arange(0, TOPK_PAD)
+        # [BLOCK_M, TOPK_PAD]: each row's chosen block ids
+        m_ids = tl.load(block_ids_ptr + kv_head * stride_ih + m_t[:, None] * stride_it + offs_s[None, :] * stride_is,
+                        mask=m_valid[:, None] & (offs_s[None, :] < TOPK), other=-1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    k_base = k_ptr + k_off + kv_head * stride_kh
+    v_base = v_ptr + v_off + kv_head * stride_vh
+    e_end = num_entries
+    if not SPARSE:
+        e_end = tl.minimum(e_end, tile_blocks)
+    for e in range(split, e_end, NUM_SPLITS):
+        if SPARSE:
+            e_tok = e // TOPK
+            block = tl.load(block_ids_ptr + kv_head * stride_ih + (tok0 + e_tok) * stride_it + (e % TOPK) * stride_is,
+                            mask=e_tok < ntok, other=-1)
+            hit = m_ids == block
+            m_member = tl.max(hit.to(tl.int32), axis=1) > 0
+            # done already if an earlier token of this tile chose it too
+            done = tl.max((hit & (m_tok[:, None] < e_tok)).to(tl.int32)) > 0
+            todo = (block >= 0) & (block < req_blocks) & ~done
+        else:
+            block = e
+            m_member = m_valid
+            todo = block < req_blocks
+        if todo:
+            page = tl.load(block_table_ptr + req * stride_br + block * stride_bb).to(tl.int64)
+            for n0 in tl.static_range(0, PAGE_SIZE, BLOCK_N):
+                kv_tok = n0 + offs_n
+                # [BLOCK_N, D]
+                k = tl.load(k_base + page * stride_kp + kv_tok[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+                v = tl.load(v_base + page * stride_vp + kv_tok[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+                # [BLOCK_M, BLOCK_N]
+                s = tl.dot(q, tl.trans(dot_operand(k))) * qk_scale
+                kv_pos = block * PAGE_SIZE + kv_tok
+                visible = m_member[:, None] & (kv_pos[None, :] <= m_pos[:, None])
+                s = tl.where(visible, s, float("-inf"))
+                # -- online softmax; a row with nothing visible yet keeps m = -inf
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_base)
+                p = tl.exp2(s - m_base[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(dot_operand(p.to(v.dtype)), dot_operand(v))
+                m_i = m_new
+
+    # -- write: rows that saw nothing get zeros (and lse = -inf)
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o_rows = o_ptr + m_t * stride_ot + m_head * stride_oh
+    if NUM_SPLITS == 1:
+        tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
+    else:
+        tl.store(o_rows[:, None] + split * stride_os + offs_d[None, :] * stride_od, out, mask=m_valid[:, None])
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + (m_t * NUM_Q_HEADS + m_head) * NUM_SPLITS + split, lse, mask=m_valid)
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_o_ptr,       # [T, Hq, NUM_SPLITS, D] fp32, contiguous
+    part_lse_ptr,     # [T, Hq, NUM_SPLITS] fp32, contiguous (base 2)
+    stride_ot, stride_oh, stride_od,
+    o_ptr,            # [T, Hq, D] out dtype
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = t * NUM_Q_HEADS + h
+    # [SPLITS_PAD]
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    used = lse > float("-inf")
+    m = tl.max(lse, axis=0)
+    w = tl.where(used, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)), 0.0)
+    # [SPLITS_PAD, D]: empty splits are never read
+    o = tl.load(part_o_ptr + (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                mask=used[:, None], other=0.0)
+    den = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od, out.to(o_ptr.dtype.element_ty))

@@ -1,0 +1,197 @@
+"""Launch geometry shared by both launchers: tiles, splits, block sizes, maps.
+
+Everything here depends on shapes only (never on ``seq_lens`` values), so a
+captured CUDA graph or a jitted JAX step replays without recompiling, and the
+torch and JAX launchers pick the same kernel variant for the same shapes,
+which is what makes their outputs bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .common import PAGE_SIZE as _PAGE_SIZE
+
+PAGE_SIZE = int(_PAGE_SIZE.value)
+
+# Rows of one MMA tile (tokens x heads) are capped here; tl.dot wants >= 16.
+MAX_TILE_ROWS = 128
+MIN_TILE_ROWS = 16
+# Split-K and block chunking aim for this many programs: ~8 per SM on a
+# 132-SM H100/H200. A constant (not the device's SM count) so both frameworks
+# and every GPU choose the same variant for the same shapes.
+TARGET_PROGRAMS = 1024
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTile:
+    """How query tokens x heads are packed into the rows of one MMA tile."""
+    heads: int            # heads per token in a tile (GROUP or Hi)
+    heads_pad: int        # power of two >= heads
+    tokens_per_tile: int  # power of two
+    block_m: int          # rows of the tile, >= MIN_TILE_ROWS
+
+
+def row_tile(heads: int, max_tokens: int) -> RowTile:
+    heads_pad = next_pow2(heads)
+    tpt = max(1, min(next_pow2(max_tokens), MAX_TILE_ROWS // heads_pad))
+    return RowTile(heads, heads_pad, tpt, max(MIN_TILE_ROWS, tpt * heads_pad))
+
+
+# -- tile and token maps -------------------------------------------------------
+# tile_map[i]  = [request, first token, position of first token - seq_len, tokens]
+# token_map[t] = [request, position of token t - seq_len]
+# A token j of a request with q_len query tokens sits at seq_len - q_len + j.
+
+def varlen_maps(q_lens, tokens_per_tile: int, num_tiles: int | None = None):
+    """Tile and token maps for requests with ``q_lens[r]`` query tokens each.
+
+    ``num_tiles`` pads the tile map (with empty tiles) to a fixed size.
+    """
+    tiles, tokens = [], []
+    t0 = 0
+    for r, q_len in enumerate(int(x) for x in q_lens):
+        for j0 in range(0, q_len, tokens_per_tile):
+            tiles.append((r, t0 + j0, j0 - q_len, min(tokens_per_tile, q_len - j0)))
+        tokens.extend((r, j - q_len) for j in range(q_len))
+        t0 += q_len
+    if num_tiles is not None:
+        if len(tiles) > num_tiles:
+            raise ValueError(f"{len(tiles)} row tiles do not fit the {num_tiles} planned")
+        tiles.extend([(0, 0, 0, 0)] * (num_tiles - len(tiles)))
+    tile_map = np.asarray(tiles, np.int32).reshape(-1, 4)
+    token_map = np.asarray(tokens, np.int32).reshape(-1, 2)
+    return tile_map, token_map
+
+
+def decode_maps(num_requests: int, decode_query_len: int, tokens_per_tile: int):
+    return varlen_maps([decode_query_len] * num_requests, tokens_per_tile)
+
+
+# -- attention -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    tile: RowTile
+    num_tiles: int
+    num_splits: int
+    num_entries: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def constexprs(self, *, num_q_heads, head_dim, topk, sparse):
+        return dict(
+            NUM_Q_HEADS=num_q_heads, GROUP=self.tile.heads, GROUP_PAD=self.tile.heads_pad,
+            HEAD_DIM=head_dim, TOPK=max(topk, 1), TOPK_PAD=next_pow2(max(topk, 1)),
+            TOKENS_PER_TILE=self.tile.tokens_per_tile, BLOCK_M=self.tile.block_m,
+            BLOCK_N=self.block_n, SPARSE=sparse, NUM_SPLITS=self.num_splits)
+
+    def partial_shapes(self, num_tokens, num_q_heads, head_dim):
+        """Shapes of the float32 split-K workspaces (partial out, lse), or None."""
+        if self.num_splits == 1:
+            return None
+        return ((num_tokens, num_q_heads, self.num_splits, head_dim),
+                (num_tokens, num_q_heads, self.num_splits))
+
+
+def attention_plan(*, tile: RowTile, num_tiles, num_kv_heads, head_dim, topk, max_blocks,
+                   sparse, allow_split=True) -> AttentionPlan:
+    """``tile`` from ``row_tile(GROUP, tokens per request)``; ``num_tiles`` rows of the tile map."""
+    num_entries = topk * tile.tokens_per_tile if sparse else max_blocks
+    work = max(num_tiles * num_kv_heads, 1)
+    splits = 1
+    if allow_split:
+        splits = max(1, min(cdiv(TARGET_PROGRAMS, work), num_entries))
+    block_n = 128 if head_dim <= 128 else 64
+    num_warps = 8 if tile.block_m >= 128 or head_dim >= 256 else 4
+    return AttentionPlan(tile, num_tiles, splits, num_entries, block_n, num_warps, num_stages=2)
+
+
+def merge_constexprs(num_q_heads, head_dim, num_splits):
+    return dict(NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+                SPLITS_PAD=next_pow2(num_splits))
+
+
+# -- indexer ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class IndexPlan:
+    tile: RowTile
+    num_tiles: int
+    num_chunks: int
+    blocks_per_program: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def constexprs(self, *, num_heads, head_dim):
+        return dict(NUM_HEADS=num_heads, HEADS_PAD=self.tile.heads_pad, HEAD_DIM=head_dim,
+                    BLOCK_M=self.tile.block_m, BLOCK_N=self.block_n)
+
+
+def index_plan(*, tile: RowTile, num_tiles, head_dim, max_blocks) -> IndexPlan:
+    """``tile`` from ``row_tile(Hi, tokens per request)``."""
+    chunks = max(1, min(cdiv(TARGET_PROGRAMS, max(num_tiles, 1)), max_blocks))
+    bpp = max(1, cdiv(max_blocks, chunks))
+    chunks = max(1, cdiv(max_blocks, bpp))
+    block_n = 128 if head_dim <= 128 else 64
+    num_warps = 8 if tile.block_m >= 128 else 4
+    return IndexPlan(tile, num_tiles, chunks, bpp, block_n, num_warps, num_stages=2)
+
+
+def select_constexprs(*, topk, init_blocks, local_blocks, max_blocks):
+    return dict(TOPK=topk, TOPK_PAD=next_pow2(topk), INIT_BLOCKS=init_blocks,
+                LOCAL_BLOCKS=local_blocks, BLOCKS_PAD=max(next_pow2(max_blocks), 16))
+
+
+def select_num_warps(max_blocks):
+    return 4 if max_blocks <= 1024 else 8
+
+
+LOG2E = math.log2(math.e)
+
+
+# -- kernel argument lists, in kernel-signature order ---------------------------
+# Both launchers build the runtime arguments here; they differ only in where the
+# strides come from (torch: .stride(); JAX: computed from shapes and layouts).
+# Output pointers follow these (jax-triton appends them), constexprs go by name.
+
+def attention_args(*, q, k, v, block_ids, block_table, seq_lens, tile_map, sm_scale, k_off, v_off,
+                   q_strides, k_strides, v_strides, ids_strides, bt_strides, o_strides, num_entries):
+    """``o_strides``: (token, head, split, dim) strides of the kernel's first output."""
+    return [q, k, v, block_ids, block_table, seq_lens, tile_map, float(sm_scale) * LOG2E, int(k_off), int(v_off),
+            *q_strides, *k_strides, *v_strides, *ids_strides, *bt_strides, *o_strides, int(num_entries)]
+
+
+def index_scores_args(*, idx_q, index_k, block_table, seq_lens, tile_map, k_off, q_strides, k_strides,
+                      bt_strides, scores_strides, max_blocks, blocks_per_program):
+    return [idx_q, index_k, block_table, seq_lens, tile_map, int(k_off), *q_strides, *k_strides, *bt_strides,
+            *scores_strides, int(max_blocks), int(blocks_per_program)]
+
+
+def select_args(*, scores, seq_lens, token_map, scores_strides, ids_strides, max_blocks):
+    return [scores, seq_lens, token_map, *scores_strides, *ids_strides, int(max_blocks)]
+
+
+def contiguous_strides(shape):
+    strides, acc = [], 1
+    for s in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= int(s)
+    return tuple(reversed(strides))
+
+
+def partial_out_strides(num_q_heads, num_splits, head_dim):
+    return (num_q_heads * num_splits * head_dim, num_splits * head_dim, head_dim, 1)
