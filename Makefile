@@ -1,0 +1,31 @@
+# Quick start: `make demo`, `make test`. Both set up .venv first (Python 3.11).
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install demo test test-gpu bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch 2.13.0 resolves to the CPU wheel shipped on these machines
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	touch $@
+
+demo: install
+	$(PY) demo.py
+
+test: install
+	$(PY) -m pytest -q
+
+# On a GPU machine (see benchmarks/README.md for the device-tool command).
+test-gpu:
+	python3 -m pytest -q -m gpu
+
+bench:
+	python3 -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache
