@@ -7,16 +7,15 @@ A program owns one (row tile, KV head, split):
 
 * row tile: up to ``TOKENS_PER_TILE`` consecutive query tokens of ONE request
   times the ``GROUP`` query heads that read the KV head, packed as the rows of
-  one MMA tile, so every K/V block is read once for all of them. ``row_map``
+  one MMA tile, so every K/V block is read once for all of them. ``tile_map``
   describes each tile (built on the host from shapes for decode, from
   ``cu_seqlens_q`` for prefill):
   ``[request, first token (global index), first token's position - seq_len, tokens]``.
-* split: every NUM_SPLITS-th "entry", from the split's index on (strided, so
-  splits stay balanced). Dense: entry e is logical block e.
-  Sparse: entry e is slot ``e % TOPK`` of tile token ``e // TOPK``; a block
-  that an earlier token of the tile also chose is skipped, since it was
-  already done for every token that chose it. The tile reads each distinct
-  chosen block once.
+* split: a contiguous share of the tile's block list. Dense: every visible
+  block. Sparse, one token per tile: its TOPK slots (-1 and out-of-range ids
+  are masked). Sparse, several tokens per tile: the distinct blocks they chose
+  (a block chosen by several tokens is done once, for all of them), so the
+  tile reads each distinct chosen block once.
 
 Each program writes its softmax-normalised partial output and log-sum-exp
 (base 2); ``merge_splits_kernel`` combines the splits. With one split the
@@ -26,10 +25,10 @@ program writes the final output itself. Rows that see nothing get zeros.
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, dot_operand
+from .common import PAGE_SIZE, mma
 
 
-@triton.jit(do_not_specialize=["qk_scale", "k_off", "v_off", "num_entries"])
+@triton.jit
 def paged_attention_kernel(
     q_ptr,            # [T, Hq, D]                        q dtype
     k_ptr,            # [pages, Hk, PAGE_SIZE, D] @ k_off  cache dtype
@@ -46,7 +45,6 @@ def paged_attention_kernel(
     stride_ih, stride_it, stride_is,
     stride_br, stride_bb,
     stride_ot, stride_oh, stride_os, stride_od,
-    num_entries,      # TOPK * TOKENS_PER_TILE (sparse) or max_blocks (dense)
     o_ptr,            # NUM_SPLITS == 1: out [T, Hq, D]; else partial out [T, Hq, NUM_SPLITS, D] fp32
     lse_ptr,          # [T, Hq, NUM_SPLITS] fp32, contiguous; unused when NUM_SPLITS == 1
     NUM_Q_HEADS: tl.constexpr,
@@ -56,8 +54,10 @@ def paged_attention_kernel(
     TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr,
+    ENTRIES_PAD: tl.constexpr,        # TOKENS_PER_TILE * TOPK_PAD (sparse)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STEP_GROUP: tl.constexpr,         # blocks whose page ids are gathered at once
     SPARSE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
@@ -88,13 +88,34 @@ def paged_attention_kernel(
     # [BLOCK_M, D]
     q = tl.load(q_ptr + m_t[:, None] * stride_qt + m_head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_valid[:, None], other=0.0)
-    q = dot_operand(q)
 
     if SPARSE:
-        offs_s = tl.arange(0, TOPK_PAD)
-        # [BLOCK_M, TOPK_PAD]: each row's chosen block ids
-        m_ids = tl.load(block_ids_ptr + kv_head * stride_ih + m_t[:, None] * stride_it + offs_s[None, :] * stride_is,
-                        mask=m_valid[:, None] & (offs_s[None, :] < TOPK), other=-1)
+        if TOKENS_PER_TILE == 1:
+            # one token: walk its TOPK slots; -1 or out-of-range ids are masked
+            num_steps = TOPK
+        else:
+            # -- several tokens: the tile's distinct chosen blocks, in entry
+            # order (entry e = slot e % TOPK_PAD of tile token e // TOPK_PAD);
+            # a block chosen by several tokens is done once, for all of them.
+            offs_e = tl.arange(0, ENTRIES_PAD)
+            e_tok = offs_e // TOPK_PAD
+            e_ok = (e_tok < ntok) & (offs_e % TOPK_PAD < TOPK)
+            # [ENTRIES_PAD]
+            e_block = tl.load(block_ids_ptr + kv_head * stride_ih + (tok0 + e_tok) * stride_it
+                              + (offs_e % TOPK_PAD) * stride_is, mask=e_ok, other=-1)
+            e_ok = e_ok & (e_block >= 0) & (e_block < req_blocks)
+            # [ENTRIES_PAD, ENTRIES_PAD]: entry e repeats an earlier entry
+            repeat = (e_block[:, None] == e_block[None, :]) & (offs_e[None, :] < offs_e[:, None]) & e_ok[None, :]
+            e_ok = e_ok & (tl.max(repeat.to(tl.int32), axis=1) == 0)
+            e_rank = tl.cumsum(e_ok.to(tl.int32), axis=0) - 1
+            num_steps = tl.sum(e_ok.to(tl.int32), axis=0)
+            # [BLOCK_M, TOPK_PAD]: each row's chosen blocks
+            offs_s = tl.arange(0, TOPK_PAD)
+            m_ids = tl.load(block_ids_ptr + kv_head * stride_ih + m_t[:, None] * stride_it
+                            + offs_s[None, :] * stride_is,
+                            mask=m_valid[:, None] & (offs_s[None, :] < TOPK), other=-1)
+    else:
+        num_steps = tile_blocks
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -102,43 +123,63 @@ def paged_attention_kernel(
 
     k_base = k_ptr + k_off + kv_head * stride_kh
     v_base = v_ptr + v_off + kv_head * stride_vh
-    e_end = num_entries
-    if not SPARSE:
-        e_end = tl.minimum(e_end, tile_blocks)
-    for e in range(split, e_end, NUM_SPLITS):
+    ids_base = block_ids_ptr + kv_head * stride_ih + tok0 * stride_it
+    # This split's contiguous share of the block list, STEP_GROUP blocks at a
+    # time: their page ids are gathered up front, so the K/V loads of the inner
+    # loop wait on no other load and pipeline.
+    SUBTILES: tl.constexpr = PAGE_SIZE // BLOCK_N
+    per_split = tl.cdiv(num_steps, NUM_SPLITS)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, num_steps)
+    offs_g = tl.arange(0, STEP_GROUP)
+    for g0 in range(lo, hi, STEP_GROUP):
+        g_step = g0 + offs_g
+        g_in = g_step < hi
         if SPARSE:
-            e_tok = e // TOPK
-            block = tl.load(block_ids_ptr + kv_head * stride_ih + (tok0 + e_tok) * stride_it + (e % TOPK) * stride_is,
-                            mask=e_tok < ntok, other=-1)
-            hit = m_ids == block
-            m_member = tl.max(hit.to(tl.int32), axis=1) > 0
-            # done already if an earlier token of this tile chose it too
-            done = tl.max((hit & (m_tok[:, None] < e_tok)).to(tl.int32)) > 0
-            todo = (block >= 0) & (block < req_blocks) & ~done
+            if TOKENS_PER_TILE == 1:
+                # [STEP_GROUP]
+                g_block = tl.load(ids_base + g_step * stride_is, mask=g_in, other=-1)
+                g_ok = g_in & (g_block >= 0) & (g_block < req_blocks)
+            else:
+                # [STEP_GROUP, ENTRIES_PAD] -> the g_step-th distinct block
+                pick = e_ok[None, :] & (e_rank[None, :] == g_step[:, None])
+                g_block = tl.max(tl.where(pick, e_block[None, :], -1), axis=1)
+                g_ok = g_in & (g_block >= 0)
         else:
-            block = e
-            m_member = m_valid
-            todo = block < req_blocks
-        if todo:
-            page = tl.load(block_table_ptr + req * stride_br + block * stride_bb).to(tl.int64)
-            for n0 in tl.static_range(0, PAGE_SIZE, BLOCK_N):
-                kv_tok = n0 + offs_n
-                # [BLOCK_N, D]
-                k = tl.load(k_base + page * stride_kp + kv_tok[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-                v = tl.load(v_base + page * stride_vp + kv_tok[:, None] * stride_vn + offs_d[None, :] * stride_vd)
-                # [BLOCK_M, BLOCK_N]
-                s = tl.dot(q, tl.trans(dot_operand(k))) * qk_scale
-                kv_pos = block * PAGE_SIZE + kv_tok
-                visible = m_member[:, None] & (kv_pos[None, :] <= m_pos[:, None])
-                s = tl.where(visible, s, float("-inf"))
-                # -- online softmax; a row with nothing visible yet keeps m = -inf
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_base)
-                p = tl.exp2(s - m_base[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(dot_operand(p.to(v.dtype)), dot_operand(v))
-                m_i = m_new
+            g_block = g_step
+            g_ok = g_in
+        g_page = tl.load(block_table_ptr + req * stride_br + g_block * stride_bb, mask=g_ok, other=0)
+        for it in range(0, tl.minimum(hi - g0, STEP_GROUP) * SUBTILES):
+            j = it // SUBTILES
+            kv_tok = (it - j * SUBTILES) * BLOCK_N + offs_n
+            block = tl.sum(tl.where(offs_g == j, g_block, 0), axis=0)
+            page = tl.sum(tl.where(offs_g == j, g_page, 0), axis=0).to(tl.int64)
+            block_ok = tl.sum(tl.where(offs_g == j, g_ok.to(tl.int32), 0), axis=0) > 0
+            if SPARSE:
+                if TOKENS_PER_TILE == 1:
+                    m_member = m_valid & block_ok
+                else:
+                    m_member = tl.max((m_ids == block).to(tl.int32), axis=1) > 0
+            else:
+                m_member = m_valid
+            # [BLOCK_N, D]
+            k = tl.load(k_base + page * stride_kp + kv_tok[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                        mask=block_ok, other=0.0)
+            v = tl.load(v_base + page * stride_vp + kv_tok[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                        mask=block_ok, other=0.0)
+            # [BLOCK_M, BLOCK_N]
+            s = mma(q, tl.trans(k)) * qk_scale
+            kv_pos = block * PAGE_SIZE + kv_tok
+            visible = m_member[:, None] & (kv_pos[None, :] <= m_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            # -- online softmax; a row with nothing visible yet keeps m = -inf
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_base)
+            p = tl.exp2(s - m_base[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v)
+            m_i = m_new
 
     # -- write: rows that saw nothing get zeros (and lse = -inf)
     seen = l_i > 0.0

@@ -24,6 +24,11 @@ MIN_TILE_ROWS = 16
 # 132-SM H100/H200. A constant (not the device's SM count) so both frameworks
 # and every GPU choose the same variant for the same shapes.
 TARGET_PROGRAMS = 1024
+# A split-K program gets at least this many blocks (fewer make the pipeline's
+# fill and the partial write dominate).
+MIN_BLOCKS_PER_SPLIT = 4
+# Blocks whose page ids a kernel gathers in one go before loading their K/V.
+STEP_GROUP = 16
 
 
 def next_pow2(x: int) -> int:
@@ -57,7 +62,8 @@ def row_tile(heads: int, max_tokens: int) -> RowTile:
 def varlen_maps(q_lens, tokens_per_tile: int, num_tiles: int | None = None):
     """Tile and token maps for requests with ``q_lens[r]`` query tokens each.
 
-    ``num_tiles`` pads the tile map (with empty tiles) to a fixed size.
+    ``num_tiles`` pads the tile map to a fixed size with empty tiles: no tokens,
+    and a first position far before the request's start, so they read no block.
     """
     tiles, tokens = [], []
     t0 = 0
@@ -69,7 +75,7 @@ def varlen_maps(q_lens, tokens_per_tile: int, num_tiles: int | None = None):
     if num_tiles is not None:
         if len(tiles) > num_tiles:
             raise ValueError(f"{len(tiles)} row tiles do not fit the {num_tiles} planned")
-        tiles.extend([(0, 0, 0, 0)] * (num_tiles - len(tiles)))
+        tiles.extend([(0, 0, -(1 << 30), 0)] * (num_tiles - len(tiles)))
     tile_map = np.asarray(tiles, np.int32).reshape(-1, 4)
     token_map = np.asarray(tokens, np.int32).reshape(-1, 2)
     return tile_map, token_map
@@ -95,8 +101,9 @@ class AttentionPlan:
         return dict(
             NUM_Q_HEADS=num_q_heads, GROUP=self.tile.heads, GROUP_PAD=self.tile.heads_pad,
             HEAD_DIM=head_dim, TOPK=max(topk, 1), TOPK_PAD=next_pow2(max(topk, 1)),
-            TOKENS_PER_TILE=self.tile.tokens_per_tile, BLOCK_M=self.tile.block_m,
-            BLOCK_N=self.block_n, SPARSE=sparse, NUM_SPLITS=self.num_splits)
+            TOKENS_PER_TILE=self.tile.tokens_per_tile,
+            ENTRIES_PAD=self.tile.tokens_per_tile * next_pow2(max(topk, 1)), BLOCK_M=self.tile.block_m,
+            BLOCK_N=self.block_n, STEP_GROUP=STEP_GROUP, SPARSE=sparse, NUM_SPLITS=self.num_splits)
 
     def partial_shapes(self, num_tokens, num_q_heads, head_dim):
         """Shapes of the float32 split-K workspaces (partial out, lse), or None."""
@@ -108,15 +115,23 @@ class AttentionPlan:
 
 def attention_plan(*, tile: RowTile, num_tiles, num_kv_heads, head_dim, topk, max_blocks,
                    sparse, allow_split=True) -> AttentionPlan:
-    """``tile`` from ``row_tile(GROUP, tokens per request)``; ``num_tiles`` rows of the tile map."""
-    num_entries = topk * tile.tokens_per_tile if sparse else max_blocks
+    """``tile`` from ``row_tile(GROUP, tokens per request)``; ``num_tiles`` rows of the tile map.
+
+    Block sizes, warps and stages: measured on an H200 at batch 64, context 32k
+    (benchmarks/tune.py; docs/PERF.md).
+    """
+    # blocks one tile visits: about topk (its tokens mostly agree) or every block
+    num_entries = topk if sparse else max_blocks
     work = max(num_tiles * num_kv_heads, 1)
     splits = 1
     if allow_split:
-        splits = max(1, min(cdiv(TARGET_PROGRAMS, work), num_entries))
-    block_n = 128 if head_dim <= 128 else 64
-    num_warps = 8 if tile.block_m >= 128 or head_dim >= 256 else 4
-    return AttentionPlan(tile, num_tiles, splits, num_entries, block_n, num_warps, num_stages=2)
+        splits = max(1, min(cdiv(TARGET_PROGRAMS, work), cdiv(num_entries, MIN_BLOCKS_PER_SPLIT)))
+    if sparse:
+        block_n, num_stages = 64, 3
+    else:
+        block_n, num_stages = (128, 3) if head_dim <= 128 else (64, 3)
+    num_warps = 8 if tile.block_m >= 64 else 4
+    return AttentionPlan(tile, num_tiles, splits, num_entries, block_n, num_warps, num_stages)
 
 
 def merge_constexprs(num_q_heads, head_dim, num_splits):
@@ -138,7 +153,7 @@ class IndexPlan:
 
     def constexprs(self, *, num_heads, head_dim):
         return dict(NUM_HEADS=num_heads, HEADS_PAD=self.tile.heads_pad, HEAD_DIM=head_dim,
-                    BLOCK_M=self.tile.block_m, BLOCK_N=self.block_n)
+                    BLOCK_M=self.tile.block_m, BLOCK_N=self.block_n, STEP_GROUP=STEP_GROUP)
 
 
 def index_plan(*, tile: RowTile, num_tiles, head_dim, max_blocks) -> IndexPlan:
@@ -147,8 +162,8 @@ def index_plan(*, tile: RowTile, num_tiles, head_dim, max_blocks) -> IndexPlan:
     bpp = max(1, cdiv(max_blocks, chunks))
     chunks = max(1, cdiv(max_blocks, bpp))
     block_n = 128 if head_dim <= 128 else 64
-    num_warps = 8 if tile.block_m >= 128 else 4
-    return IndexPlan(tile, num_tiles, chunks, bpp, block_n, num_warps, num_stages=2)
+    num_warps = 8 if tile.block_m >= 64 else 4
+    return IndexPlan(tile, num_tiles, chunks, bpp, block_n, num_warps, num_stages=3)
 
 
 def select_constexprs(*, topk, init_blocks, local_blocks, max_blocks):
@@ -169,10 +184,10 @@ LOG2E = math.log2(math.e)
 # Output pointers follow these (jax-triton appends them), constexprs go by name.
 
 def attention_args(*, q, k, v, block_ids, block_table, seq_lens, tile_map, sm_scale, k_off, v_off,
-                   q_strides, k_strides, v_strides, ids_strides, bt_strides, o_strides, num_entries):
+                   q_strides, k_strides, v_strides, ids_strides, bt_strides, o_strides):
     """``o_strides``: (token, head, split, dim) strides of the kernel's first output."""
     return [q, k, v, block_ids, block_table, seq_lens, tile_map, float(sm_scale) * LOG2E, int(k_off), int(v_off),
-            *q_strides, *k_strides, *v_strides, *ids_strides, *bt_strides, *o_strides, int(num_entries)]
+            *q_strides, *k_strides, *v_strides, *ids_strides, *bt_strides, *o_strides]
 
 
 def index_scores_args(*, idx_q, index_k, block_table, seq_lens, tile_map, k_off, q_strides, k_strides,

@@ -17,10 +17,10 @@ and -1 after them. No sort: k is 16 and rows hold at most a few thousand.
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, dot_operand
+from .common import PAGE_SIZE, mma
 
 
-@triton.jit(do_not_specialize=["k_off", "max_blocks", "blocks_per_program"])
+@triton.jit(do_not_specialize=["max_blocks", "blocks_per_program"])
 def index_scores_kernel(
     q_ptr,            # [T, Hi, Di]                   q dtype
     k_ptr,            # [pages, PAGE_SIZE, Di] @ k_off  cache dtype (one shared head)
@@ -40,6 +40,7 @@ def index_scores_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STEP_GROUP: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)
@@ -63,23 +64,35 @@ def index_scores_kernel(
     # [BLOCK_M, Di]
     q = tl.load(q_ptr + m_t[:, None] * stride_qt + m_head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_valid[:, None], other=0.0)
-    q = dot_operand(q)
 
     b_begin = chunk * blocks_per_program
     b_end = tl.minimum(b_begin + blocks_per_program, max_blocks)
-    for block in range(b_begin, b_end):
-        best = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        if block < tile_blocks:
-            page = tl.load(block_table_ptr + req * stride_br + block * stride_bb).to(tl.int64)
+
+    score_rows = scores_ptr + m_head * stride_si + m_t * stride_st
+    # visible blocks, STEP_GROUP at a time: page ids gathered up front so the
+    # index-K loads of the inner loop wait on no other load and pipeline
+    seen_end = tl.minimum(b_end, tile_blocks)
+    offs_g = tl.arange(0, STEP_GROUP)
+    for g0 in range(b_begin, seen_end, STEP_GROUP):
+        g_page = tl.load(block_table_ptr + req * stride_br + (g0 + offs_g) * stride_bb, mask=g0 + offs_g < seen_end,
+                         other=0)
+        for j in range(0, tl.minimum(seen_end - g0, STEP_GROUP)):
+            block = g0 + j
+            page = tl.sum(tl.where(offs_g == j, g_page, 0), axis=0).to(tl.int64)
+            best = tl.full([BLOCK_M], float("-inf"), tl.float32)
             for n0 in tl.static_range(0, PAGE_SIZE, BLOCK_N):
                 kv_tok = n0 + offs_n
                 # [BLOCK_N, Di]
-                k = tl.load(k_ptr + k_off + page * stride_kp + kv_tok[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+                k = tl.load(k_ptr + k_off + page * stride_kp + kv_tok[:, None] * stride_kn
+                            + offs_d[None, :] * stride_kd)
                 # [BLOCK_M, BLOCK_N]
-                s = tl.dot(q, tl.trans(dot_operand(k)))
+                s = mma(q, tl.trans(k))
                 s = tl.where(block * PAGE_SIZE + kv_tok[None, :] <= m_pos[:, None], s, float("-inf"))
                 best = tl.maximum(best, tl.max(s, axis=1))
-        tl.store(scores_ptr + m_head * stride_si + m_t * stride_st + block * stride_sb, best, mask=m_valid)
+            tl.store(score_rows + block * stride_sb, best, mask=m_valid)
+    # blocks no token of the tile sees
+    for block in range(tl.maximum(b_begin, tile_blocks), b_end):
+        tl.store(score_rows + block * stride_sb, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_valid)
 
 
 @triton.jit(do_not_specialize=["max_blocks"])

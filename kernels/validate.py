@@ -60,6 +60,20 @@ def check_tokens(name, x, num_requests, decode_query_len, axis=0):
               f"T = R * decode_query_len = {num_requests} * {decode_query_len}")
 
 
+def check_cu_seqlens(cu_seqlens_q, num_requests):
+    """cu_seqlens_q [R + 1] int32 (its values are read by the planner, never here)."""
+    check_rank("cu_seqlens_q", cu_seqlens_q, 1, "[R + 1]")
+    check_dtype("cu_seqlens_q", cu_seqlens_q, "int32")
+    check_dim("cu_seqlens_q", cu_seqlens_q, 0, num_requests + 1, "R + 1 (rows of block_table + 1)")
+
+
+def check_prefill_plan(name, x, plan, num_requests, axis=0):
+    """A prefill plan's rows and tokens against the tensors' shapes."""
+    if plan.num_rows != num_requests:
+        raise ValueError(f"plan: built for {plan.num_rows} requests, but block_table/seq_lens have {num_requests}")
+    check_dim(name, x, axis, plan.num_tokens, "T = cu_seqlens_q[-1]")
+
+
 def check_kv_caches(q, k_cache, v_cache):
     """q [T, Hq, D], caches [pages, Hk, PAGE_SIZE, D] (logical HND) -> (Hq, Hk, D)."""
     check_rank("q", q, 3, "[T, Hq, D]")

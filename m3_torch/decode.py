@@ -8,6 +8,8 @@ the same kernels in Triton's interpreter.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from m3_kernels import geometry, validate
@@ -107,8 +109,12 @@ def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0,
 # -- sparse_decode / dense_decode --------------------------------------------------
 
 def launch_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, out, *, tile_map, tile,
-                     sm_scale, sparse, allow_split=True):
-    """Launch the paged attention kernel (+ split merge) over ``tile_map``'s rows."""
+                     sm_scale, sparse, allow_split=True, partials=None):
+    """Launch the paged attention kernel (+ split merge) over ``tile_map``'s rows.
+
+    ``partials``: optional flat float32 buffers ``(partial_out, partial_lse)``
+    for the split-K workspaces (a step's arena); default: per-device workspaces.
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, max_blocks = k_cache.shape[1], block_table.shape[1]
     topk = block_ids.shape[2] if sparse else 0
@@ -120,15 +126,18 @@ def launch_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, out,
         target, lse = out, out  # lse unused with one split
         o_strides = (*out.stride()[:2], 0, out.stride()[2])
     else:
-        target = workspace(q.device, "attention_partial_out", partial_shapes[0])
-        lse = workspace(q.device, "attention_partial_lse", partial_shapes[1])
+        if partials is None:
+            target = workspace(q.device, "attention_partial_out", partial_shapes[0])
+            lse = workspace(q.device, "attention_partial_lse", partial_shapes[1])
+        else:
+            target, lse = (buf[:math.prod(shape)].view(shape) for buf, shape in zip(partials, partial_shapes))
         o_strides = geometry.partial_out_strides(num_q_heads, plan.num_splits, head_dim)
     ids = block_ids if sparse else block_table  # dense: never read
     args = geometry.attention_args(
         q=q, k=k_cache, v=v_cache, block_ids=ids, block_table=block_table, seq_lens=seq_lens, tile_map=tile_map,
         sm_scale=sm_scale, k_off=0, v_off=0, q_strides=q.stride(), k_strides=k_cache.stride(),
         v_strides=v_cache.stride(), ids_strides=ids.stride() if sparse else (0, 0, 0),
-        bt_strides=block_table.stride(), o_strides=o_strides, num_entries=plan.num_entries)
+        bt_strides=block_table.stride(), o_strides=o_strides)
     launch(kernel(_ATTN, "paged_attention_kernel", q.device), (plan.num_splits, plan.num_tiles, num_kv_heads),
            [*args, target, lse], num_warps=plan.num_warps, num_stages=plan.num_stages,
            **plan.constexprs(num_q_heads=num_q_heads, head_dim=head_dim, topk=topk, sparse=sparse))

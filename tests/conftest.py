@@ -1,3 +1,9 @@
+import os
+
+# JAX must not grab most of the GPU memory when torch shares the process (DEVICE.md);
+# set before any test module imports jax.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import pytest
 import torch
 

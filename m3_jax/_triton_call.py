@@ -1,0 +1,198 @@
+"""``triton_call``: launch one of the shared ``m3_kernels`` Triton kernels from JAX.
+
+One entry point, two lowerings, the same kernel source:
+
+* GPU backend: ``jax_triton.triton_call`` (jax-triton 0.3.1) with the compiled
+  kernel ``m3_kernels.kernel_module(module, interpret=False).<fn>``.
+* CPU backend: the SAME kernel loaded with Triton's interpreter
+  (``kernel_module(module, interpret=True)``), run inside ``jax.pure_callback``
+  on torch CPU tensors made from the numpy arrays (bf16 arrays are
+  reinterpreted through uint16, since ``torch.from_numpy`` rejects
+  ``ml_dtypes.bfloat16``).
+
+Both work under ``jax.jit``. The calling convention is jax-triton's: ``args``
+are the kernel's non-constexpr parameters in signature order (jax arrays or
+numpy arrays for pointers, Python scalars for scalars) WITHOUT the outputs;
+one output pointer per entry of ``out_shape`` is appended after them;
+constexprs go by keyword. Python scalars are baked into the compiled kernel,
+so pass only values that are static for a captured step (strides, offsets,
+scales): anything that varies per step must be an array.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+import jax
+import numpy as np
+
+import m3_kernels
+
+__all__ = ["triton_call", "on_gpu"]
+
+_SCALAR_TYPES = (bool, int, float, np.number)
+
+
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def on_gpu() -> bool:
+    """True when JAX computations land on a GPU (the compiled-kernel path).
+
+    That is the default backend, unless a default device is set
+    (``jax.default_device(...)`` / ``jax_default_device``): inside
+    ``with jax.default_device(jax.devices("cpu")[0])`` a GPU process runs the
+    CPU path.
+    """
+    device = jax.config.jax_default_device
+    if device is not None:
+        platform = device if isinstance(device, str) else device.platform
+        return platform.lower() in _GPU_PLATFORMS
+    return jax.default_backend() in _GPU_PLATFORMS
+
+
+def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, input_output_aliases=None,
+                **constexprs):
+    """Launch ``kernel = (module_name, fn_name)`` of ``m3_kernels`` -> its outputs.
+
+    args:       kernel arguments in signature order, outputs excluded: jax/numpy
+                arrays for pointers, Python ints/floats for scalars.
+    out_shape:  one ``jax.ShapeDtypeStruct`` (-> one array returned) or a
+                sequence of them (-> a list returned); their pointers follow ``args``.
+    grid:       tuple of up to 3 ints.
+    input_output_aliases: ``{index into args: index into the outputs}``: the
+                input and the output are one buffer holding the input's contents
+                when the kernel starts (it updates them in place; jitted with the
+                input donated, XLA reuses the input's memory). Indices count every
+                entry of ``args``, scalars included.
+    constexprs: the kernel's ``tl.constexpr`` parameters, by name.
+    """
+    single = not isinstance(out_shape, (list, tuple))
+    out_shapes = [out_shape] if single else list(out_shape)
+    out_shapes = [jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in out_shapes]
+    aliases = {int(i): int(o) for i, o in (input_output_aliases or {}).items()}
+    for i, o in aliases.items():
+        if not 0 <= i < len(args) or isinstance(args[i], _SCALAR_TYPES):
+            raise ValueError(f"input_output_aliases: argument {i} is not an array argument")
+        if not 0 <= o < len(out_shapes):
+            raise ValueError(f"input_output_aliases: output {o} out of range ({len(out_shapes)} outputs)")
+        if tuple(args[i].shape) != out_shapes[o].shape or np.dtype(args[i].dtype) != np.dtype(out_shapes[o].dtype):
+            raise ValueError(f"input_output_aliases: argument {i} and output {o} differ in shape or dtype")
+    grid = tuple(int(g) for g in grid)
+    module_name, fn_name = kernel
+    launch = _gpu_call if on_gpu() else _cpu_call
+    outs = launch(list(args), module_name, fn_name, out_shapes, grid, int(num_warps), int(num_stages), aliases,
+                  constexprs)
+    return outs[0] if single else list(outs)
+
+
+# -- GPU: jax-triton ------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _jax_triton():
+    """Import jax_triton once, undoing its side effect on Triton's cache knob.
+
+    jax-triton 0.3.1 sets ``triton.knobs.cache.dir`` to "" on import, after which
+    every torch-side Triton launch in the process fails with "Could not create
+    or locate cache dir". This is the one place the project imports it.
+    """
+    import triton
+
+    saved = triton.knobs.cache.dir
+    try:
+        import jax_triton
+    finally:
+        triton.knobs.cache.dir = saved
+    params = inspect.signature(jax_triton.triton_call).parameters
+    # 0.3.x: `out_shape`, alias keys index the ARRAY operands only;
+    # later releases: `out_type`, alias keys index all non-constexpr operands.
+    legacy = "out_shape" in params
+    return jax_triton, legacy
+
+
+def _gpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stages, aliases, constexprs):
+    jt, legacy = _jax_triton()
+    fn = getattr(m3_kernels.kernel_module(module_name, interpret=False), fn_name)
+    if legacy:
+        array_index = {}
+        for i, a in enumerate(args):
+            if not isinstance(a, _SCALAR_TYPES):
+                array_index[i] = len(array_index)
+        jt_aliases = {array_index[i]: o for i, o in aliases.items()}
+        shape_kw = {"out_shape": out_shapes}
+    else:
+        jt_aliases = dict(aliases)
+        shape_kw = {"out_type": out_shapes}
+    args = [_python_scalar(a) if isinstance(a, _SCALAR_TYPES) else a for a in args]
+    return jt.triton_call(*args, kernel=fn, grid=grid, num_warps=num_warps, num_stages=num_stages,
+                          input_output_aliases=jt_aliases, **shape_kw, **constexprs)
+
+
+def _python_scalar(x):
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    return float(x)
+
+
+# -- CPU: the interpreted kernel in a pure_callback ---------------------------------------
+
+def _cpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stages, aliases, constexprs):
+    array_pos = [i for i, a in enumerate(args) if not isinstance(a, _SCALAR_TYPES)]
+    arrays = [args[i] for i in array_pos]
+
+    def callback(*np_arrays):
+        import torch  # only the CPU path needs torch
+
+        fn = getattr(m3_kernels.kernel_module(module_name, interpret=True), fn_name)
+        host = list(args)
+        for i, a in zip(array_pos, np_arrays):
+            host[i] = _to_torch(a)
+        outs = [torch.zeros(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
+        for i, o in aliases.items():
+            # one buffer, as on the GPU: the input pointer and the output pointer
+            # both address the output, which starts as a copy of the input
+            outs[o].copy_(host[i])
+            host[i] = outs[o]
+        fn[grid](*host, *outs, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        return tuple(_to_numpy(o, s.dtype) for o, s in zip(outs, out_shapes))
+
+    return jax.pure_callback(callback, tuple(out_shapes), *arrays)
+
+
+_UINT16_VIEW = ("bfloat16",)  # ml_dtypes types torch.from_numpy rejects: moved as 16-bit ints
+
+
+def _torch_dtype(dtype):
+    import torch
+
+    name = np.dtype(dtype).name
+    return torch.bfloat16 if name == "bfloat16" else getattr(torch, name)
+
+
+def _to_torch(a):
+    """numpy (or ml_dtypes) array -> CPU torch tensor sharing its memory when possible."""
+    import torch
+
+    a = np.asarray(a)
+    if a.dtype.name in _UINT16_VIEW:
+        a = np.ascontiguousarray(a).view(np.int16)
+        bf16 = True
+    else:
+        bf16 = False
+    with warnings.catch_warnings():  # callback inputs are read-only; the kernels never write them
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.view(torch.bfloat16) if bf16 else t
+
+
+def _to_numpy(t, dtype):
+    """CPU torch tensor -> numpy array of ``dtype`` (bf16 through a uint16 view)."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.dtype(dtype))
+    return t.numpy()

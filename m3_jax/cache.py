@@ -1,0 +1,140 @@
+"""JAX side of the flat sub-page pool: allocation, per-layer views, cache writes.
+
+A pool is a 1-D jax array of ``layout.numel`` elements
+(``m3_kernels.pool.PoolLayout``). ``layer_views`` describes a layer's caches as
+:class:`~m3_jax.views.PagedView` objects over that one buffer (offset +
+strides, nothing sliced or copied); every decode op accepts them, and
+``block_table`` holds slot ids.
+
+``write_cache`` appends a step's new rows through the shared
+``cache_write_kernel``, with the pool as an input aliased to the kernel's
+output. Under ``jax.jit`` with the pool donated (``donate_argnums``) XLA
+writes the rows into the same buffer in place; without donation it first
+copies the pool (JAX semantics are functional either way). A buffer that a
+DLPack consumer (e.g. a torch tensor from ``m3_jax.interop.to_torch``) still
+references, or one imported from torch, is never donated: JAX silently copies
+it. Write a torch-owned pool from torch (``m3_torch.write_cache``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from m3_kernels import geometry
+from m3_kernels import pool as pool_layout
+from m3_kernels.pool import PoolLayout, SubPageView
+
+from ._triton_call import triton_call
+from .views import PagedView, as_index_k_view, as_kv_view
+
+__all__ = ["LayerViews", "allocate_pool", "check_pool", "sub_page_view", "layer_views", "write_cache",
+           "write_layer"]
+
+_CACHE_WRITE = ("cache_write", "cache_write_kernel")
+_POOL_ARG = 4   # index of pool_in in cache_write_args: aliased to the kernel's only output
+
+
+class LayerViews(NamedTuple):
+    k_cache: PagedView                   # [num_slots, Hk, 128, D]
+    v_cache: PagedView                   # [num_slots, Hk, 128, D]
+    index_k_cache: Optional[PagedView]   # [num_slots, 128, Di]; None for a dense layer
+
+
+def allocate_pool(layout: PoolLayout, device=None) -> jax.Array:
+    """A zero-filled pool: 1-D ``[layout.numel]`` of ``layout.dtype`` (on ``device`` if given)."""
+    pool = jnp.zeros(layout.shape, dtype=jnp.dtype(layout.dtype))
+    return pool if device is None else jax.device_put(pool, device)
+
+
+def check_pool(pool, layout: PoolLayout):
+    if tuple(pool.shape) != layout.shape:
+        raise ValueError(f"pool: expected shape {layout.shape} from the layout, got {tuple(pool.shape)}")
+    if jnp.dtype(pool.dtype) != jnp.dtype(layout.dtype):
+        raise TypeError(f"pool: expected dtype {layout.dtype} from the layout, got {pool.dtype}")
+
+
+def sub_page_view(pool, view: SubPageView) -> PagedView:
+    return PagedView(pool, view.offset, view.shape, view.strides)
+
+
+def layer_views(pool, layout: PoolLayout, layer: int) -> LayerViews:
+    """Layer ``layer``'s caches as PagedViews of ``pool`` (1-D, ``layout.numel`` elements)."""
+    check_pool(pool, layout)
+    lv = layout.layer(layer)
+    index_k = None if lv.index_k is None else sub_page_view(pool, lv.index_k)
+    return LayerViews(sub_page_view(pool, lv.k), sub_page_view(pool, lv.v), index_k)
+
+
+def _launch(k, v, index_k, slot_mapping, buffer, views):
+    """One kernel launch writing the caches in ``views`` (name -> PagedView, all over ``buffer``)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    strides = geometry.contiguous_strides   # JAX arrays are dense row-major
+
+    def off(name):
+        return views[name].offset if name in views else 0
+
+    def cache_strides(name, rank):
+        return views[name].strides if name in views else (0,) * rank
+
+    args = pool_layout.cache_write_args(
+        k=k, v=v, index_k=index_k if index_k is not None else k, slot_mapping=slot_mapping, pool_in=buffer,
+        k_off=off("k"), v_off=off("v"), index_k_off=off("index"), k_strides=strides(k.shape),
+        v_strides=strides(v.shape), index_k_strides=strides(index_k.shape) if index_k is not None else (0, 0),
+        k_cache_strides=cache_strides("k", 4), v_cache_strides=cache_strides("v", 4),
+        index_k_cache_strides=cache_strides("index", 3))
+    assert args[_POOL_ARG] is buffer
+    return triton_call(*args, kernel=_CACHE_WRITE, out_shape=jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+                       grid=(num_tokens,), num_warps=pool_layout.CACHE_WRITE_NUM_WARPS, num_stages=1,
+                       input_output_aliases={_POOL_ARG: 0},
+                       **pool_layout.cache_write_constexprs(
+                           num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           index_head_dim=index_k.shape[1] if index_k is not None else None,
+                           write_k="k" in views, write_v="v" in views, write_index="index" in views))
+
+
+def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, *, kv_layout="HND"):
+    """Write token ``t``'s rows to row ``slot_mapping[t] % 128`` of page ``slot_mapping[t] // 128``.
+
+    k, v [T, Hk, D] and index_k [T, Di] (None for a dense layer) in the caches'
+    dtype; k_cache/v_cache: PagedViews (``layer_views``) or arrays in
+    ``kv_layout``; index_k_cache: PagedView or ``[slots, 128, Di]`` array (None
+    for a dense layer); slot_mapping [T] int32, ``-1`` skips a token.
+
+    Returns ``(k_cache, v_cache, index_k_cache)`` updated, each of the kind it
+    was given: PagedViews over the new buffer, or arrays. Views over one buffer
+    (a pool layer) take one kernel launch; the new pool is ``.buffer`` of any
+    returned view. Nothing else in the buffers changes.
+    """
+    given = {"k": k_cache, "v": v_cache, "index": index_k_cache}
+    views = {"k": as_kv_view(k_cache, kv_layout, "k_cache"), "v": as_kv_view(v_cache, kv_layout, "v_cache")}
+    if index_k_cache is not None:
+        views["index"] = as_index_k_view(index_k_cache)
+    num_tokens, _, _, _ = pool_layout.check_cache_write(k, v, index_k, views["k"], views["v"], views.get("index"),
+                                                        slot_mapping)
+    if num_tokens == 0:
+        return k_cache, v_cache, index_k_cache
+    groups: list = []   # [(buffer, {name: view})], one per distinct buffer object
+    for name, view in views.items():
+        for buffer, members in groups:
+            if buffer is view.buffer:
+                members[name] = view
+                break
+        else:
+            groups.append((view.buffer, {name: view}))
+    new = {}
+    for buffer, members in groups:
+        out = _launch(k, v, index_k, slot_mapping, buffer, members)
+        for name, view in members.items():
+            new[name] = (PagedView(out, view.offset, view.shape, view.strides)
+                         if isinstance(given[name], PagedView) else out)
+    return new["k"], new["v"], new.get("index")
+
+
+def write_layer(pool, layout: PoolLayout, layer: int, k, v, index_k, slot_mapping):
+    """``write_cache`` into layer ``layer`` of ``pool`` -> the new pool (same buffer when donated under jit)."""
+    views = layer_views(pool, layout, layer)
+    new_k, _, _ = write_cache(k, v, index_k, *views, slot_mapping)
+    return new_k.buffer

@@ -1,0 +1,125 @@
+"""PyTorch side of the flat sub-page pool: allocation, per-layer views, cache writes.
+
+A pool is a 1-D tensor of ``layout.numel`` elements (``m3_kernels.pool.PoolLayout``);
+``layer_caches`` returns a layer's caches as ``as_strided`` views of it, which
+every decode op accepts as they are (``block_table`` then holds slot ids).
+``write_cache`` appends a step's new rows to a layer's caches in place; it
+takes pool views or standalone caches alike.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from m3_kernels import pool as pool_layout
+from m3_kernels.pool import PoolLayout, SubPageView
+
+from ._launch import check_devices, kernel, launch
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class LayerCaches(NamedTuple):
+    k_cache: torch.Tensor                   # [num_slots, Hk, 128, D]
+    v_cache: torch.Tensor                   # [num_slots, Hk, 128, D]
+    index_k_cache: Optional[torch.Tensor]   # [num_slots, 128, Di]; None for a dense layer
+
+
+def allocate_pool(layout: PoolLayout, device="cpu") -> torch.Tensor:
+    """An uninitialised pool: 1-D ``[layout.numel]`` of ``layout.dtype`` on ``device``."""
+    return torch.empty(layout.numel, dtype=TORCH_DTYPES[layout.dtype], device=device)
+
+
+def check_pool(pool: torch.Tensor, layout: PoolLayout):
+    if pool.dim() != 1 or pool.numel() != layout.numel:
+        raise ValueError(f"pool: expected shape ({layout.numel},) from the layout, got {tuple(pool.shape)}")
+    if pool.dtype != TORCH_DTYPES[layout.dtype]:
+        raise TypeError(f"pool: expected dtype {layout.dtype} from the layout, got {pool.dtype}")
+    if pool.stride(0) != 1:
+        raise ValueError(f"pool: expected a dense buffer (stride 1), got stride {pool.stride(0)}")
+
+
+def sub_page_view(pool: torch.Tensor, view: SubPageView) -> torch.Tensor:
+    """The strided tensor that ``view`` describes inside ``pool`` (no copy)."""
+    return pool.as_strided(view.shape, view.strides, pool.storage_offset() + view.offset)
+
+
+def layer_caches(pool: torch.Tensor, layout: PoolLayout, layer: int) -> LayerCaches:
+    """Layer ``layer``'s caches as views of ``pool`` (1-D, ``layout.numel`` elements)."""
+    check_pool(pool, layout)
+    lv = layout.layer(layer)
+    index_k = None if lv.index_k is None else sub_page_view(pool, lv.index_k)
+    return LayerCaches(sub_page_view(pool, lv.k), sub_page_view(pool, lv.v), index_k)
+
+
+# -- write_cache ---------------------------------------------------------------------
+
+@torch.library.custom_op("m3::write_cache", mutates_args=("pool",))
+def _write_cache_op(k: torch.Tensor, v: torch.Tensor, index_k: Optional[torch.Tensor], slot_mapping: torch.Tensor,
+                    pool: torch.Tensor, k_off: int, v_off: int, index_k_off: int, k_cache_strides: list[int],
+                    v_cache_strides: list[int], index_k_cache_strides: list[int], write_k: bool, write_v: bool,
+                    write_index: bool) -> None:
+    """One launch writing into the flat buffer ``pool`` (caches at the given offsets/strides)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    ik = index_k if index_k is not None else k   # never read without write_index
+    args = pool_layout.cache_write_args(
+        k=k, v=v, index_k=ik, slot_mapping=slot_mapping, pool_in=pool, k_off=k_off, v_off=v_off,
+        index_k_off=index_k_off, k_strides=k.stride(), v_strides=v.stride(),
+        index_k_strides=index_k.stride() if index_k is not None else (0, 0),
+        k_cache_strides=k_cache_strides, v_cache_strides=v_cache_strides,
+        index_k_cache_strides=index_k_cache_strides)
+    launch(kernel("cache_write", "cache_write_kernel", k.device), (num_tokens,), [*args, pool],
+           num_warps=pool_layout.CACHE_WRITE_NUM_WARPS, num_stages=1,
+           **pool_layout.cache_write_constexprs(
+               num_kv_heads=num_kv_heads, head_dim=head_dim,
+               index_head_dim=index_k.shape[1] if index_k is not None else None,
+               write_k=write_k, write_v=write_v, write_index=write_index))
+
+
+@_write_cache_op.register_fake
+def _(k, v, index_k, slot_mapping, pool, k_off, v_off, index_k_off, k_cache_strides, v_cache_strides,
+      index_k_cache_strides, write_k, write_v, write_index):
+    return None
+
+
+def _flat_base(cache: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``cache`` as a 1-D tensor (``cache`` sits at its storage_offset)."""
+    storage = cache.untyped_storage()
+    return cache.as_strided((storage.nbytes() // cache.element_size(),), (1,), 0)
+
+
+def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping):
+    """Write token ``t``'s rows to row ``slot_mapping[t] % 128`` of page ``slot_mapping[t] // 128``.
+
+    k, v [T, Hk, D] and index_k [T, Di] (None for a dense layer) in the caches'
+    dtype; k_cache/v_cache [slots, Hk, 128, D] and index_k_cache [slots, 128, Di]
+    (None for a dense layer), any strides: pool views (``layer_caches``) or
+    standalone caches; slot_mapping [T] int32 or int64, ``-1`` skips a token.
+    Updates the caches in place, one kernel launch per distinct buffer (one for
+    a pool). Nothing else in the caches' buffers is touched.
+    """
+    num_tokens, _, _, _ = pool_layout.check_cache_write(k, v, index_k, k_cache, v_cache, index_k_cache,
+                                                        slot_mapping)
+    check_devices(k=k, v=v, index_k=index_k, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
+                  slot_mapping=slot_mapping)
+    if num_tokens == 0:
+        return
+    caches = {"k": k_cache, "v": v_cache, "index": index_k_cache}
+    buffers: dict = {}   # storage address -> names of the caches in that storage
+    for name, cache in caches.items():
+        if cache is not None:
+            buffers.setdefault(cache.untyped_storage().data_ptr(), []).append(name)
+    for names in buffers.values():
+        on = {name: name in names for name in caches}
+        base = _flat_base(caches[names[0]])
+
+        def off(name):
+            return caches[name].storage_offset() if on[name] else 0
+
+        def strides(name, rank):
+            return list(caches[name].stride()) if on[name] else [0] * rank
+
+        _write_cache_op(k, v, index_k, slot_mapping, base, off("k"), off("v"), off("index"), strides("k", 4),
+                        strides("v", 4), strides("index", 3), on["k"], on["v"], on["index"])
