@@ -1,0 +1,342 @@
+"""MSA decode benchmark suite on one GPU: `python3 -m benchmarks.run [--quick] [--out DIR]`.
+
+Measures the card's copy bandwidth, then for each case (head config x batch x
+context x decode_query_len) the CUDA-graph replay time of every decode op,
+the whole msa_decode step, and the baselines:
+  (a) plain torch: gather pages, matmul + amax scores, torch.topk, gather the
+      chosen blocks, scaled_dot_product_attention;
+  (b) prefill-shaped: our attention kernel with one decode token per 128-row
+      query tile and no split-K (what engines ran before decode kernels);
+  (c) dense_decode over the whole context (what sparsity saves);
+  (d) the same msa_decode launched from JAX (jitted step), at batch >= 32.
+Floors: bytes an op must move / measured copy bandwidth (index-K once per
+request; the distinct chosen K/V blocks once per (request, KV head); q, out).
+Inputs rotate through more memory than L2 holds. Writes results.json,
+results.md and plots to --out; prints a summary table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import m3_torch
+from m3_kernels import geometry
+from m3_torch._launch import decode_maps
+from m3_torch.decode import launch_attention
+
+PAGE = 128
+L2_BYTES = 60 << 20
+CONFIGS = {"M3": dict(hq=64, hk=4, d=128), "TP8": dict(hq=8, hk=1, d=128)}
+TOPK = 16
+
+
+def copy_bandwidth():
+    x = torch.empty(1 << 29, device="cuda")  # 2 GiB
+    y = torch.empty_like(x)
+    ms = time_fn(lambda: y.copy_(x), reps=20)
+    del x, y
+    return 2 * (1 << 29) * 4 / (ms * 1e-3)
+
+
+def time_fn(fn, reps=30):
+    """Median milliseconds of fn() between CUDA events (after 3 warm-up calls)."""
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start.record(); fn(); end.record(); end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_graph(steps, reps=30):
+    """Per-step median microseconds of one CUDA graph replaying ``steps`` (rotated inputs)."""
+    for s in steps:
+        s()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for s in steps:
+            s()
+    ms = time_fn(graph.replay, reps)
+    del graph
+    return ms * 1e3 / len(steps)
+
+
+class Pool:
+    """Random bf16 K/V/index-K pages for one head config, shared by its cases."""
+
+    def __init__(self, cfg, num_pages):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        shape = (num_pages, cfg["hk"], PAGE, cfg["d"])
+        self.k = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        self.v = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        self.ik = torch.randn(num_pages, PAGE, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        self.num_pages = num_pages
+
+
+def make_step_inputs(pool, cfg, batch, context, n, seed):
+    """One step's inputs: lengths within +-10% of context, random pages of the pool."""
+    g = torch.Generator().manual_seed(seed)
+    lens = (context * (0.9 + 0.2 * torch.rand(batch, generator=g))).int().clamp(min=n)
+    max_blocks = int(-(-int(lens.max()) // PAGE))
+    pages = torch.randperm(pool.num_pages, generator=g)[:batch * max_blocks].int().reshape(batch, max_blocks)
+    T = batch * n
+    return dict(
+        q=torch.randn(T, cfg["hq"], cfg["d"], generator=g).to("cuda", torch.bfloat16),
+        idx_q=torch.randn(T, cfg["hk"], 128, generator=g).to("cuda", torch.bfloat16),
+        block_table=pages.cuda(), seq_lens=lens.cuda(), lens=lens)
+
+
+def floors(x, ids, cfg, n):
+    """Bytes each op must move."""
+    lens = x["lens"].long()
+    blocks = (lens + PAGE - 1) // PAGE
+    T, Hq, D, Hk = x["q"].shape[0], cfg["hq"], cfg["d"], cfg["hk"]
+    max_blocks = x["block_table"].shape[1]
+    page_kv = PAGE * D * 2 * 2  # K and V of one (block, KV head)
+    qo = 2 * T * Hq * D * 2
+    index_k = int(blocks.sum()) * PAGE * 128 * 2
+    scores = Hk * T * max_blocks * 4
+    ids_np = ids.cpu().numpy().reshape(Hk, -1, n, TOPK)
+    distinct = sum(len(set(ids_np[h, r].ravel().tolist()) - {-1}) for h in range(Hk) for r in range(ids_np.shape[1]))
+    return dict(
+        index_scores=index_k + T * Hk * 128 * 2 + scores,
+        select_blocks=scores + Hk * T * TOPK * 4,
+        sparse_decode=distinct * page_kv + qo,
+        dense_decode=int(lens.sum()) * Hk * D * 2 * 2 + qo,
+        msa_decode=index_k + T * Hk * 128 * 2 + distinct * page_kv + qo,
+    )
+
+
+def torch_baseline(pool, x, n, cfg):
+    """(a) plain torch msa step: gathers, matmul, amax, topk, SDPA."""
+    bt, lens = x["block_table"].long(), x["seq_lens"].long()
+    R, MB = bt.shape
+    T, Hk, G, D = x["q"].shape[0], cfg["hk"], cfg["hq"] // cfg["hk"], cfg["d"]
+    pos = (lens[:, None] - n + torch.arange(n, device="cuda")).reshape(T)          # [T]
+    req = torch.arange(R, device="cuda").repeat_interleave(n)
+    keys = pool.ik[bt]                                                              # [R, MB, 128, Di]
+    dots = torch.einsum("thd,tbkd->htbk", x["idx_q"].float(), keys[req].float())  # [Hk, T, MB, 128]
+    kv_pos = torch.arange(MB * PAGE, device="cuda").reshape(MB, PAGE)
+    dots = dots.masked_fill(kv_pos > pos[None, :, None, None], -math.inf)
+    scores = dots.amax(-1)
+    ids = scores.topk(min(TOPK, MB), dim=-1).indices                                # [Hk, T, k]
+    pages = bt[req[None, :, None], ids]                                             # [Hk, T, k]
+    heads = torch.arange(Hk, device="cuda")[:, None, None]
+    k = pool.k[pages, heads].flatten(2, 3)                                          # [Hk, T, k*128, D]
+    v = pool.v[pages, heads].flatten(2, 3)
+    tok = (ids[..., None] * PAGE + torch.arange(PAGE, device="cuda")).flatten(2)
+    mask = tok <= pos[None, :, None]                                                # [Hk, T, k*128]
+    q = x["q"].reshape(T, Hk, G, D).permute(1, 0, 2, 3)                             # [Hk, T, G, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, None, :])
+    return out
+
+
+def torch_baseline_bytes(batch, context, n, cfg):
+    mb = -(-int(context * 1.1) // PAGE)
+    T = batch * n
+    return (batch * mb * PAGE * 128 * 2 * (1 + n)                  # gathered index-K (+ per-token copy)
+            + cfg["hk"] * T * mb * PAGE * 4 * 2                    # dots (+ masked copy)
+            + 2 * cfg["hk"] * T * TOPK * PAGE * cfg["d"] * 2)      # gathered K and V
+
+
+def prefill_shaped(x, pool, ids, n, cfg):
+    """(b) one decode token per 128-row query tile, no split-K."""
+    group = cfg["hq"] // cfg["hk"]
+    tile = geometry.RowTile(group, geometry.next_pow2(group), max(1, 128 // geometry.next_pow2(group)), 128)
+    T = x["q"].shape[0]
+    key = ("prefill_shaped", T, n)
+    if key not in _maps:
+        _maps[key] = torch.tensor([(t // n, t, t % n - n, 1) for t in range(T)], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(x["q"])
+    return lambda: launch_attention(x["q"], pool.k, pool.v, ids, x["block_table"], x["seq_lens"], out,
+                                    tile_map=_maps[key], tile=tile, sm_scale=cfg["d"] ** -0.5, sparse=True,
+                                    allow_split=False)
+
+
+_maps: dict = {}
+
+
+def jax_step_us(pool_np, x, n):
+    """(d) median microseconds of the jitted JAX msa_decode on the same data (no rotation)."""
+    import jax
+    import m3_jax
+
+    args = [jax.dlpack.from_dlpack(t) for t in (x["q"], x["idx_q"], pool_np.k, pool_np.v, pool_np.ik,
+                                                x["block_table"], x["seq_lens"])]
+    step = jax.jit(lambda *a: m3_jax.msa_decode(*a, decode_query_len=n, topk=TOPK)[0])
+    step(*args).block_until_ready()
+    times = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        step(*args).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def run_case(pool, cfg_name, cfg, batch, context, n, bw, full):
+    probe = make_step_inputs(pool, cfg, batch, context, n, seed=1)
+    out = torch.empty_like(probe["q"])
+    _, ids = m3_torch.msa_decode(probe["q"], probe["idx_q"], pool.k, pool.v, pool.ik, probe["block_table"],
+                                 probe["seq_lens"], decode_query_len=n, topk=TOPK, out=out)
+    need = floors(probe, ids, cfg, n)
+    rot = max(1, min(16, math.ceil(4 * L2_BYTES / max(need["msa_decode"], 1))))
+    sets = [probe] + [make_step_inputs(pool, cfg, batch, context, n, seed=s) for s in range(2, rot + 1)]
+    outs = [torch.empty_like(s["q"]) for s in sets]
+    idss = [m3_torch.msa_decode(s["q"], s["idx_q"], pool.k, pool.v, pool.ik, s["block_table"], s["seq_lens"],
+                                decode_query_len=n, topk=TOPK)[1] for s in sets]
+    scoress = [m3_torch.index_scores(s["idx_q"], pool.ik, s["block_table"], s["seq_lens"], decode_query_len=n)
+               for s in sets]
+    ops = {
+        "index_scores": [lambda s=s, o=o: m3_torch.index_scores(s["idx_q"], pool.ik, s["block_table"], s["seq_lens"],
+                                                               decode_query_len=n, out=o)
+                         for s, o in zip(sets, scoress)],
+        "select_blocks": [lambda s=s, sc=sc, i=i: m3_torch.select_blocks(sc, s["seq_lens"], decode_query_len=n,
+                                                                         topk=TOPK, out=i)
+                          for s, sc, i in zip(sets, scoress, idss)],
+        "sparse_decode": [lambda s=s, i=i, o=o: m3_torch.sparse_decode(s["q"], pool.k, pool.v, i, s["block_table"],
+                                                                       s["seq_lens"], decode_query_len=n, out=o)
+                          for s, i, o in zip(sets, idss, outs)],
+        "msa_decode": [lambda s=s, o=o: m3_torch.msa_decode(s["q"], s["idx_q"], pool.k, pool.v, pool.ik,
+                                                            s["block_table"], s["seq_lens"], decode_query_len=n,
+                                                            topk=TOPK, out=o)
+                       for s, o in zip(sets, outs)],
+    }
+    if full:
+        ops["dense_decode"] = [lambda s=s, o=o: m3_torch.dense_decode(s["q"], pool.k, pool.v, s["block_table"],
+                                                                      s["seq_lens"], decode_query_len=n, out=o)
+                               for s, o in zip(sets, outs)]
+        ops["baseline_prefill_shaped"] = [prefill_shaped(s, pool, i, n, cfg) for s, i in zip(sets, idss)]
+        if torch_baseline_bytes(batch, context, n, cfg) < 8e9:
+            ops["baseline_torch"] = [lambda s=s: torch_baseline(pool, s, n, cfg) for s in sets[:2]]
+    rows = []
+    for op, steps in ops.items():
+        try:
+            us = time_graph(steps)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            continue
+        floor_key = {"baseline_prefill_shaped": "sparse_decode", "baseline_torch": "msa_decode"}.get(op, op)
+        nbytes = need[floor_key]
+        rows.append(dict(config=cfg_name, batch=batch, context=context, n=n, op=op, us=us, bytes=nbytes,
+                         floor_us=nbytes / bw * 1e6, pct_floor=100 * nbytes / bw * 1e6 / us,
+                         tbps=nbytes / (us * 1e-6) / 1e12, rotation=len(steps)))
+    if full and batch >= 32 and context == 16384 and os.environ.get("M3_BENCH_JAX", "1") == "1":
+        try:
+            us = jax_step_us(pool, probe, n)
+            rows.append(dict(config=cfg_name, batch=batch, context=context, n=n, op="jax_msa_decode", us=us,
+                             bytes=need["msa_decode"], floor_us=need["msa_decode"] / bw * 1e6,
+                             pct_floor=100 * need["msa_decode"] / bw * 1e6 / us,
+                             tbps=need["msa_decode"] / (us * 1e-6) / 1e12, rotation=1))
+            eager = time_fn(ops["msa_decode"][0]) * 1e3
+            rows.append(dict(config=cfg_name, batch=batch, context=context, n=n, op="torch_eager_msa_decode",
+                             us=eager, bytes=need["msa_decode"], floor_us=need["msa_decode"] / bw * 1e6,
+                             pct_floor=100 * need["msa_decode"] / bw * 1e6 / eager,
+                             tbps=need["msa_decode"] / (eager * 1e-6) / 1e12, rotation=1))
+        except Exception as exc:  # jax-triton missing: say so, keep going
+            print(f"  jax timing skipped: {type(exc).__name__}: {str(exc)[:120]}")
+    return rows
+
+
+def write_outputs(out_dir, meta, rows):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [f"# MSA decode on {meta['gpu']} ({meta['date']})", "",
+             f"Copy bandwidth (same run): {meta['copy_tbps']:.2f} TB/s. Command: `{meta['command']}`.",
+             "Times: CUDA-graph replay medians (us); % floor = (bytes / copy bandwidth) / time.", ""]
+    for cfg in CONFIGS:
+        sel = [r for r in rows if r["config"] == cfg]
+        if not sel:
+            continue
+        ops = list(dict.fromkeys(r["op"] for r in sel))
+        lines += [f"## {cfg}", "", "| n | batch | context | " + " | ".join(ops) + " |",
+                  "|---|---|---|" + "---|" * len(ops)]
+        for key in sorted({(r["n"], r["batch"], r["context"]) for r in sel}):
+            cells = []
+            for op in ops:
+                r = next((r for r in sel if (r["n"], r["batch"], r["context"]) == key and r["op"] == op), None)
+                cells.append("" if r is None else f"{r['us']:.1f} ({r['pct_floor']:.0f}%)")
+            lines.append(f"| {key[0]} | {key[1]} | {key[2] // 1024}k | " + " | ".join(cells) + " |")
+        lines.append("")
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write("\n".join(lines))
+    try:
+        plot(out_dir, rows)
+    except Exception as exc:
+        print(f"plots skipped: {exc}")
+
+
+def plot(out_dir, rows):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, op in zip(axes, ["index_scores", "sparse_decode", "msa_decode"]):
+        for (n, batch) in sorted({(r["n"], r["batch"]) for r in rows if r["config"] == "M3"}):
+            pts = sorted((r["context"], r["pct_floor"]) for r in rows
+                         if r["config"] == "M3" and r["op"] == op and r["n"] == n and r["batch"] == batch)
+            if pts:
+                ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o", label=f"n={n} b={batch}")
+        ax.set_xscale("log", base=2); ax.set_xlabel("context (k tokens)"); ax.set_ylabel("% of floor")
+        ax.set_title(f"{op} (M3 shapes)"); ax.grid(alpha=.3)
+    axes[-1].legend(fontsize=7, ncol=2)
+    fig.tight_layout(); fig.savefig(os.path.join(out_dir, "pct_floor.png"), dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few cases only")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/latest"))
+    ap.add_argument("--budget-s", type=float, default=400, help="stop starting new cases after this")
+    args = ap.parse_args()
+    t_start = time.time()
+    bw = copy_bandwidth()
+    meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_tbps=bw / 1e12,
+                command="python3 -m benchmarks.run" + (" --quick" if args.quick else ""),
+                torch=torch.__version__, triton=__import__("triton").__version__)
+    print(f"{meta['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    batches = [8, 64] if args.quick else [1, 8, 32, 64, 128]
+    contexts = [4096, 32768] if args.quick else [1024, 4096, 16384, 65536, 131072]
+    rows = []
+    for cfg_name, cfg in CONFIGS.items():
+        pages = max(batches) * -(-int(max(contexts) * 1.1) // PAGE) + 64
+        pool = Pool(cfg, pages)
+        for n in (1, 8):
+            for batch in batches:
+                for context in contexts:
+                    if time.time() - t_start > args.budget_s:
+                        print(f"time budget reached: stopping before {cfg_name} n={n} b={batch} L={context}")
+                        break
+                    full = cfg_name == "M3"
+                    try:
+                        case_rows = run_case(pool, cfg_name, cfg, batch, context, n, bw, full)
+                    except Exception as exc:  # report and go on: one broken case must not lose the rest
+                        print(f"{cfg_name} n={n} b={batch} L={context}: FAILED {type(exc).__name__}: {exc}")
+                        torch.cuda.empty_cache()
+                        continue
+                    rows += case_rows
+                    msa = next(r for r in case_rows if r["op"] == "msa_decode")
+                    print(f"{cfg_name} n={n} b={batch:3d} L={context // 1024:3d}k  msa {msa['us']:8.1f} us "
+                          f"({msa['pct_floor']:3.0f}% floor)  "
+                          + "  ".join(f"{r['op']} {r['us']:.1f}" for r in case_rows if r["op"] != "msa_decode"),
+                          flush=True)
+        del pool
+        torch.cuda.empty_cache()
+    write_outputs(args.out, meta, rows)
+    print(open(os.path.join(args.out, "results.md")).read())
+
+
+if __name__ == "__main__":
+    main()
