@@ -220,14 +220,21 @@ def run_case(pool, cfg_name, cfg, batch, context, n, bw, full):
         ops["baseline_prefill_shaped"] = [prefill_shaped(s, pool, i, n, cfg) for s, i in zip(sets, idss)]
         if torch_baseline_bytes(batch, context, n, cfg) < 8e9:
             ops["baseline_torch"] = [lambda s=s: torch_baseline(pool, s, n, cfg) for s in sets[:2]]
+    if full and n > 1:  # the other MTP layout for sparse decode (geometry.PACK_SPARSE_DECODE_TOKENS)
+        ops["sparse_decode_other_mtp_layout"] = ops["sparse_decode"]
     rows = []
     for op, steps in ops.items():
+        flip = op == "sparse_decode_other_mtp_layout"
+        geometry.PACK_SPARSE_DECODE_TOKENS ^= flip
         try:
             us = time_graph(steps)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             continue
-        floor_key = {"baseline_prefill_shaped": "sparse_decode", "baseline_torch": "msa_decode"}.get(op, op)
+        finally:
+            geometry.PACK_SPARSE_DECODE_TOKENS ^= flip
+        floor_key = {"baseline_prefill_shaped": "sparse_decode", "baseline_torch": "msa_decode",
+                     "sparse_decode_other_mtp_layout": "sparse_decode"}.get(op, op)
         nbytes = need[floor_key]
         rows.append(dict(config=cfg_name, batch=batch, context=context, n=n, op=op, us=us, bytes=nbytes,
                          floor_us=nbytes / bw * 1e6, pct_floor=100 * nbytes / bw * 1e6 / us,
@@ -249,15 +256,68 @@ def run_case(pool, cfg_name, cfg, batch, context, n, bw, full):
     return rows
 
 
+def prefill_rows(bw, matmul_flops):
+    """One request of 8k and of 32k prompt tokens (no cached prefix), M3 shapes, eager timing.
+
+    Floors: attention is matrix-bound, so the floor is its FLOPs over the
+    measured bf16 matmul rate (dense: causal T^2/2 pairs; sparse: each token's
+    visible part of its 16 chosen blocks); the indexer's floor counts FLOPs too.
+    """
+    from m3_torch.prefill import prefill_plan
+    cfg = CONFIGS["M3"]
+    rows = []
+    for T in (8192, 32768):
+        nb = T // PAGE
+        g = torch.Generator(device="cuda").manual_seed(T)
+        mk = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = mk(nb, cfg["hk"], PAGE, cfg["d"]), mk(nb, cfg["hk"], PAGE, cfg["d"])
+        ik, q, iq = mk(nb, PAGE, 128), mk(T, cfg["hq"], cfg["d"]), mk(T, cfg["hk"], 128)
+        bt = torch.randperm(nb, device="cuda").int()[None]
+        sl = torch.tensor([T], dtype=torch.int32, device="cuda")
+        cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+        plan = prefill_plan(cu)
+        out = torch.empty_like(q)
+        ids = m3_torch.msa_prefill(q, iq, k, v, ik, bt, sl, cu_seqlens_q=cu, plan=plan, out=out)[1]
+        pairs_dense = T * (T + 1) / 2
+        pos = torch.arange(T, device="cuda")
+        chosen = ((ids >= 0) & (ids < (pos[None, :, None] // PAGE) + 1)).sum().item()  # blocks, all KV heads
+        pairs_sparse = chosen * PAGE / cfg["hk"]                                        # per KV head (upper bound)
+        attn_flops = lambda pairs: 4 * pairs * cfg["d"] * cfg["hq"]
+        ops = {
+            "dense_prefill": (lambda: m3_torch.dense_prefill(q, k, v, bt, sl, cu_seqlens_q=cu, plan=plan, out=out),
+                              attn_flops(pairs_dense)),
+            "msa_prefill": (lambda: m3_torch.msa_prefill(q, iq, k, v, ik, bt, sl, cu_seqlens_q=cu, plan=plan,
+                                                         out=out),
+                            attn_flops(pairs_sparse) + 2 * pairs_dense * 128 * cfg["hk"]),
+        }
+        for op, (fn, flops) in ops.items():
+            us = time_fn(fn, reps=5) * 1e3
+            floor_us = flops / matmul_flops * 1e6
+            rows.append(dict(config="M3", batch=1, context=T, n=T, op=op, us=us, bytes=0, flops=flops,
+                             floor_us=floor_us, pct_floor=100 * floor_us / us, tbps=0.0, rotation=1))
+            print(f"prefill {op} T={T}: {us / 1e3:.2f} ms, floor {floor_us / 1e3:.2f} ms "
+                  f"({100 * floor_us / us:.0f}%)", flush=True)
+        del k, v, ik, q, iq
+    return rows
+
+
+def matmul_rate():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    ms = time_fn(lambda: a @ b, reps=10)
+    return 2 * 8192 ** 3 / (ms * 1e-3)
+
+
 def write_outputs(out_dir, meta, rows):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"# MSA decode on {meta['gpu']} ({meta['date']})", "",
-             f"Copy bandwidth (same run): {meta['copy_tbps']:.2f} TB/s. Command: `{meta['command']}`.",
+             f"Copy bandwidth (same run): {meta['copy_tbps']:.2f} TB/s; bf16 matmul {meta['bf16_matmul_tflops']:.0f} "
+             f"TFLOP/s. Command: `{meta['command']}`.",
              "Times: CUDA-graph replay medians (us); % floor = (bytes / copy bandwidth) / time.", ""]
     for cfg in CONFIGS:
-        sel = [r for r in rows if r["config"] == cfg]
+        sel = [r for r in rows if r["config"] == cfg and not r["op"].endswith("_prefill")]
         if not sel:
             continue
         ops = list(dict.fromkeys(r["op"] for r in sel))
@@ -270,6 +330,12 @@ def write_outputs(out_dir, meta, rows):
                 cells.append("" if r is None else f"{r['us']:.1f} ({r['pct_floor']:.0f}%)")
             lines.append(f"| {key[0]} | {key[1]} | {key[2] // 1024}k | " + " | ".join(cells) + " |")
         lines.append("")
+    pre = [r for r in rows if r["op"].endswith("_prefill")]
+    if pre:
+        lines += ["## Prefill (one request, no prefix; floor = FLOPs / measured bf16 matmul rate)", "",
+                  "| tokens | op | ms | floor ms | % floor |", "|---|---|---|---|---|"]
+        lines += [f"| {r['context']} | {r['op']} | {r['us'] / 1e3:.2f} | {r['floor_us'] / 1e3:.2f} | "
+                  f"{r['pct_floor']:.0f}% |" for r in pre]
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(lines))
     try:
@@ -306,7 +372,9 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_tbps=bw / 1e12,
                 command="python3 -m benchmarks.run" + (" --quick" if args.quick else ""),
                 torch=torch.__version__, triton=__import__("triton").__version__)
-    print(f"{meta['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    flops = matmul_rate()
+    meta["bf16_matmul_tflops"] = flops / 1e12
+    print(f"{meta['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
     batches = [8, 64] if args.quick else [1, 8, 32, 64, 128]
     contexts = [4096, 32768] if args.quick else [1024, 4096, 16384, 65536, 131072]
     rows = []
@@ -334,6 +402,10 @@ def main():
                           flush=True)
         del pool
         torch.cuda.empty_cache()
+    try:
+        rows += prefill_rows(bw, flops)
+    except Exception as exc:
+        print(f"prefill timing FAILED {type(exc).__name__}: {exc}")
     write_outputs(args.out, meta, rows)
     print(open(os.path.join(args.out, "results.md")).read())
 

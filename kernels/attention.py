@@ -64,6 +64,7 @@ def paged_attention_kernel(
     split = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
+    qk_scale = tl.full([], qk_scale, tl.float32)  # jax-triton passes Python floats as fp64
 
     # -- the tile's request, tokens and positions
     req = tl.load(row_map_ptr + tile * 4)

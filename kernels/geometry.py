@@ -20,6 +20,9 @@ PAGE_SIZE = int(_PAGE_SIZE.value)
 # Rows of one MMA tile (tokens x heads) are capped here; tl.dot wants >= 16.
 MAX_TILE_ROWS = 128
 MIN_TILE_ROWS = 16
+# ... and hold at most this many tokens: sparse attention de-duplicates the
+# tile's TOKENS x TOPK chosen ids with a square comparison in registers.
+MAX_TILE_TOKENS = 8
 # Split-K and block chunking aim for this many programs: ~8 per SM on a
 # 132-SM H100/H200. A constant (not the device's SM count) so both frameworks
 # and every GPU choose the same variant for the same shapes.
@@ -50,8 +53,21 @@ class RowTile:
 
 def row_tile(heads: int, max_tokens: int) -> RowTile:
     heads_pad = next_pow2(heads)
-    tpt = max(1, min(next_pow2(max_tokens), MAX_TILE_ROWS // heads_pad))
+    tpt = max(1, min(next_pow2(max_tokens), MAX_TILE_ROWS // heads_pad, MAX_TILE_TOKENS))
     return RowTile(heads, heads_pad, tpt, max(MIN_TILE_ROWS, tpt * heads_pad))
+
+
+# Sparse decode with several query tokens per request (MTP): pack them into one
+# tile (each distinct chosen block read once, but every row computed against
+# every block of the union) or give each token its own tile (per-token work
+# only; the shared blocks come from L2). Measured on an H200: docs/PERF.md.
+PACK_SPARSE_DECODE_TOKENS = False
+
+
+def decode_tile(group: int, decode_query_len: int, sparse: bool) -> RowTile:
+    """The row tile of decode attention for ``decode_query_len`` tokens per request."""
+    packed = decode_query_len if (PACK_SPARSE_DECODE_TOKENS or not sparse) else 1
+    return row_tile(group, packed)
 
 
 # -- tile and token maps -------------------------------------------------------

@@ -289,18 +289,21 @@ class StepPlan:
     def workspace_use(self) -> dict:
         """Elements of each arena region this step uses (sparse or dense layers, either span)."""
         cfg, use = self.config, {"scores": 0, "partial_out": 0, "partial_lse": 0}
-        spans = []
+        spans = []  # (tokens, block bound, sparse -> (tile, num_tiles)), as the launchers pick them
         if self.context.num_rows:
             tile, tile_map = self.context.prefill.tiles(cfg.group)
-            spans.append((self.context.num_tokens, self.context.max_blocks, tile, tile_map.shape[0]))
+            spans.append((self.context.num_tokens, self.context.max_blocks,
+                          lambda sparse, tile=tile, n=tile_map.shape[0]: (tile, n)))
         g = self.generation
         if g.num_rows:
-            tile = geometry.row_tile(cfg.group, g.query_len)
-            spans.append((g.num_tokens, g.max_blocks, tile, geometry.cdiv(g.query_len, tile.tokens_per_tile)
-                          * g.num_rows))
-        for tokens, blocks, tile, num_tiles in spans:
+            def decode_tiles(sparse):
+                tile = geometry.decode_tile(cfg.group, g.query_len, sparse)
+                return tile, geometry.cdiv(g.query_len, tile.tokens_per_tile) * g.num_rows
+            spans.append((g.num_tokens, g.max_blocks, decode_tiles))
+        for tokens, blocks, tiles in spans:
             use["scores"] = max(use["scores"], cfg.num_kv_heads * tokens * blocks)
             for sparse in (True, False):
+                tile, num_tiles = tiles(sparse)
                 plan = geometry.attention_plan(tile=tile, num_tiles=num_tiles, num_kv_heads=cfg.num_kv_heads,
                                                head_dim=cfg.head_dim, topk=cfg.topk, max_blocks=blocks,
                                                sparse=sparse)
@@ -331,10 +334,15 @@ class StepPlanner:
         """The arena at the max batch: every step's :meth:`StepPlan.workspace_use` fits it."""
         c = config
         # Split-K partials: a launch over T tokens in `tiles` row tiles of at most
-        # `tpt` tokens uses T * splits rows with splits <= ceil(TARGET / (tiles * Hk)),
-        # so T * splits <= TARGET * tpt / Hk + T. tpt grows with the query length.
+        # `tpt` tokens (work = tiles * Hk programs per split, T <= work * tpt / Hk)
+        # uses T * splits rows, splits <= ceil(TARGET / work), and only when
+        # splits >= 2, i.e. work < TARGET. So T * splits <= tpt * (TARGET + work - 1) / Hk
+        # < tpt * 2 * TARGET / Hk, and <= max_num_tokens * ceil(TARGET / Hk).
+        # tpt grows with the query length: take the largest.
         tpt = geometry.row_tile(c.group, c.max_num_tokens).tokens_per_tile
-        partial_rows = geometry.cdiv(geometry.TARGET_PROGRAMS * tpt, c.num_kv_heads) + c.max_num_tokens
+        target = geometry.TARGET_PROGRAMS
+        partial_rows = min(geometry.cdiv(tpt * (2 * target - 2), c.num_kv_heads),
+                           c.max_num_tokens * geometry.cdiv(target, c.num_kv_heads))
         return _layout({
             "scores": (c.num_kv_heads * c.max_num_tokens * c.max_blocks, "float32"),
             "block_ids": (c.num_kv_heads * c.max_num_tokens * c.topk, "int32"),

@@ -39,12 +39,15 @@ _strides = geometry.contiguous_strides  # JAX arrays are dense row-major
 
 @jax.tree_util.register_pytree_node_class
 class PrefillMaps:
-    """A prefill plan's maps as jax arrays (pytree leaves) + their static geometry.
+    """A prefill plan's maps as pytree leaves + their static geometry.
 
     token_map:  [T, 2] int32 (select_blocks).
     tile_maps:  one [num_tiles, 4] int32 per head count in ``heads`` (GROUP for
                 attention, Hi for the indexer), padded to the planner's bound.
     Static: ``num_rows``, ``num_tokens``, ``heads`` and each one's RowTile.
+    :func:`prefill_maps` gives host (numpy) leaves: as a ``jit`` argument they
+    are traced; ``jax.device_put(maps)`` once per step keeps them on the device
+    for eager calls.
     """
 
     __slots__ = ("token_map", "tile_maps", "num_rows", "num_tokens", "heads", "row_tiles")
@@ -75,7 +78,9 @@ class PrefillMaps:
 def prefill_maps(plan, heads) -> PrefillMaps:
     """PrefillMaps of ``plan`` (a PrefillPlan, or host ``cu_seqlens_q``) for the head counts ``heads``.
 
-    Built once per (plan, heads): the device arrays are cached on the plan.
+    Built once per (plan, heads) and cached on the plan. The leaves are numpy
+    arrays, never jax arrays: a cached jax array made while tracing would leak
+    the tracer into later calls.
     """
     if not isinstance(plan, planner.PrefillPlan):
         plan = _plan_from_cu(plan)
@@ -83,9 +88,8 @@ def prefill_maps(plan, heads) -> PrefillMaps:
 
     def build():
         tiles = [plan.tiles(h) for h in heads]
-        return PrefillMaps(jnp.asarray(plan.token_map), [jnp.asarray(m) for _, m in tiles],
-                           num_rows=plan.num_rows, num_tokens=plan.num_tokens, heads=heads,
-                           row_tiles=[t for t, _ in tiles])
+        return PrefillMaps(plan.token_map, [m for _, m in tiles], num_rows=plan.num_rows,
+                           num_tokens=plan.num_tokens, heads=heads, row_tiles=[t for t, _ in tiles])
 
     return plan.memo(("jax", heads), build)
 

@@ -142,7 +142,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             block_ids = decode.select_blocks(scores, lens, decode_query_len=n, topk=topk, init_blocks=init_blocks,
                                              local_blocks=local_blocks)
             ids.append(block_ids)
-        tile = geometry.row_tile(group, n)
+        tile = geometry.decode_tile(group, n, sparse)
         tile_map, _ = decode.decode_maps(num_rows, n, tile.tokens_per_tile)
         outs.append(decode.launch_attention(q[toks], k, v, block_ids, table, lens, tile_map=tile_map, tile=tile,
                                             sm_scale=scale, sparse=sparse))

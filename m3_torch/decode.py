@@ -150,7 +150,7 @@ def launch_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, out,
 def _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, out, decode_query_len, sm_scale,
                       sparse):
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
-    tile = geometry.row_tile(num_q_heads // num_kv_heads, decode_query_len)
+    tile = geometry.decode_tile(num_q_heads // num_kv_heads, decode_query_len, sparse)
     tile_map, _ = decode_maps(q.device, block_table.shape[0], decode_query_len, tile.tokens_per_tile)
     launch_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, out, tile_map=tile_map, tile=tile,
                      sm_scale=sm_scale, sparse=sparse)

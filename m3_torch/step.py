@@ -153,7 +153,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             decode.index_scores(idx_q[toks], index_k_cache, table, lens, decode_query_len=n, out=scores)
             decode.select_blocks(scores, lens, decode_query_len=n, topk=topk, init_blocks=init_blocks,
                                  local_blocks=local_blocks, out=ids)
-        tile = geometry.row_tile(group, n)
+        tile = geometry.decode_tile(group, n, sparse)
         tile_map, _ = decode_maps(device, gen.num_rows, n, tile.tokens_per_tile)
         _attention_op(q[toks], k_cache, v_cache, ids, table, lens, tile_map, out[toks], *partials,
                       tile.tokens_per_tile, scale, sparse)

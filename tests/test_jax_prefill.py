@@ -259,7 +259,7 @@ def test_errors():
 @pytest.mark.skipif(not _jax_gpu_ready(), reason="needs a JAX GPU backend and jax_triton")
 def test_gpu_m3_prefill_and_step_jax_matches_torch():
     M3 = dict(hq=64, hk=4, d=128, di=128, topk=16, dtype="bfloat16")
-    case = PrefillCase("m3", (300, 128, 5, 1, 0, 700), (1000, 1, 200, 0, 0, 3000), nhd=True, **M3)
+    case = PrefillCase("m3", (300, 128, 5, 1, 0, 64), (1000, 1, 200, 0, 0, 3000), nhd=True, **M3)
     x = make_prefill_inputs(case, seed=70, device="cuda")
     j = {k: to_jax(v) for k, v in x.items()}
     j["k_cache"] = to_jax(x["k_cache"].permute(0, 2, 1, 3))
@@ -280,7 +280,7 @@ def test_gpu_m3_prefill_and_step_jax_matches_torch():
     assert rel_err(to_torch(dense.astype(jnp.float32)), expected) < TOLERANCE["bfloat16"]
 
     # a mixed step: two context rows, three generation rows (n = 2) and a padding row
-    step_case = PrefillCase("m3_step", (300, 64, 2, 2, 2, 2), (3000, 0, 5000, 127, 1, 0), **M3)
+    step_case = PrefillCase("m3_step", (300, 64, 2, 2, 2, 2), (1000, 0, 5000, 127, 1, 0), **M3)
     x = make_prefill_inputs(step_case, seed=71, device="cuda")
     x["seq_lens"][-1] = 0
     j = {k: to_jax(v) for k, v in x.items()}

@@ -100,7 +100,8 @@ def test_max_row_tiles_is_an_upper_bound():
 def test_workspace_layout_fits_every_step():
     """The arena is sized once, at the max batch; every step's use fits it."""
     rng = np.random.default_rng(1)
-    for over in ({}, dict(num_q_heads=64, num_kv_heads=4, head_dim=128, topk=16), dict(num_q_heads=2, num_kv_heads=2)):
+    for over in ({}, dict(num_q_heads=64, num_kv_heads=4, head_dim=128, topk=16), dict(num_q_heads=2, num_kv_heads=2),
+                 dict(num_q_heads=8, num_kv_heads=1, max_num_tokens=300)):
         p = make(graph_batch_sizes=(1, 2, 4, 8), **over)
         layout = p.layout
         regions = [r for _, r in layout.regions]
@@ -111,8 +112,8 @@ def test_workspace_layout_fits_every_step():
             R = int(rng.integers(0, 20))
             Rc = int(rng.integers(0, R + 1))
             n = int(rng.integers(1, 9))
-            q_lens = [int(x) for x in rng.integers(0, 400, Rc)] + [n] * (R - Rc)
-            if sum(q_lens) + 8 * n > CFG["max_num_tokens"]:
+            q_lens = [int(x) for x in rng.integers(0, rng.choice([8, 64, 400]), Rc)] + [n] * (R - Rc)
+            if sum(q_lens) + 8 * n > p.config.max_num_tokens:
                 continue
             seq_lens = [q + int(rng.integers(0, 4000)) for q in q_lens]
             plan = p.plan(seq_lens, q_lens=q_lens, num_context=Rc)

@@ -7,6 +7,7 @@ row tile, no split-K); the others, and every step test, keep the default
 geometry, so split-K + merge is covered at small token counts.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -299,7 +300,8 @@ M3 = dict(hq=64, hk=4, d=128, di=128, topk=16, dtype="bfloat16")
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gpu_prefill_m3_shapes(dtype):
-    case = PrefillCase("m3", (300, 128, 5, 1, 0, 700), (1000, 1, 200, 0, 0, 3000), **{**M3, "dtype": dtype})
+    # (kept moderate: the float64 references gather every token's pages on the host)
+    case = PrefillCase("m3", (300, 128, 5, 1, 0, 64), (1000, 1, 200, 0, 0, 3000), **{**M3, "dtype": dtype})
     x = make_prefill_inputs(case, seed=31, device="cuda")
     cu = x["cu_seqlens_q"]
     scores = m3_torch.index_scores_prefill(x["idx_q"], x["index_k_cache"], x["block_table"], x["seq_lens"],
@@ -321,6 +323,7 @@ def test_gpu_prefill_m3_shapes(dtype):
     exp = ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], case.q_lens,
                             ids.cpu())
     assert rel_err(out, exp) < TOLERANCE[dtype]
+    check_padding(case, out, ids)
     dense = m3_torch.dense_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
                                    cu_seqlens_q=cu, out=nan_like(x["q"]))
     exp = ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], case.q_lens)
@@ -331,7 +334,7 @@ def test_gpu_prefill_m3_shapes(dtype):
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 def test_gpu_mixed_step_m3_shapes(sparse):
     # two context rows (one long chunk), three generation rows with n = 2, one padding row
-    case = PrefillCase("m3_step", (300, 64, 2, 2, 2, 2), (3000, 0, 5000, 127, 1, 0), **M3)
+    case = PrefillCase("m3_step", (300, 64, 2, 2, 2, 2), (1000, 0, 5000, 127, 1, 0), **M3)
     x = make_prefill_inputs(case, seed=32, device="cuda")
     x["seq_lens"][-1] = 0
     cfg = planner.StepConfig(num_q_heads=64, num_kv_heads=4, head_dim=128, max_batch=16, max_num_tokens=512,
@@ -350,3 +353,48 @@ def test_gpu_mixed_step_m3_shapes(sparse):
     exp = ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], list(case.q_lens),
                             ids.cpu() if sparse else None)
     assert rel_err(out, exp) < TOLERANCE["bfloat16"]
+
+
+@pytest.mark.gpu
+def test_gpu_generation_step_cuda_graph_replay():
+    """A pure generation step captured once replays for the next step's lengths and values
+    (same buffers, same arena addresses) and matches an eager run bit for bit."""
+    case = PrefillCase("graph", (1,) * 8, (700, 128, 5, 3000, 1000, 64, 0, 0), **M3)
+    x = make_prefill_inputs(case, seed=33, device="cuda")
+    x["seq_lens"][-2:] = 0
+    cfg = planner.StepConfig(num_q_heads=64, num_kv_heads=4, head_dim=128, max_batch=8, max_num_tokens=64,
+                             max_blocks=x["block_table"].shape[1], topk=16, graph_batch_sizes=(4, 8))
+    p = planner.StepPlanner(cfg)
+    plan = p.plan([701, 129, 6, 3001, 1001, 65], q_lens=[1] * 6, num_context=0)
+    assert plan.cuda_graph and plan.num_rows == 8
+    out = torch.empty_like(x["q"])
+
+    def step(plan):
+        return m3_torch.msa_attention_step(x["q"], x["idx_q"], x["k_cache"], x["v_cache"], x["index_k_cache"],
+                                           x["block_table"], x["seq_lens"], plan=plan, out=out)
+
+    step(plan)  # warm-up: compiles the kernels, allocates the arena, caches the maps
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, ids = step(plan)
+    # next step: new values and lengths in the same buffers, same spans and block bound
+    lens = [650, 200, 100, 2900, 1024, 120]
+    plan2 = p.plan(lens, q_lens=[1] * 6, num_context=0)
+    assert plan2.generation == dataclasses.replace(plan.generation, max_kv_len=2900)
+    g = torch.Generator().manual_seed(34)
+    x["q"].copy_(torch.randn(x["q"].shape, generator=g))
+    x["idx_q"].copy_(torch.randn(x["idx_q"].shape, generator=g))
+    x["seq_lens"].copy_(torch.tensor(lens + [0, 0], dtype=torch.int32))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed, replayed_ids = out.clone(), ids.clone()
+    eager, eager_ids = m3_torch.msa_attention_step(x["q"], x["idx_q"], x["k_cache"], x["v_cache"],
+                                                   x["index_k_cache"], x["block_table"], x["seq_lens"], plan=plan2)
+    assert torch.equal(replayed_ids, eager_ids)
+    assert torch.equal(replayed, eager)
+    exp = ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], [1] * 8,
+                            eager_ids.cpu())
+    assert rel_err(replayed, exp) < TOLERANCE["bfloat16"]
+    assert (replayed[-2:] == 0).all()
