@@ -1,0 +1,83 @@
+"""The same msa_decode kernels launched from torch and from JAX (GPU): `python3 -m benchmarks.jax_vs_torch`.
+
+Per step, M3 shapes, context 16k: torch CUDA-graph replay; torch eager and the
+jitted JAX step, each as 50 back-to-back calls timed as a whole (steady-state
+throughput: host dispatch overlaps the GPU) and as blocking single calls.
+Writes jax_vs_torch.{json,md} to --out.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import torch
+
+import m3_jax
+import m3_torch
+from benchmarks.run import CONFIGS, TOPK, Pool, copy_bandwidth, make_step_inputs, time_graph
+
+
+def wall_us(fn, sync, calls=50, reps=5):
+    """Median over reps of (calls back-to-back, one sync) per call, in microseconds."""
+    sync(fn())
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r = fn()
+        sync(r)
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/latest"))
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    cfg = CONFIGS["M3"]
+    pool = Pool(cfg, 128 * 150 + 64)
+    jpool = [jax.dlpack.from_dlpack(t) for t in (pool.k, pool.v, pool.ik)]
+    rows = []
+    for n, batch in ((1, 32), (1, 64), (1, 128), (8, 32), (8, 64)):
+        x = make_step_inputs(pool, cfg, batch, 16384, n, seed=1)
+        out = torch.empty_like(x["q"])
+        torch_step = lambda: m3_torch.msa_decode(x["q"], x["idx_q"], pool.k, pool.v, pool.ik, x["block_table"],
+                                                 x["seq_lens"], decode_query_len=n, topk=TOPK, out=out)[0]
+        jargs = [jax.dlpack.from_dlpack(x[k]) for k in ("q", "idx_q")] + jpool + \
+                [jax.dlpack.from_dlpack(x[k]) for k in ("block_table", "seq_lens")]
+        step = jax.jit(lambda *a: m3_jax.msa_decode(*a, decode_query_len=n, topk=TOPK))
+        jax_step = lambda: step(*jargs)
+        jax_sync = jax.block_until_ready
+        torch_sync = lambda r: torch.cuda.synchronize()
+        same = bool((torch.from_dlpack(jax_step()[0]) == torch_step()).all())
+        row = dict(n=n, batch=batch, context=16384, bit_identical=same,
+                   torch_graph_us=time_graph([torch_step]),
+                   torch_eager_us=wall_us(torch_step, torch_sync),
+                   jax_jit_us=wall_us(jax_step, jax_sync),
+                   torch_eager_blocking_us=wall_us(torch_step, torch_sync, calls=1, reps=30),
+                   jax_jit_blocking_us=wall_us(jax_step, jax_sync, calls=1, reps=30))
+        rows.append(row)
+        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "jax_vs_torch.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, rows=rows), f, indent=1)
+    lines = [f"# torch vs JAX launch of the same msa_decode kernels ({torch.cuda.get_device_name()}, "
+             f"copy {bw / 1e12:.2f} TB/s)", "",
+             "Microseconds per step, M3 shapes, context 16k. Throughput = 50 back-to-back calls / 50; "
+             "blocking = one call then wait.", "",
+             "| n | batch | bit-identical | torch graph | torch eager | JAX jit | torch eager blocking | JAX jit blocking |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['n']} | {r['batch']} | {r['bit_identical']} | {r['torch_graph_us']:.1f} | "
+              f"{r['torch_eager_us']:.1f} | {r['jax_jit_us']:.1f} | {r['torch_eager_blocking_us']:.1f} | "
+              f"{r['jax_jit_blocking_us']:.1f} |" for r in rows]
+    with open(os.path.join(args.out, "jax_vs_torch.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
