@@ -65,6 +65,14 @@ def paged_attention_kernel(
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
     qk_scale = tl.full([], qk_scale, tl.float32)  # jax-triton passes Python floats as fp64
+    # Cache offsets/strides are multiples of 16 elements (geometry.check_cache_layout
+    # enforces it). Triton infers that for torch's ints, but jax-triton passes
+    # integer scalars without it, and without it no K/V load vectorizes or pipelines.
+    k_off, v_off = tl.multiple_of(k_off, 16), tl.multiple_of(v_off, 16)
+    stride_kp, stride_kh, stride_kn = (tl.multiple_of(stride_kp, 16), tl.multiple_of(stride_kh, 16),
+                                       tl.multiple_of(stride_kn, 16))
+    stride_vp, stride_vh, stride_vn = (tl.multiple_of(stride_vp, 16), tl.multiple_of(stride_vh, 16),
+                                       tl.multiple_of(stride_vn, 16))
 
     # -- the tile's request, tokens and positions
     req = tl.load(row_map_ptr + tile * 4)

@@ -199,15 +199,32 @@ LOG2E = math.log2(math.e)
 # strides come from (torch: .stride(); JAX: computed from shapes and layouts).
 # Output pointers follow these (jax-triton appends them), constexprs go by name.
 
+def check_cache_layout(name, offset, strides):
+    """Cache offsets and all strides but the last must be multiples of 16 elements.
+
+    The kernels promise this to the compiler (``tl.multiple_of``) so that K/V
+    loads vectorize and pipeline in both frameworks. Any cache whose head dim is
+    a multiple of 16 (as validate requires) and whose rows are contiguous,
+    HND, NHD or inside a pool, satisfies it.
+    """
+    bad = [int(x) for x in (offset, *strides[:-1]) if int(x) % 16]
+    if bad:
+        raise ValueError(f"{name}: element offset and strides (except the last) must be multiples of 16, "
+                         f"got offset {int(offset)}, strides {tuple(int(x) for x in strides)}")
+
+
 def attention_args(*, q, k, v, block_ids, block_table, seq_lens, tile_map, sm_scale, k_off, v_off,
                    q_strides, k_strides, v_strides, ids_strides, bt_strides, o_strides):
     """``o_strides``: (token, head, split, dim) strides of the kernel's first output."""
+    check_cache_layout("k_cache", k_off, k_strides)
+    check_cache_layout("v_cache", v_off, v_strides)
     return [q, k, v, block_ids, block_table, seq_lens, tile_map, float(sm_scale) * LOG2E, int(k_off), int(v_off),
             *q_strides, *k_strides, *v_strides, *ids_strides, *bt_strides, *o_strides]
 
 
 def index_scores_args(*, idx_q, index_k, block_table, seq_lens, tile_map, k_off, q_strides, k_strides,
                       bt_strides, scores_strides, max_blocks, blocks_per_program):
+    check_cache_layout("index_k_cache", k_off, k_strides)
     return [idx_q, index_k, block_table, seq_lens, tile_map, int(k_off), *q_strides, *k_strides, *bt_strides,
             *scores_strides, int(max_blocks), int(blocks_per_program)]
 

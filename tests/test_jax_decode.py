@@ -229,27 +229,28 @@ def test_msa_decode(case):
 
 # -- pool views and jit ---------------------------------------------------------------------
 
-def _pool_views(x, case, num_layers=2, layer=1, seed=0):
+def _pool_views(x, case, num_layers=2, layer=1, seed=0, lead=16):
     """Copy the caches into ``layer`` of a flat sub-page pool -> (pool, k, v, index_k PagedViews).
 
     A slot holds, per layer, a K sub-page [Hk, 128, D] (HND), a V sub-page
     [128, Hk, D] (NHD) and an index-K sub-page [128, Di]; slot ids = page ids.
-    Everything outside the layer's sub-pages is random garbage.
+    Everything outside the layer's sub-pages is random garbage; the pool
+    starts ``lead`` garbage elements in (the kernels need multiples of 16).
     """
     num_pages = x["k_cache"].shape[0]
     kv_elems, idx_elems = case.hk * PAGE * case.d, PAGE * case.di
     layer_elems = 2 * kv_elems + idx_elems
     slot = num_layers * layer_elems
     rng = np.random.default_rng(seed)
-    pool = rng.standard_normal(num_pages * slot + 5).astype(np.float32)
-    base = 5 + layer * layer_elems  # the pool starts 5 garbage elements in
+    pool = rng.standard_normal(num_pages * slot + lead).astype(np.float32)
+    base = lead + layer * layer_elems
     k_off, v_off, i_off = base, base + kv_elems, base + 2 * kv_elems
-    cols = pool[5:].reshape(num_pages, slot)
+    cols = pool[lead:].reshape(num_pages, slot)
     k = x["k_cache"].cpu().float().numpy().reshape(num_pages, -1)                     # HND
     v = x["v_cache"].cpu().permute(0, 2, 1, 3).float().numpy().reshape(num_pages, -1)  # NHD
-    cols[:, k_off - 5:k_off - 5 + kv_elems] = k
-    cols[:, v_off - 5:v_off - 5 + kv_elems] = v
-    cols[:, i_off - 5:i_off - 5 + idx_elems] = x["index_k_cache"].cpu().float().numpy().reshape(num_pages, -1)
+    cols[:, k_off - lead:k_off - lead + kv_elems] = k
+    cols[:, v_off - lead:v_off - lead + kv_elems] = v
+    cols[:, i_off - lead:i_off - lead + idx_elems] = x["index_k_cache"].cpu().float().numpy().reshape(num_pages, -1)
     pool = jnp.asarray(pool).astype(jnp.bfloat16)  # exact: the caches are bf16
     shape = (num_pages, case.hk, PAGE, case.d)
     k_view = PagedView(pool, k_off, shape, (slot, PAGE * case.d, case.d, 1))
@@ -275,6 +276,16 @@ def test_pool_views_under_jit_match_dense_caches():
     check_padding_rows(case, out, ids)
     # the view's layout is static aux data, its buffer the only leaf
     assert jax.tree_util.tree_leaves(k_view) == [k_view.buffer]
+
+
+def test_unaligned_pool_offset_is_an_error():
+    case = Case("pool_odd", (300,), hq=4, hk=2, topk=2)
+    x = make_inputs(case, seed=17)
+    j = jax_inputs(case, x)
+    _, k_view, v_view, i_view = _pool_views(x, case, lead=5)
+    with pytest.raises(ValueError, match="index_k_cache: element offset"):
+        m3_jax.msa_decode(j["q"], j["idx_q"], k_view, v_view, i_view, j["block_table"], j["seq_lens"],
+                          decode_query_len=1, topk=2)
 
 
 def test_jit_does_not_recompile_on_new_values():
