@@ -53,14 +53,14 @@ def decode_maps(num_requests, decode_query_len, tokens_per_tile):
 
 # -- index_scores ------------------------------------------------------------------
 
-def _index_scores(idx_q, index_k, block_table, seq_lens, decode_query_len):
-    """Launch only (inputs validated); ``index_k`` is a PagedView -> scores [Hi, T, max_blocks] f32."""
-    num_requests, max_blocks = block_table.shape
+def launch_index_scores(idx_q, index_k, block_table, seq_lens, *, tile_map, tile):
+    """Index-scores kernel over ``tile_map``'s row tiles -> scores [Hi, T, max_blocks] f32."""
     num_tokens, num_heads, head_dim = idx_q.shape
-    tile = geometry.row_tile(num_heads, decode_query_len)
-    tile_map, _ = decode_maps(num_requests, decode_query_len, tile.tokens_per_tile)
-    plan = geometry.index_plan(tile=tile, num_tiles=tile_map.shape[0], head_dim=head_dim, max_blocks=max_blocks)
+    max_blocks = block_table.shape[1]
     shape = (num_heads, num_tokens, max_blocks)
+    if tile_map.shape[0] == 0:
+        return jnp.full(shape, -jnp.inf, jnp.float32)
+    plan = geometry.index_plan(tile=tile, num_tiles=tile_map.shape[0], head_dim=head_dim, max_blocks=max_blocks)
     args = geometry.index_scores_args(
         idx_q=idx_q, index_k=index_k.buffer, block_table=block_table, seq_lens=seq_lens, tile_map=tile_map,
         k_off=index_k.offset, q_strides=_strides(idx_q.shape), k_strides=index_k.strides,
@@ -69,6 +69,28 @@ def _index_scores(idx_q, index_k, block_table, seq_lens, decode_query_len):
     return triton_call(*args, kernel=_INDEX_SCORES, out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
                        grid=(plan.num_chunks, plan.num_tiles), num_warps=plan.num_warps,
                        num_stages=plan.num_stages, **plan.constexprs(num_heads=num_heads, head_dim=head_dim))
+
+
+def launch_select_blocks(scores, seq_lens, *, token_map, topk, init_blocks, local_blocks):
+    """Selection kernel, one program per (token, head) -> block ids [Hi, T, topk] int32."""
+    num_heads, num_tokens, max_blocks = scores.shape
+    shape = (num_heads, num_tokens, topk)
+    if num_tokens == 0:
+        return jnp.full(shape, -1, jnp.int32)
+    args = geometry.select_args(scores=scores, seq_lens=seq_lens, token_map=token_map,
+                                scores_strides=_strides(scores.shape), ids_strides=_strides(shape),
+                                max_blocks=max_blocks)
+    return triton_call(*args, kernel=_SELECT_BLOCKS, out_shape=jax.ShapeDtypeStruct(shape, jnp.int32),
+                       grid=(num_tokens, num_heads), num_warps=geometry.select_num_warps(max_blocks),
+                       num_stages=1, **geometry.select_constexprs(topk=topk, init_blocks=init_blocks,
+                                                                  local_blocks=local_blocks, max_blocks=max_blocks))
+
+
+def _index_scores(idx_q, index_k, block_table, seq_lens, decode_query_len):
+    """Launch only (inputs validated); ``index_k`` is a PagedView -> scores [Hi, T, max_blocks] f32."""
+    tile = geometry.row_tile(idx_q.shape[1], decode_query_len)
+    tile_map, _ = decode_maps(block_table.shape[0], decode_query_len, tile.tokens_per_tile)
+    return launch_index_scores(idx_q, index_k, block_table, seq_lens, tile_map=tile_map, tile=tile)
 
 
 def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_len):
@@ -88,16 +110,9 @@ def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_le
 # -- select_blocks -----------------------------------------------------------------
 
 def _select_blocks(scores, seq_lens, decode_query_len, topk, init_blocks, local_blocks):
-    num_heads, num_tokens, max_blocks = scores.shape
     _, token_map = decode_maps(seq_lens.shape[0], decode_query_len, 1)
-    shape = (num_heads, num_tokens, topk)
-    args = geometry.select_args(scores=scores, seq_lens=seq_lens, token_map=token_map,
-                                scores_strides=_strides(scores.shape), ids_strides=_strides(shape),
-                                max_blocks=max_blocks)
-    return triton_call(*args, kernel=_SELECT_BLOCKS, out_shape=jax.ShapeDtypeStruct(shape, jnp.int32),
-                       grid=(num_tokens, num_heads), num_warps=geometry.select_num_warps(max_blocks),
-                       num_stages=1, **geometry.select_constexprs(topk=topk, init_blocks=init_blocks,
-                                                                  local_blocks=local_blocks, max_blocks=max_blocks))
+    return launch_select_blocks(scores, seq_lens, token_map=token_map, topk=topk, init_blocks=init_blocks,
+                                local_blocks=local_blocks)
 
 
 def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0, local_blocks=1):

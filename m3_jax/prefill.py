@@ -24,18 +24,11 @@ import numpy as np
 
 from m3_kernels import geometry, planner, validate
 
-from ._triton_call import triton_call
-from .decode import launch_attention
+from .decode import launch_attention, launch_index_scores, launch_select_blocks
 from .views import as_index_k_view, as_kv_view
 
 __all__ = ["PrefillMaps", "prefill_maps", "index_scores_prefill", "select_blocks_prefill", "sparse_prefill",
            "dense_prefill", "msa_prefill"]
-
-_INDEX_SCORES = ("index", "index_scores_kernel")
-_SELECT_BLOCKS = ("index", "select_blocks_kernel")
-
-_strides = geometry.contiguous_strides  # JAX arrays are dense row-major
-
 
 @jax.tree_util.register_pytree_node_class
 class PrefillMaps:
@@ -123,39 +116,6 @@ def _check_cu(cu_seqlens_q, num_requests):
 
 
 # -- launches (inputs validated) -------------------------------------------------------
-
-def launch_index_scores(idx_q, index_k, block_table, seq_lens, *, tile_map, tile):
-    """Index-scores kernel over ``tile_map``'s row tiles -> scores [Hi, T, max_blocks] f32."""
-    num_tokens, num_heads, head_dim = idx_q.shape
-    max_blocks = block_table.shape[1]
-    shape = (num_heads, num_tokens, max_blocks)
-    if tile_map.shape[0] == 0:
-        return jnp.full(shape, -jnp.inf, jnp.float32)
-    plan = geometry.index_plan(tile=tile, num_tiles=tile_map.shape[0], head_dim=head_dim, max_blocks=max_blocks)
-    args = geometry.index_scores_args(
-        idx_q=idx_q, index_k=index_k.buffer, block_table=block_table, seq_lens=seq_lens, tile_map=tile_map,
-        k_off=index_k.offset, q_strides=_strides(idx_q.shape), k_strides=index_k.strides,
-        bt_strides=_strides(block_table.shape), scores_strides=_strides(shape), max_blocks=max_blocks,
-        blocks_per_program=plan.blocks_per_program)
-    return triton_call(*args, kernel=_INDEX_SCORES, out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
-                       grid=(plan.num_chunks, plan.num_tiles), num_warps=plan.num_warps,
-                       num_stages=plan.num_stages, **plan.constexprs(num_heads=num_heads, head_dim=head_dim))
-
-
-def launch_select_blocks(scores, seq_lens, *, token_map, topk, init_blocks, local_blocks):
-    """Selection kernel, one program per (token, head) -> block ids [Hi, T, topk] int32."""
-    num_heads, num_tokens, max_blocks = scores.shape
-    shape = (num_heads, num_tokens, topk)
-    if num_tokens == 0:
-        return jnp.full(shape, -1, jnp.int32)
-    args = geometry.select_args(scores=scores, seq_lens=seq_lens, token_map=token_map,
-                                scores_strides=_strides(scores.shape), ids_strides=_strides(shape),
-                                max_blocks=max_blocks)
-    return triton_call(*args, kernel=_SELECT_BLOCKS, out_shape=jax.ShapeDtypeStruct(shape, jnp.int32),
-                       grid=(num_tokens, num_heads), num_warps=geometry.select_num_warps(max_blocks),
-                       num_stages=1, **geometry.select_constexprs(topk=topk, init_blocks=init_blocks,
-                                                                  local_blocks=local_blocks, max_blocks=max_blocks))
-
 
 def launch_varlen_attention(q, k, v, block_ids, block_table, seq_lens, *, tile_map, tile, sm_scale, sparse):
     """Paged attention over prefill row tiles -> out [T, Hq, D] in q's dtype (zeros for an empty map)."""

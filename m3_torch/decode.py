@@ -22,13 +22,10 @@ _INDEX = "index"
 
 # -- index_scores ------------------------------------------------------------------
 
-@torch.library.custom_op("m3::index_scores", mutates_args=("out",))
-def _index_scores_op(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, out: torch.Tensor, decode_query_len: int) -> None:
-    num_requests, max_blocks = block_table.shape
+def launch_index_scores(idx_q, index_k_cache, block_table, seq_lens, out, *, tile_map, tile):
+    """Launch the indexer over ``tile_map``'s row tiles (decode or prefill) into ``out``."""
+    max_blocks = block_table.shape[1]
     num_heads, head_dim = idx_q.shape[1], idx_q.shape[2]
-    tile = geometry.row_tile(num_heads, decode_query_len)
-    tile_map, _ = decode_maps(idx_q.device, num_requests, decode_query_len, tile.tokens_per_tile)
     plan = geometry.index_plan(tile=tile, num_tiles=tile_map.shape[0], head_dim=head_dim, max_blocks=max_blocks)
     args = geometry.index_scores_args(
         idx_q=idx_q, index_k=index_k_cache, block_table=block_table, seq_lens=seq_lens, tile_map=tile_map,
@@ -37,6 +34,14 @@ def _index_scores_op(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_tab
     launch(kernel(_INDEX, "index_scores_kernel", idx_q.device), (plan.num_chunks, plan.num_tiles),
            [*args, out], num_warps=plan.num_warps, num_stages=plan.num_stages,
            **plan.constexprs(num_heads=num_heads, head_dim=head_dim))
+
+
+@torch.library.custom_op("m3::index_scores", mutates_args=("out",))
+def _index_scores_op(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, out: torch.Tensor, decode_query_len: int) -> None:
+    tile = geometry.row_tile(idx_q.shape[1], decode_query_len)
+    tile_map, _ = decode_maps(idx_q.device, block_table.shape[0], decode_query_len, tile.tokens_per_tile)
+    launch_index_scores(idx_q, index_k_cache, block_table, seq_lens, out, tile_map=tile_map, tile=tile)
 
 
 @_index_scores_op.register_fake
@@ -66,17 +71,23 @@ def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_le
 
 # -- select_blocks -----------------------------------------------------------------
 
-@torch.library.custom_op("m3::select_blocks", mutates_args=("out",))
-def _select_blocks_op(scores: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, decode_query_len: int,
-                      topk: int, init_blocks: int, local_blocks: int) -> None:
+def launch_select_blocks(scores, seq_lens, out, *, token_map, topk, init_blocks, local_blocks):
+    """Launch the selection, one program per (token, index head), into ``out``."""
     num_heads, num_tokens, max_blocks = scores.shape
-    _, token_map = decode_maps(scores.device, seq_lens.shape[0], decode_query_len, 1)
     args = geometry.select_args(scores=scores, seq_lens=seq_lens, token_map=token_map,
                                 scores_strides=scores.stride(), ids_strides=out.stride(), max_blocks=max_blocks)
     launch(kernel(_INDEX, "select_blocks_kernel", scores.device), (num_tokens, num_heads), [*args, out],
            num_warps=geometry.select_num_warps(max_blocks), num_stages=1,
            **geometry.select_constexprs(topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
                                         max_blocks=max_blocks))
+
+
+@torch.library.custom_op("m3::select_blocks", mutates_args=("out",))
+def _select_blocks_op(scores: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, decode_query_len: int,
+                      topk: int, init_blocks: int, local_blocks: int) -> None:
+    _, token_map = decode_maps(scores.device, seq_lens.shape[0], decode_query_len, 1)
+    launch_select_blocks(scores, seq_lens, out, token_map=token_map, topk=topk, init_blocks=init_blocks,
+                         local_blocks=local_blocks)
 
 
 @_select_blocks_op.register_fake

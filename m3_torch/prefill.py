@@ -22,14 +22,11 @@ import torch
 
 from m3_kernels import geometry, planner, validate
 
-from ._launch import check_devices, kernel, launch
-from .decode import launch_attention
+from ._launch import check_devices
+from .decode import launch_attention, launch_index_scores, launch_select_blocks
 
 __all__ = ["prefill_plan", "index_scores_prefill", "select_blocks_prefill", "sparse_prefill", "dense_prefill",
            "msa_prefill"]
-
-_INDEX = "index"
-
 
 def prefill_plan(cu_seqlens_q=None, plan=None) -> planner.PrefillPlan:
     """``plan`` if given, else the plan of ``cu_seqlens_q`` (one host read; syncs a CUDA tensor)."""
@@ -58,17 +55,8 @@ def _index_scores_op(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_tab
                      seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor, tokens_per_tile: int) -> None:
     if tile_map.shape[0] == 0:
         return
-    max_blocks = block_table.shape[1]
-    num_heads, head_dim = idx_q.shape[1], idx_q.shape[2]
-    tile = geometry.row_tile(num_heads, tokens_per_tile)
-    plan = geometry.index_plan(tile=tile, num_tiles=tile_map.shape[0], head_dim=head_dim, max_blocks=max_blocks)
-    args = geometry.index_scores_args(
-        idx_q=idx_q, index_k=index_k_cache, block_table=block_table, seq_lens=seq_lens, tile_map=tile_map,
-        k_off=0, q_strides=idx_q.stride(), k_strides=index_k_cache.stride(), bt_strides=block_table.stride(),
-        scores_strides=out.stride(), max_blocks=max_blocks, blocks_per_program=plan.blocks_per_program)
-    launch(kernel(_INDEX, "index_scores_kernel", idx_q.device), (plan.num_chunks, plan.num_tiles),
-           [*args, out], num_warps=plan.num_warps, num_stages=plan.num_stages,
-           **plan.constexprs(num_heads=num_heads, head_dim=head_dim))
+    tile = geometry.row_tile(idx_q.shape[1], tokens_per_tile)
+    launch_index_scores(idx_q, index_k_cache, block_table, seq_lens, out, tile_map=tile_map, tile=tile)
 
 
 @_index_scores_op.register_fake
@@ -79,15 +67,10 @@ def _(idx_q, index_k_cache, block_table, seq_lens, tile_map, out, tokens_per_til
 @torch.library.custom_op("m3::select_blocks_prefill", mutates_args=("out",))
 def _select_blocks_op(scores: torch.Tensor, seq_lens: torch.Tensor, token_map: torch.Tensor, out: torch.Tensor,
                       topk: int, init_blocks: int, local_blocks: int) -> None:
-    num_heads, num_tokens, max_blocks = scores.shape
-    if num_tokens == 0:
+    if scores.shape[1] == 0:
         return
-    args = geometry.select_args(scores=scores, seq_lens=seq_lens, token_map=token_map,
-                                scores_strides=scores.stride(), ids_strides=out.stride(), max_blocks=max_blocks)
-    launch(kernel(_INDEX, "select_blocks_kernel", scores.device), (num_tokens, num_heads), [*args, out],
-           num_warps=geometry.select_num_warps(max_blocks), num_stages=1,
-           **geometry.select_constexprs(topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
-                                        max_blocks=max_blocks))
+    launch_select_blocks(scores, seq_lens, out, token_map=token_map, topk=topk, init_blocks=init_blocks,
+                         local_blocks=local_blocks)
 
 
 @_select_blocks_op.register_fake
