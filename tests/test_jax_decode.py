@@ -9,7 +9,6 @@ reach JAX through numpy, so both frameworks see the same bits.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import jax
@@ -25,58 +24,7 @@ from m3_jax import reference as jref
 from m3_torch import reference as tref
 
 from cases import CASES, PAGE, TOLERANCE, Case, make_inputs, random_block_ids, rel_err
-
-
-def _jax_gpu_ready():
-    return jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton") is not None
-
-
-@pytest.fixture(autouse=True)
-def _jax_device(request):
-    """CPU tests run JAX on its CPU device, also on a GPU machine (where torch's CPU
-    tensors run the interpreter too, so the bit-identity checks still hold)."""
-    if "gpu" in request.keywords:
-        yield
-    else:
-        with jax.default_device(jax.devices("cpu")[0]):
-            yield
-
-
-# -- conversions ---------------------------------------------------------------------
-
-
-def to_jax(t: torch.Tensor) -> jax.Array:
-    """A torch tensor -> a jax array with the same bits (bf16 through int16)."""
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return jnp.asarray(t.view(torch.int16).numpy().view(jnp.bfloat16))
-    return jnp.asarray(t.numpy())
-
-
-def to_torch(a) -> torch.Tensor:
-    """A jax array -> a CPU torch tensor with the same bits."""
-    a = np.asarray(a)
-    if a.dtype == jnp.bfloat16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy())
-
-
-def jax_inputs(case: Case, x: dict) -> dict:
-    """The case's torch inputs as jax arrays; NHD cases pass the NHD store itself (kv_layout="NHD")."""
-    j = {k: to_jax(v) for k, v in x.items()}
-    if case.nhd:  # x["k_cache"] is the HND permutation of a [pages, 128, Hk, D] store
-        j["k_cache"] = to_jax(x["k_cache"].permute(0, 2, 1, 3))
-        j["v_cache"] = to_jax(x["v_cache"].permute(0, 2, 1, 3))
-    j["kv_layout"] = "NHD" if case.nhd else "HND"
-    return j
-
-
-def assert_bit_identical(jax_out, torch_out):
-    got = to_torch(jax_out)
-    want = torch_out.detach().cpu().contiguous()
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), \
-        "JAX and torch launches of the same kernel differ"
+from jax_helpers import _jax_device, assert_bit_identical, jax_gpu_ready, jax_inputs, to_jax, to_torch  # noqa: F401
 
 
 def check_scores(scores, expected, tol=1e-4):
@@ -404,7 +352,7 @@ M3 = dict(hq=64, hk=4, d=128, di=128, topk=16)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _jax_gpu_ready(), reason="needs a JAX GPU backend and jax_triton")
+@pytest.mark.skipif(not jax_gpu_ready(), reason="needs a JAX GPU backend and jax_triton")
 @pytest.mark.parametrize("n, nhd", [(1, False), (2, True), (8, False)])
 def test_gpu_m3_shapes_jax_matches_torch(n, nhd):
     case = Case("m3", (1, 127, 128, 129, 3000, 0, 2049, 5000), n=n, nhd=nhd, **M3)
@@ -461,7 +409,7 @@ def test_gpu_m3_shapes_jax_matches_torch(n, nhd):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _jax_gpu_ready(), reason="needs a JAX GPU backend and jax_triton")
+@pytest.mark.skipif(not jax_gpu_ready(), reason="needs a JAX GPU backend and jax_triton")
 def test_gpu_pool_views_match_torch():
     """M3 shapes read through PagedViews into one flat pool (offsets, HND K, NHD V) under jit."""
     case = Case("m3pool", (3000, 129, 0, 700), n=2, **M3)

@@ -9,7 +9,6 @@ the end repeats the cross-framework checks at MiniMax-M3 shapes with jax-triton.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import jax
@@ -26,53 +25,7 @@ from m3_torch import reference as tref
 
 from cases import TOLERANCE, rel_err
 from prefill_cases import GQA, PrefillCase, make_prefill_inputs
-
-
-def _jax_gpu_ready():
-    return jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton") is not None
-
-
-@pytest.fixture(autouse=True)
-def _jax_device(request):
-    """CPU tests run JAX on its CPU device, also on a GPU machine."""
-    if "gpu" in request.keywords:
-        yield
-    else:
-        with jax.default_device(jax.devices("cpu")[0]):
-            yield
-
-
-def to_jax(t: torch.Tensor) -> jax.Array:
-    """A torch tensor -> a jax array with the same bits (bf16 through int16)."""
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return jnp.asarray(t.view(torch.int16).numpy().view(jnp.bfloat16))
-    return jnp.asarray(t.numpy())
-
-
-def to_torch(a) -> torch.Tensor:
-    a = np.asarray(a)
-    if a.dtype == jnp.bfloat16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy())
-
-
-def jax_inputs(case: PrefillCase, x: dict) -> dict:
-    """Torch inputs as jax arrays; NHD cases pass the NHD store itself (kv_layout="NHD")."""
-    j = {k: to_jax(v) for k, v in x.items()}
-    if case.nhd:  # x["k_cache"] is the HND permutation of a [pages, 128, Hk, D] store
-        j["k_cache"] = to_jax(x["k_cache"].permute(0, 2, 1, 3))
-        j["v_cache"] = to_jax(x["v_cache"].permute(0, 2, 1, 3))
-    j["kv_layout"] = "NHD" if case.nhd else "HND"
-    return j
-
-
-def assert_bit_identical(jax_out, torch_out):
-    got = to_torch(jax_out)
-    want = torch_out.detach().cpu().contiguous()
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), \
-        "JAX and torch launches of the same kernel differ"
+from jax_helpers import _jax_device, assert_bit_identical, jax_gpu_ready, jax_inputs, to_jax, to_torch  # noqa: F401
 
 
 # -- ops ----------------------------------------------------------------------------------
@@ -256,7 +209,7 @@ def test_errors():
 # -- GPU, at MiniMax-M3 shapes ----------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _jax_gpu_ready(), reason="needs a JAX GPU backend and jax_triton")
+@pytest.mark.skipif(not jax_gpu_ready(), reason="needs a JAX GPU backend and jax_triton")
 def test_gpu_m3_prefill_and_step_jax_matches_torch():
     M3 = dict(hq=64, hk=4, d=128, di=128, topk=16, dtype="bfloat16")
     case = PrefillCase("m3", (300, 128, 5, 1, 0, 64), (1000, 1, 200, 0, 0, 3000), nhd=True, **M3)
