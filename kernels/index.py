@@ -44,9 +44,9 @@ def index_scores_kernel(
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)
-    # multiples of 16 (geometry.check_cache_layout): see attention.py
-    k_off = tl.multiple_of(k_off, 16)
-    stride_kp, stride_kn = tl.multiple_of(stride_kp, 16), tl.multiple_of(stride_kn, 16)
+    # multiples of 16, stated so the compiler sees it under jax-triton too (see attention.py)
+    k_off = (k_off // 16) * 16
+    stride_kp, stride_kn = (stride_kp // 16) * 16, (stride_kn // 16) * 16
 
     req = tl.load(tile_map_ptr + tile * 4)
     tok0 = tl.load(tile_map_ptr + tile * 4 + 1)
