@@ -202,7 +202,7 @@ LOG2E = math.log2(math.e)
 def check_cache_layout(name, offset, strides):
     """Cache offsets and all strides but the last must be multiples of 16 elements.
 
-    The kernels promise this to the compiler (``tl.multiple_of``) so that K/V
+    The kernels state this to the compiler (``(x // 16) * 16``) so that K/V
     loads vectorize and pipeline in both frameworks. Any cache whose head dim is
     a multiple of 16 (as validate requires) and whose rows are contiguous,
     HND, NHD or inside a pool, satisfies it.
