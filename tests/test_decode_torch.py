@@ -177,6 +177,9 @@ def _sparse(x, **over):
     (lambda x: dict(block_ids=x["block_ids"][:1]), ValueError, "block_ids"),
     (lambda x: dict(out=torch.empty(1, 4, 64, dtype=torch.bfloat16)), ValueError, "out"),
     (lambda x: dict(out=torch.empty_like(x["q"], dtype=torch.float32)), TypeError, "out"),
+    # rows 65 elements apart: the kernels need cache strides that are multiples of 16
+    (lambda x: dict(k_cache=torch.randn(x["k_cache"].numel() * 2).to(torch.bfloat16).as_strided(
+        x["k_cache"].shape, (2 * 128 * 65, 128 * 65, 65, 1))), ValueError, "k_cache: element offset and strides"),
 ])
 def test_sparse_decode_errors(over, exc, words):
     x = _err_inputs()
