@@ -33,10 +33,10 @@ def paged_attention_kernel(
     q_ptr,            # [T, Hq, D]                        q dtype
     k_ptr,            # [pages, Hk, PAGE_SIZE, D] @ k_off  cache dtype
     v_ptr,            # [pages, Hk, PAGE_SIZE, D] @ v_off  cache dtype
-    block_ids_ptr,    # [Hk, T, TOPK] int32, -1 = empty slot (read only if SPARSE)
+    block_ids_ptr,    # [Hk, T, TOPK] int32, distinct per row, -1 = empty slot (SPARSE only)
     block_table_ptr,  # [R, max_blocks] int32
     seq_lens_ptr,     # [R] int32, KV length including the request's query tokens
-    tile_map_ptr,      # [num_tiles, 4] int32, see the module docstring
+    tile_map_ptr,     # [num_tiles, 4] int32, see the module docstring
     qk_scale,         # sm_scale * log2(e)
     k_off, v_off,     # element offsets of the caches inside their buffers
     stride_qt, stride_qh, stride_qd,
@@ -67,7 +67,7 @@ def paged_attention_kernel(
     qk_scale = tl.full([], qk_scale, tl.float32)  # jax-triton passes Python floats as fp64
     # Cache offsets and strides are multiples of 16 elements (geometry.check_cache_layout
     # enforces it). Triton learns that from torch's ints, but jax-triton passes integer
-    # scalars without it, and then no K/V load vectorizes or pipelines (3x slower).
+    # scalars without it, and then no K/V load vectorizes or pipelines (~2x slower steps).
     # `(x // 16) * 16` is exact here and states the fact in a form the compiler can
     # see (tl.multiple_of cannot annotate a kernel argument).
     k_off, v_off = (k_off // 16) * 16, (v_off // 16) * 16

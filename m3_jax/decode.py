@@ -202,7 +202,7 @@ def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, deco
     """Block-sparse GQA decode attention -> ``[T, Hq, D]`` in q's dtype.
 
     q [T, Hq, D]; k_cache/v_cache: arrays in ``kv_layout`` or PagedViews;
-    block_ids [Hk, T, topk] int32 (-1 skipped); block_table [R, max_blocks]
+    block_ids [Hk, T, topk] int32 (-1 skipped, distinct per row); block_table [R, max_blocks]
     int32; seq_lens [R] int32.
     """
     k, v, head_dim = _check_attention(q, k_cache, v_cache, block_table, seq_lens, decode_query_len, kv_layout,

@@ -210,7 +210,8 @@ def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, deco
 
     q [T, Hq, D]; k_cache/v_cache [pages, Hk, 128, D] (any strides: pass an NHD
     store as ``cache.permute(0, 2, 1, 3)``); block_ids [Hk, T, topk] int32 (-1
-    skipped); block_table [R, max_blocks] int32; seq_lens [R] int32.
+    skipped; the ids of one row must be distinct, as ``select_blocks`` writes
+    them); block_table [R, max_blocks] int32; seq_lens [R] int32.
     """
     out, head_dim, _ = _check_attention(q, k_cache, v_cache, block_table, seq_lens, decode_query_len, out,
                                         block_ids)
