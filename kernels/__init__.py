@@ -44,8 +44,13 @@ def _let_interpreted_kernels_call_triton_helpers():
     kernels call them as plain Python, so route such calls through the
     interpreter too. Compiled kernels never call ``__call__`` (the code
     generator inlines helpers), so they are unaffected.
+
+    Like ``InterpretedFunction.__call__``, this patches triton.language for the
+    call; unlike it, it undoes the patch afterwards, so that kernels compiled
+    later in the same process see the real language (the helpers' module,
+    ``triton.language.core``, is not one the kernel-level run restores).
     """
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
     from triton.runtime.jit import JITFunction
 
     if getattr(JITFunction.__call__, "_m3_interpreted", False):
@@ -56,7 +61,11 @@ def _let_interpreted_kernels_call_triton_helpers():
         fn = interpreted.get(id(self))  # JITFunction.__hash__ needs the compiler
         if fn is None:
             fn = interpreted.setdefault(id(self), InterpretedFunction(self.fn))
-        return fn(*args, **kwargs)
+        scope = _patch_lang(self.fn)
+        try:
+            return fn.rewrite()(*args, **kwargs)
+        finally:
+            scope.restore()
 
     call_interpreted._m3_interpreted = True
     JITFunction.__call__ = call_interpreted

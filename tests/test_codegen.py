@@ -53,6 +53,19 @@ def index_case():
     return m3_kernels.kernel_module("index", False).index_scores_kernel, consts, plan
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_compile_after_an_interpreted_op(tmp_path_factory):
+    """Compile from scratch (an empty Triton cache) after an interpreted (CPU) op
+    ran in this process: the interpreter patches triton.language while it runs
+    and must leave it as it found it, or these compiles fail."""
+    import torch
+    import m3_torch
+    m3_torch.select_blocks(torch.randn(1, 1, 3), torch.tensor([300], dtype=torch.int32), decode_query_len=1, topk=2)
+    with triton.knobs.cache.scope():
+        triton.knobs.cache.dir = str(tmp_path_factory.mktemp("triton_cache"))
+        yield
+
+
 @pytest.mark.parametrize("case", ["sparse_n1", "dense_n1", "index"])
 def test_loads_pipeline_without_divisibility_facts(case):
     fn, consts, plan = index_case() if case == "index" else attention_case(1, case == "sparse_n1")
