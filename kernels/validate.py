@@ -122,6 +122,17 @@ def check_selection_args(topk, init_blocks, local_blocks):
         raise ValueError(f"init_blocks + local_blocks ({init_blocks} + {local_blocks}) must not exceed topk ({topk})")
 
 
+def check_select_inputs(scores, seq_lens, decode_query_len, topk, init_blocks, local_blocks):
+    """scores [Hi, T, max_blocks] float32, seq_lens [R] int32, T = R * n -> Hi."""
+    check_selection_args(topk, init_blocks, local_blocks)
+    check_rank("seq_lens", seq_lens, 1, "[R]")
+    check_dtype("seq_lens", seq_lens, "int32")
+    check_rank("scores", scores, 3, "[Hi, T, max_blocks]")
+    check_dtype("scores", scores, "float32")
+    check_tokens("scores", scores, int(seq_lens.shape[0]), decode_query_len, axis=1)
+    return int(scores.shape[0])
+
+
 def check_index_heads(num_index_heads, num_kv_heads):
     if num_index_heads != num_kv_heads:
         raise ValueError(f"idx_q: index heads Hi={num_index_heads} must equal KV heads Hk={num_kv_heads}")

@@ -101,13 +101,7 @@ def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0,
     Forced: the first ``init_blocks`` and last ``local_blocks`` visible blocks;
     the rest by score (ties: lower id; NaN loses). Ids ascending, then -1.
     """
-    validate.check_selection_args(topk, init_blocks, local_blocks)
-    validate.check_rank("seq_lens", seq_lens, 1, "[R]")
-    validate.check_dtype("seq_lens", seq_lens, "int32")
-    validate.check_rank("scores", scores, 3, "[Hi, T, max_blocks]")
-    validate.check_dtype("scores", scores, "float32")
-    validate.check_tokens("scores", scores, seq_lens.shape[0], decode_query_len, axis=1)
-    num_heads = scores.shape[0]
+    num_heads = validate.check_select_inputs(scores, seq_lens, decode_query_len, topk, init_blocks, local_blocks)
     shape = (num_heads, scores.shape[1], topk)
     validate.check_out(out, shape, "int32")
     device = check_devices(scores=scores, seq_lens=seq_lens, out=out)

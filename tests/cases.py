@@ -51,6 +51,23 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-3}
 
 
+def shuffled_block_table(seq_lens, g):
+    """-> (block_table [R, max_blocks] int32, num_pages): a random permutation of a
+    pool larger than needed; entries past each request's last block hold garbage
+    (-1 or out-of-range page ids), which the kernels must never read."""
+    num_req = len(seq_lens)
+    max_blocks = max(-(-s // PAGE) for s in seq_lens) + 1
+    num_pages = num_req * max_blocks + 3
+    perm = torch.randperm(num_pages, generator=g).int()
+    block_table = perm[:num_req * max_blocks].reshape(num_req, max_blocks).clone()
+    for r, s in enumerate(seq_lens):
+        used = -(-s // PAGE)
+        garbage = torch.randint(-5, 10 * num_pages, (max_blocks - used,), generator=g, dtype=torch.int32)
+        garbage[::2] = -1
+        block_table[r, used:] = garbage
+    return block_table, num_pages
+
+
 def make_inputs(case: Case, seed: int, device="cpu"):
     """Random inputs (never zeros) for one case, as torch tensors on ``device``.
 
@@ -61,15 +78,7 @@ def make_inputs(case: Case, seed: int, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     dtype = TORCH_DTYPES[case.dtype]
     num_req = len(case.seq_lens)
-    max_blocks = max(-(-s // PAGE) for s in case.seq_lens) + 1
-    num_pages = num_req * max_blocks + 3
-    perm = torch.randperm(num_pages, generator=g).int()
-    block_table = perm[:num_req * max_blocks].reshape(num_req, max_blocks).clone()
-    for r, s in enumerate(case.seq_lens):
-        used = -(-s // PAGE)
-        garbage = torch.randint(-5, 10 * num_pages, (max_blocks - used,), generator=g, dtype=torch.int32)
-        garbage[::2] = -1
-        block_table[r, used:] = garbage
+    block_table, num_pages = shuffled_block_table(case.seq_lens, g)
     seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32)
     T = num_req * case.n
 

@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from cases import PAGE, TORCH_DTYPES
+from cases import PAGE, TORCH_DTYPES, shuffled_block_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +65,7 @@ def make_prefill_inputs(case: PrefillCase, seed: int, device="cpu"):
     """
     g = torch.Generator().manual_seed(seed)
     dtype = TORCH_DTYPES[case.dtype]
-    num_req = len(case.q_lens)
-    max_blocks = max(-(-s // PAGE) for s in case.seq_lens) + 1
-    num_pages = num_req * max_blocks + 3
-    perm = torch.randperm(num_pages, generator=g).int()
-    block_table = perm[:num_req * max_blocks].reshape(num_req, max_blocks).clone()
-    for r, s in enumerate(case.seq_lens):
-        used = -(-s // PAGE)
-        garbage = torch.randint(-5, 10 * num_pages, (max_blocks - used,), generator=g, dtype=torch.int32)
-        garbage[::2] = -1
-        block_table[r, used:] = garbage
+    block_table, num_pages = shuffled_block_table(case.seq_lens, g)
     T = case.num_tokens
 
     def randn(*shape):
