@@ -1,8 +1,14 @@
-"""Sweep launch parameters of the decode kernels at one shape (GPU).
+"""Launch-parameter sweeps of the decode kernels (GPU), CUDA-graph timed.
 
-python3 -m benchmarks.tune [--batch 64] [--context 32768] [--n 1]
-Prints one line per variant: index_scores and sparse_decode medians (us).
-The winners go into kernels/geometry.py by hand.
+    python3 -m benchmarks.tune sparse   # sparse_decode n=1: splits x BLOCK_N x stages x warps, batch 32/64/128, 16k
+    python3 -m benchmarks.tune small    # sparse_decode n=1 split counts at batch 1-16 (launch-bound cases)
+    python3 -m benchmarks.tune select   # select_blocks: one- or two-level top-k x warps
+    python3 -m benchmarks.tune mtp      # sparse_decode n=8: packed vs per-token row tiles
+    python3 -m benchmarks.tune index    # index_scores and dense_decode: warps x stages x BLOCK_N, batch 64, 32k
+
+Prints one line per variant (median microseconds over a graph of rotated input
+sets; % of the copy-bandwidth floor where it has one). The winners go into
+kernels/geometry.py by hand; docs/PERF.md records the runs.
 """
 import argparse
 import dataclasses
@@ -10,17 +16,130 @@ import itertools
 
 import torch
 
-import m3_torch
 import m3_kernels
-from benchmarks.run import time_graph
+import m3_torch
+from benchmarks.run import copy_bandwidth, time_graph
 from m3_kernels import geometry
 
-PAGE = 128
+PAGE, HQ, HK, D, TOPK = 128, 64, 4, 128, 16
 
 
-def median_us(fn, reps=30):
-    """CUDA-graph replay median: eager timing would measure the host-side launch cost."""
-    return time_graph([fn], reps)
+class Cache:
+    """Random bf16 K/V/index-K pages, enough for the sweeps' largest case."""
+
+    def __init__(self, pages):
+        self.k = torch.randn(pages, HK, PAGE, D, device="cuda", dtype=torch.bfloat16)
+        self.v = torch.randn_like(self.k)
+        self.ik = torch.randn(pages, PAGE, D, device="cuda", dtype=torch.bfloat16)
+        self.pages = pages
+
+    def step(self, batch, context, n=1, seed=0):
+        """One step's inputs (lengths within +-10% of context), its scores and chosen blocks."""
+        g = torch.Generator().manual_seed(seed)
+        lens = (context * (0.9 + 0.2 * torch.rand(batch, generator=g))).int()
+        mb = int((lens.max() + PAGE - 1) // PAGE)
+        bt = torch.randperm(self.pages, generator=g)[:batch * mb].int().reshape(batch, mb).cuda()
+        q = torch.randn(batch * n, HQ, D, device="cuda", dtype=torch.bfloat16)
+        iq = torch.randn(batch * n, HK, D, device="cuda", dtype=torch.bfloat16)
+        sl = lens.cuda()
+        scores = m3_torch.index_scores(iq, self.ik, bt, sl, decode_query_len=n)
+        ids = m3_torch.select_blocks(scores, sl, decode_query_len=n)
+        return dict(q=q, iq=iq, bt=bt, sl=sl, scores=scores, ids=ids, out=torch.empty_like(q), n=n)
+
+    def sparse_us(self, sets):
+        return time_graph([lambda x=x: m3_torch.sparse_decode(x["q"], self.k, self.v, x["ids"], x["bt"], x["sl"],
+                                                              decode_query_len=x["n"], out=x["out"]) for x in sets])
+
+
+def kv_floor_us(batch, bw):
+    """sparse_decode n=1 floor: 16 chosen K/V blocks per (request, KV head)."""
+    return batch * HK * TOPK * PAGE * D * 2 * 2 / bw * 1e6
+
+
+def with_plan(**changes):
+    """Patch geometry.attention_plan to return its plan with ``changes``; returns the undo."""
+    orig = geometry.attention_plan
+    geometry.attention_plan = lambda **kw: dataclasses.replace(orig(**kw), **changes)
+    return lambda: setattr(geometry, "attention_plan", orig)
+
+
+def sweep_sparse(bw):
+    cache = Cache(128 * 160)
+    for batch in (32, 64, 128):
+        sets = [cache.step(batch, 16384, seed=s) for s in range(4)]
+        print(f"-- sparse_decode batch {batch}, 16k, n=1: floor {kv_floor_us(batch, bw):.1f} us", flush=True)
+        for splits, (block_n, stages), warps in itertools.product((1, 2, 4, 8), ((64, 3), (128, 2), (128, 3)), (4, 8)):
+            undo = with_plan(num_splits=splits, block_n=block_n, num_stages=stages, num_warps=warps)
+            try:
+                us = cache.sparse_us(sets)
+            finally:
+                undo()
+            print(f"splits {splits} BLOCK_N {block_n:3d} stages {stages} warps {warps}: {us:7.1f} us "
+                  f"{100 * kv_floor_us(batch, bw) / us:4.0f}%", flush=True)
+
+
+def sweep_small(bw):
+    cache = Cache(128 * 100)
+    for batch, context in ((1, 4096), (8, 4096), (8, 131072), (16, 16384)):
+        sets = [cache.step(batch, context, seed=s) for s in range(4)]
+        line = []
+        for splits in (1, 2, 4, 8, 16):
+            undo = with_plan(num_splits=splits)
+            try:
+                line.append(f"{splits} splits {cache.sparse_us(sets):6.1f}")
+            finally:
+                undo()
+        default = geometry.attention_plan(tile=geometry.decode_tile(HQ // HK, 1, True, max_blocks=1, topk=TOPK),
+                                          num_tiles=batch, num_kv_heads=HK, head_dim=D, topk=TOPK, max_blocks=1,
+                                          sparse=True).num_splits
+        print(f"batch {batch} {context // 1024}k n=1 (floor {kv_floor_us(batch, bw):.1f} us, default {default} "
+              f"splits): " + "  ".join(line), flush=True)
+
+
+def sweep_select(bw):
+    orig_warps, orig_two_level = geometry.select_num_warps, geometry.SELECT_TWO_LEVEL_BLOCKS
+    for batch, context, n in ((8, 16384, 1), (64, 16384, 1), (8, 131072, 1), (128, 131072, 1), (32, 131072, 8),
+                              (128, 65536, 8)):
+        sets = []
+        for seed in range(4):  # scores straight from randn: select does not care where they came from
+            g = torch.Generator().manual_seed(seed)
+            lens = (context * (0.9 + 0.2 * torch.rand(batch, generator=g))).int().cuda()
+            mb = int((lens.max() + PAGE - 1) // PAGE)
+            sets.append((torch.randn(HK, batch * n, mb, device="cuda"), lens,
+                         torch.empty(HK, batch * n, TOPK, dtype=torch.int32, device="cuda")))
+        line, first = [], None
+        for two_level, warps in itertools.product((False, True), (1, 2, 4, 8)):
+            geometry.SELECT_TWO_LEVEL_BLOCKS = 0 if two_level else 1 << 30
+            geometry.select_num_warps = lambda rows, mb, w=warps: w
+            try:
+                us = time_graph([lambda x=x: m3_torch.select_blocks(x[0], x[1], decode_query_len=n, out=x[2])
+                                 for x in sets])
+            finally:
+                geometry.select_num_warps, geometry.SELECT_TWO_LEVEL_BLOCKS = orig_warps, orig_two_level
+            ids = sets[0][2].clone()
+            first = ids if first is None else first
+            same = "" if torch.equal(ids, first) else " MISMATCH"
+            line.append(f"{'two' if two_level else 'one'}-level {warps}w {us:5.1f}{same}")
+        print(f"select batch {batch} {context // 1024}k n={n} (default {orig_warps(batch * n * HK, mb)} warps): "
+              + "  ".join(line), flush=True)
+
+
+def sweep_mtp(bw):
+    cache = Cache(128 * 100)
+    orig = geometry.SPARSE_PACK_RATIO
+    for batch, context in ((8, 4096), (32, 4096), (128, 4096), (32, 8192), (32, 16384)):
+        sets = [cache.step(batch, context, n=8, seed=s) for s in range(3)]
+        line = []
+        for name, ratio in (("packed", 0), ("per-token", 1 << 30)):
+            geometry.SPARSE_PACK_RATIO = ratio
+            try:
+                line.append(f"{name} {cache.sparse_us(sets):7.1f}")
+            finally:
+                geometry.SPARSE_PACK_RATIO = orig
+        mb = sets[0]["bt"].shape[1]
+        chosen = "packed" if geometry.packs_sparse_decode(8, mb, TOPK) else "per-token"
+        print(f"mtp batch {batch} {context // 1024}k n=8 (max_blocks {mb}, default {chosen}): " + "  ".join(line),
+              flush=True)
 
 
 def resources():
@@ -36,48 +155,42 @@ def resources():
     return " ".join(out)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--n", type=int, default=1)
-    a = ap.parse_args()
-    R, L, n, Hq, Hk, D = a.batch, a.context, a.n, 64, 4, 128
-    torch.manual_seed(0)
-    lens = (L * (0.9 + 0.2 * torch.rand(R))).int()
-    mb = int((lens.max() + PAGE - 1) // PAGE)
-    bt = torch.randperm(R * mb, device="cuda").int().reshape(R, mb)
-    k = torch.randn(R * mb, Hk, PAGE, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    ik = torch.randn(R * mb, PAGE, D, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(R * n, Hq, D, device="cuda", dtype=torch.bfloat16)
-    iq = torch.randn(R * n, Hk, D, device="cuda", dtype=torch.bfloat16)
-    sl = lens.cuda().int()
-    out = torch.empty_like(q)
-    scores = m3_torch.index_scores(iq, ik, bt, sl, decode_query_len=n)
-    ids = m3_torch.select_blocks(scores, sl, decode_query_len=n)
-    idx_floor = ((lens + PAGE - 1) // PAGE).sum().item() * PAGE * D * 2
-    print(f"batch {R} context {L} n {n}; index-K bytes {idx_floor / 1e6:.0f} MB")
-    orig_index, orig_attn, orig_target = geometry.index_plan, geometry.attention_plan, geometry.TARGET_PROGRAMS
-    print(f"{'target':>6} {'warps':>5} {'stages':>6} {'bn':>5} {'index us':>9} {'sparse us':>9} {'dense us':>9}"
+def sweep_index(bw):
+    batch, context = 64, 32768
+    cache = Cache(64 * 290)
+    x = cache.step(batch, context)
+    orig_index = geometry.index_plan
+    print(f"{'warps':>5} {'stages':>6} {'bn':>5} {'index us':>9} {'dense us':>9}"
           "  regs/spills/smem of the last-compiled index, attention kernels")
-    for target, warps, stages, block_n, min_bps in itertools.product([512, 1024, 2048], [4, 8], [3, 4], [32, 64, 128],
-                                                                     [4]):
-        geometry.TARGET_PROGRAMS = target
-        geometry.MIN_BLOCKS_PER_SPLIT = min_bps
+    for warps, stages, block_n in itertools.product([4, 8], [3, 4], [32, 64, 128]):
         geometry.index_plan = lambda **kw: dataclasses.replace(orig_index(**kw), num_warps=warps, num_stages=stages,
                                                                block_n=block_n)
-        geometry.attention_plan = lambda **kw: dataclasses.replace(orig_attn(**kw), num_warps=warps,
-                                                                   num_stages=stages, block_n=block_n)
+        undo = with_plan(num_warps=warps, num_stages=stages, block_n=block_n)
         try:
-            t_idx = median_us(lambda: m3_torch.index_scores(iq, ik, bt, sl, decode_query_len=n, out=scores))
-            t_sp = median_us(lambda: m3_torch.sparse_decode(q, k, v, ids, bt, sl, decode_query_len=n, out=out))
-            t_de = median_us(lambda: m3_torch.dense_decode(q, k, v, bt, sl, decode_query_len=n, out=out), reps=5)
+            t_idx = time_graph([lambda: m3_torch.index_scores(x["iq"], cache.ik, x["bt"], x["sl"], decode_query_len=1,
+                                                              out=x["scores"])])
+            t_de = time_graph([lambda: m3_torch.dense_decode(x["q"], cache.k, cache.v, x["bt"], x["sl"],
+                                                             decode_query_len=1, out=x["out"])], reps=5)
         except Exception as exc:  # e.g. out of shared memory
-            print(f"{target:6d} {warps:5d} {stages:6d}  failed: {type(exc).__name__}: {str(exc)[:80]}")
+            print(f"{warps:5d} {stages:6d} {block_n:5d}  failed: {type(exc).__name__}: {str(exc)[:80]}")
             continue
-        print(f"{target:6d}/{min_bps} {warps:5d} {stages:6d} {block_n:5d} {t_idx:9.1f} {t_sp:9.1f} {t_de:9.1f}  {resources()}")
-    geometry.index_plan, geometry.attention_plan, geometry.TARGET_PROGRAMS = orig_index, orig_attn, orig_target
+        finally:
+            geometry.index_plan = orig_index
+            undo()
+        print(f"{warps:5d} {stages:6d} {block_n:5d} {t_idx:9.1f} {t_de:9.1f}  {resources()}", flush=True)
+
+
+SWEEPS = dict(sparse=sweep_sparse, small=sweep_small, select=sweep_select, mtp=sweep_mtp, index=sweep_index)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sweep", choices=sorted(SWEEPS))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    SWEEPS[args.sweep](bw)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,13 @@ MAX_TILE_TOKENS = 8
 # 132-SM H100/H200. A constant (not the device's SM count) so both frameworks
 # and every GPU choose the same variant for the same shapes.
 TARGET_PROGRAMS = 1024
+# Sparse attention visits only TOPK blocks per row tile, so it splits only
+# while there are fewer (tile, KV head) programs than this, about one per SM.
+# Measured on an H200 (M3, context 16k, n = 1; docs/PERF.md): one program per
+# (token, KV head) streaming its 16 blocks in one pipelined loop, with no
+# partial write and no merge, beats 2-8 splits from 128 such programs on
+# (batch 64: 68 us = 93% of the floor, against 91 us with 4 splits).
+SPARSE_TARGET_PROGRAMS = 128
 # A split-K program gets at least this many blocks (fewer make the pipeline's
 # fill and the partial write dominate).
 MIN_BLOCKS_PER_SPLIT = 4
@@ -60,14 +67,22 @@ def row_tile(heads: int, max_tokens: int) -> RowTile:
 # Sparse decode with several query tokens per request (MTP): pack them into one
 # tile (each distinct chosen block read once, but every row computed against
 # every block of the union) or give each token its own tile (per-token work
-# only; the shared blocks come from L2). Measured on an H200: docs/PERF.md.
-PACK_SPARSE_DECODE_TOKENS = False
+# only; the shared blocks come from L2). Packing pays when it at least halves
+# the block visits: the union of the tokens' choices is at most max_blocks,
+# against decode_query_len * topk visits one tile per token. Measured on an
+# H200 (docs/PERF.md): packed wins at contexts <= 4k (36 blocks), per-token
+# from 16k (141 blocks) on, at n = 8.
+SPARSE_PACK_RATIO = 2
 
 
-def decode_tile(group: int, decode_query_len: int, sparse: bool) -> RowTile:
+def packs_sparse_decode(decode_query_len: int, max_blocks: int, topk: int) -> bool:
+    return SPARSE_PACK_RATIO * max_blocks <= decode_query_len * topk
+
+
+def decode_tile(group: int, decode_query_len: int, sparse: bool, *, max_blocks: int, topk: int) -> RowTile:
     """The row tile of decode attention for ``decode_query_len`` tokens per request."""
-    packed = decode_query_len if (PACK_SPARSE_DECODE_TOKENS or not sparse) else 1
-    return row_tile(group, packed)
+    packed = not sparse or packs_sparse_decode(decode_query_len, max_blocks, topk)
+    return row_tile(group, decode_query_len if packed else 1)
 
 
 # -- tile and token maps -------------------------------------------------------
@@ -141,7 +156,9 @@ def attention_plan(*, tile: RowTile, num_tiles, num_kv_heads, head_dim, topk, ma
     work = max(num_tiles * num_kv_heads, 1)
     splits = 1
     if allow_split:
-        splits = max(1, min(cdiv(TARGET_PROGRAMS, work), cdiv(num_entries, MIN_BLOCKS_PER_SPLIT)))
+        target = SPARSE_TARGET_PROGRAMS if sparse else TARGET_PROGRAMS
+        min_blocks = 1 if sparse else MIN_BLOCKS_PER_SPLIT
+        splits = max(1, min(cdiv(target, work), cdiv(num_entries, min_blocks)))
     if sparse:
         block_n, num_stages = 64, 3
     else:
@@ -182,13 +199,29 @@ def index_plan(*, tile: RowTile, num_tiles, head_dim, max_blocks) -> IndexPlan:
     return IndexPlan(tile, num_tiles, chunks, bpp, block_n, num_warps, num_stages=3)
 
 
+# select_blocks: rows of at least SELECT_TWO_LEVEL_BLOCKS (padded) blocks first
+# pick the best chunks of SELECT_CHUNK blocks, then the best blocks inside them.
+SELECT_CHUNK = 16
+SELECT_TWO_LEVEL_BLOCKS = 512
+
+
 def select_constexprs(*, topk, init_blocks, local_blocks, max_blocks):
-    return dict(TOPK=topk, TOPK_PAD=next_pow2(topk), INIT_BLOCKS=init_blocks,
-                LOCAL_BLOCKS=local_blocks, BLOCKS_PAD=max(next_pow2(max_blocks), 16))
+    topk_pad = next_pow2(topk)
+    blocks_pad = max(next_pow2(max_blocks), topk_pad, 16)
+    two_level = blocks_pad >= max(SELECT_TWO_LEVEL_BLOCKS, 2 * topk_pad * SELECT_CHUNK)
+    return dict(TOPK=topk, TOPK_PAD=topk_pad, INIT_BLOCKS=init_blocks, LOCAL_BLOCKS=local_blocks,
+                BLOCKS_PAD=blocks_pad, CHUNK=SELECT_CHUNK if two_level else 0)
 
 
-def select_num_warps(max_blocks):
-    return 4 if max_blocks <= 1024 else 8
+def select_num_warps(num_rows, max_blocks):
+    """Warps of one selection program, for ``num_rows`` (token, index head) programs.
+
+    About 1024 warps in all: few rows get 8 warps each, many rows 1 (every
+    compare-exchange then stays inside one warp), but a thread holds at most
+    64 keys. Measured on an H200 (docs/PERF.md).
+    """
+    blocks_pad = max(next_pow2(max_blocks), 16)
+    return max(1, min(8, next_pow2(cdiv(1024, max(num_rows, 1)))), min(8, blocks_pad // 2048))
 
 
 LOG2E = math.log2(math.e)

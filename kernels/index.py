@@ -8,10 +8,11 @@ once per request. ``tile_map`` rows: ``[request, first token, first token's
 position - seq_len, tokens]`` (see attention.py).
 
 ``select_blocks_kernel``: one program per (token, index head). The row's
-visible scores sit in registers; ``TOPK`` rounds of "max, lowest id among the
-maxima" pick the blocks (forced init/local blocks rank +inf, NaN ranks -inf
-but still beats nothing), then a prefix sum writes the chosen ids ascending
-and -1 after them. No sort: k is 16 and rows hold at most a few thousand.
+visible scores sit in registers as 64-bit keys (score, then lower id; forced
+init/local blocks rank +inf, NaN ranks -inf but still beats nothing); a
+bitonic top-k picks the best ``TOPK`` in log-depth rounds (long rows: first
+the best chunks, then the best blocks inside them), and a 16-wide sort writes
+the chosen ids ascending, then -1.
 """
 
 import triton
@@ -98,6 +99,27 @@ def index_scores_kernel(
         tl.store(score_rows + block * stride_sb, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_valid)
 
 
+@triton.jit
+def _rank_keys(row_ptr, stride_sb, blocks, visible_blocks, INIT_BLOCKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr,
+               BLOCKS_PAD: tl.constexpr):
+    """One int64 key per block id in ``blocks``: larger = chosen first.
+
+    High half: the rank key's order-preserving int32 image (forced blocks +inf,
+    NaN -inf, -0.0 as +0.0; blocks past the visible ones below everything).
+    Low half: the complement of the block id, so equal scores go to the lower
+    id and no two keys are equal.
+    """
+    visible = blocks < visible_blocks
+    score = tl.load(row_ptr + blocks * stride_sb, mask=visible, other=float("-inf"))
+    rank = tl.where(score != score, float("-inf"), score)
+    rank = tl.where(rank == 0.0, 0.0, rank)
+    forced = (blocks < INIT_BLOCKS) | (blocks >= visible_blocks - LOCAL_BLOCKS)
+    rank = tl.where(forced, float("inf"), rank)
+    bits = rank.to(tl.int32, bitcast=True)
+    ordered = tl.where(visible, bits ^ ((bits >> 31) & 0x7FFFFFFF), -0x80000000)
+    return (ordered.to(tl.int64) << 32) | (BLOCKS_PAD - 1 - blocks).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["max_blocks"])
 def select_blocks_kernel(
     scores_ptr,       # [Hi, T, max_blocks] fp32, any strides
@@ -112,6 +134,7 @@ def select_blocks_kernel(
     INIT_BLOCKS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr,
     BLOCKS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,              # 0: one top-k over the row; else two levels, see below
 ):
     t = tl.program_id(0)
     head = tl.program_id(1)
@@ -121,29 +144,29 @@ def select_blocks_kernel(
     kv_len = tl.maximum(seq_len + pos_minus_len + 1, 0)
     visible_blocks = tl.minimum(tl.cdiv(kv_len, PAGE_SIZE), max_blocks)
     num_chosen = tl.minimum(visible_blocks, TOPK)
+    row = scores_ptr + head * stride_si + t * stride_st
 
-    offs_b = tl.arange(0, BLOCKS_PAD)
-    visible = offs_b < visible_blocks
     # [BLOCKS_PAD]
-    score = tl.load(scores_ptr + head * stride_si + t * stride_st + offs_b * stride_sb, mask=visible,
-                    other=float("-inf"))
-    rank_key = tl.where(score != score, float("-inf"), score)  # NaN loses
-    forced = (offs_b < INIT_BLOCKS) | (offs_b >= visible_blocks - LOCAL_BLOCKS)
-    rank_key = tl.where(forced, float("inf"), rank_key)
-
-    available = visible
-    chosen = offs_b < 0
-    for k in tl.static_range(TOPK):
-        best = tl.max(tl.where(available, rank_key, float("-inf")), axis=0)
-        pick = tl.min(tl.where(available & (rank_key == best), offs_b, BLOCKS_PAD), axis=0)
-        hit = (offs_b == pick) & (k < num_chosen)
-        chosen = chosen | hit
-        available = available & ~hit
-
-    # -- ascending ids, then -1
-    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-    out_row = ids_ptr + head * stride_oi + t * stride_ot
-    tl.store(out_row + slot * stride_ok, offs_b, mask=chosen)
+    key = _rank_keys(row, stride_sb, tl.arange(0, BLOCKS_PAD), visible_blocks, INIT_BLOCKS, LOCAL_BLOCKS,
+                     BLOCKS_PAD)
+    if CHUNK > 0:
+        # Long rows: the TOPK_PAD best blocks lie in the TOPK_PAD chunks of CHUNK
+        # blocks with the best maxima (a block outside them has TOPK_PAD better
+        # chunk maxima above it). Keep only those chunks' blocks as candidates.
+        chunk_best = tl.max(tl.reshape(key, [BLOCKS_PAD // CHUNK, CHUNK]), axis=1)
+        top_chunks = tl.topk(chunk_best, TOPK_PAD)
+        chunk = (BLOCKS_PAD - 1 - (top_chunks & 0xFFFFFFFF).to(tl.int32)) // CHUNK
+        # [TOPK_PAD, CHUNK] -> [TOPK_PAD * CHUNK]
+        candidates = chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        key = tl.reshape(_rank_keys(row, stride_sb, candidates, visible_blocks, INIT_BLOCKS, LOCAL_BLOCKS,
+                                    BLOCKS_PAD), [TOPK_PAD * CHUNK])
+    # [TOPK_PAD], best first (bitonic top-k: log-depth compare-exchange rounds);
+    # the first num_chosen are the chosen blocks
+    best = tl.topk(key, TOPK_PAD)
     offs_k = tl.arange(0, TOPK_PAD)
-    tl.store(out_row + offs_k * stride_ok, tl.full([TOPK_PAD], -1, tl.int32),
-             mask=(offs_k >= num_chosen) & (offs_k < TOPK))
+    ids = tl.where(offs_k < num_chosen, BLOCKS_PAD - 1 - (best & 0xFFFFFFFF).to(tl.int32), BLOCKS_PAD)
+    # -- ascending ids, then -1
+    ids = tl.sort(ids)
+    ids = tl.where(ids < BLOCKS_PAD, ids, -1)
+    out_row = ids_ptr + head * stride_oi + t * stride_ot
+    tl.store(out_row + offs_k * stride_ok, ids, mask=offs_k < TOPK)

@@ -297,7 +297,7 @@ class StepPlan:
         g = self.generation
         if g.num_rows:
             def decode_tiles(sparse):
-                tile = geometry.decode_tile(cfg.group, g.query_len, sparse)
+                tile = geometry.decode_tile(cfg.group, g.query_len, sparse, max_blocks=g.max_blocks, topk=cfg.topk)
                 return tile, geometry.cdiv(g.query_len, tile.tokens_per_tile) * g.num_rows
             spans.append((g.num_tokens, g.max_blocks, decode_tiles))
         for tokens, blocks, tiles in spans:
@@ -338,7 +338,8 @@ class StepPlanner:
         # uses T * splits rows, splits <= ceil(TARGET / work), and only when
         # splits >= 2, i.e. work < TARGET. So T * splits <= tpt * (TARGET + work - 1) / Hk
         # < tpt * 2 * TARGET / Hk, and <= max_num_tokens * ceil(TARGET / Hk).
-        # tpt grows with the query length: take the largest.
+        # tpt grows with the query length: take the largest. (Sparse attention
+        # aims at SPARSE_TARGET_PROGRAMS <= TARGET_PROGRAMS: fewer splits.)
         tpt = geometry.row_tile(c.group, c.max_num_tokens).tokens_per_tile
         target = geometry.TARGET_PROGRAMS
         partial_rows = min(geometry.cdiv(tpt * (2 * target - 2), c.num_kv_heads),

@@ -133,6 +133,33 @@ def check_select_inputs(scores, seq_lens, decode_query_len, topk, init_blocks, l
     return int(scores.shape[0])
 
 
+def check_step_inputs(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, config, num_rows,
+                      num_tokens, block_bound, sparse):
+    """A mixed step's arrays against the step's plan (``msa_attention_step`` of both frameworks).
+
+    config: the planner's StepConfig; num_rows / num_tokens: the plan's, padding
+    included; block_bound: the most block-table columns any span of the plan reads.
+    """
+    num_requests, max_blocks = check_metadata(block_table, seq_lens)
+    num_q_heads, num_kv_heads, head_dim = check_kv_caches(q, k_cache, v_cache)
+    for name, got, want in (("q: Hq", num_q_heads, config.num_q_heads),
+                            ("k_cache: Hk", num_kv_heads, config.num_kv_heads), ("q: D", head_dim, config.head_dim)):
+        if got != want:
+            raise ValueError(f"{name} = {got}, but the step was planned for {want}")
+    if num_requests != num_rows:
+        raise ValueError(f"block_table/seq_lens: expected R = {num_rows} rows (the plan's, padding included), "
+                         f"got {num_requests}")
+    check_dim("q", q, 0, num_tokens, "T (the plan's query tokens, padding included)")
+    if max_blocks < block_bound:
+        raise ValueError(f"block_table: expected >= {block_bound} columns (the plan's block bound), got {max_blocks}")
+    if sparse:
+        if idx_q is None or index_k_cache is None:
+            raise ValueError("idx_q, index_k_cache: required for a sparse layer (sparse=True)")
+        num_index_heads, _ = check_index_inputs(idx_q, index_k_cache)
+        check_index_heads(num_index_heads, num_kv_heads)
+        check_dim("idx_q", idx_q, 0, num_tokens, "T (tokens of q)")
+
+
 def check_index_heads(num_index_heads, num_kv_heads):
     if num_index_heads != num_kv_heads:
         raise ValueError(f"idx_q: index heads Hi={num_index_heads} must equal KV heads Hk={num_kv_heads}")

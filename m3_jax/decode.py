@@ -81,9 +81,10 @@ def launch_select_blocks(scores, seq_lens, *, token_map, topk, init_blocks, loca
                                 scores_strides=_strides(scores.shape), ids_strides=_strides(shape),
                                 max_blocks=max_blocks)
     return triton_call(*args, kernel=_SELECT_BLOCKS, out_shape=jax.ShapeDtypeStruct(shape, jnp.int32),
-                       grid=(num_tokens, num_heads), num_warps=geometry.select_num_warps(max_blocks),
-                       num_stages=1, **geometry.select_constexprs(topk=topk, init_blocks=init_blocks,
-                                                                  local_blocks=local_blocks, max_blocks=max_blocks))
+                       grid=(num_tokens, num_heads),
+                       num_warps=geometry.select_num_warps(num_tokens * num_heads, max_blocks), num_stages=1,
+                       **geometry.select_constexprs(topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                                                    max_blocks=max_blocks))
 
 
 def _index_scores(idx_q, index_k, block_table, seq_lens, decode_query_len):
@@ -170,7 +171,8 @@ def launch_attention(q, k, v, block_ids, block_table, seq_lens, *, tile_map, til
 
 def _decode_attention(q, k, v, block_ids, block_table, seq_lens, decode_query_len, sm_scale, sparse):
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
-    tile = geometry.decode_tile(num_q_heads // num_kv_heads, decode_query_len, sparse)
+    tile = geometry.decode_tile(num_q_heads // num_kv_heads, decode_query_len, sparse,
+                                max_blocks=block_table.shape[1], topk=block_ids.shape[2] if sparse else 0)
     tile_map, _ = decode_maps(block_table.shape[0], decode_query_len, tile.tokens_per_tile)
     return launch_attention(q, k, v, block_ids, block_table, seq_lens, tile_map=tile_map, tile=tile,
                             sm_scale=sm_scale, sparse=sparse)

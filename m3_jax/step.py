@@ -62,33 +62,16 @@ def step_inputs(plan: planner.StepPlan):
 
 
 def _check_step(q, idx_q, k, v, index_k, block_table, seq_lens, spec, maps, sparse):
-    cfg = spec.config
-    num_requests, max_blocks = validate.check_metadata(block_table, seq_lens)
-    num_q_heads, num_kv_heads, head_dim = validate.check_kv_caches(q, k, v)
-    for name, got, want in (("q: Hq", num_q_heads, cfg.num_q_heads), ("k_cache: Hk", num_kv_heads, cfg.num_kv_heads),
-                            ("q: D", head_dim, cfg.head_dim)):
-        if got != want:
-            raise ValueError(f"{name} = {got}, but the step was planned for {want}")
-    if num_requests != spec.num_rows:
-        raise ValueError(f"block_table/seq_lens: expected R = {spec.num_rows} rows (the plan's, padding included), "
-                         f"got {num_requests}")
-    validate.check_dim("q", q, 0, spec.num_tokens, "T (the plan's query tokens, padding included)")
-    bounds = [b for rows, b in ((spec.context_rows, spec.context_max_blocks),
-                                (spec.generation_rows, spec.generation_max_blocks)) if rows]
-    if bounds and max_blocks < max(bounds):
-        raise ValueError(f"block_table: expected >= {max(bounds)} columns (the plan's block bound), got {max_blocks}")
+    bound = max((b for rows, b in ((spec.context_rows, spec.context_max_blocks),
+                                   (spec.generation_rows, spec.generation_max_blocks)) if rows), default=0)
+    validate.check_step_inputs(q, idx_q, k, v, index_k, block_table, seq_lens, config=spec.config,
+                               num_rows=spec.num_rows, num_tokens=spec.num_tokens, block_bound=bound, sparse=sparse)
     if spec.context_tokens:
         if not isinstance(maps, PrefillMaps):
             raise ValueError("maps: a step with context tokens needs its PrefillMaps (from step_inputs(plan))")
         if (maps.num_rows, maps.num_tokens) != (spec.context_rows, spec.context_tokens):
             raise ValueError(f"maps: built for {maps.num_rows} rows / {maps.num_tokens} tokens, the plan's context "
                              f"span has {spec.context_rows} / {spec.context_tokens}")
-    if sparse:
-        if idx_q is None or index_k is None:
-            raise ValueError("idx_q, index_k_cache: required for a sparse layer (sparse=True)")
-        num_index_heads, _ = validate.check_index_inputs(idx_q, index_k)
-        validate.check_index_heads(num_index_heads, num_kv_heads)
-        validate.check_dim("idx_q", idx_q, 0, spec.num_tokens, "T (tokens of q)")
 
 
 def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, plan, maps=None,
@@ -142,7 +125,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             block_ids = decode.select_blocks(scores, lens, decode_query_len=n, topk=topk, init_blocks=init_blocks,
                                              local_blocks=local_blocks)
             ids.append(block_ids)
-        tile = geometry.decode_tile(group, n, sparse)
+        tile = geometry.decode_tile(group, n, sparse, max_blocks=spec.generation_max_blocks, topk=topk)
         tile_map, _ = decode.decode_maps(num_rows, n, tile.tokens_per_tile)
         outs.append(decode.launch_attention(q[toks], k, v, block_ids, table, lens, tile_map=tile_map, tile=tile,
                                             sm_scale=scale, sparse=sparse))

@@ -77,7 +77,7 @@ def launch_select_blocks(scores, seq_lens, out, *, token_map, topk, init_blocks,
     args = geometry.select_args(scores=scores, seq_lens=seq_lens, token_map=token_map,
                                 scores_strides=scores.stride(), ids_strides=out.stride(), max_blocks=max_blocks)
     launch(kernel(_INDEX, "select_blocks_kernel", scores.device), (num_tokens, num_heads), [*args, out],
-           num_warps=geometry.select_num_warps(max_blocks), num_stages=1,
+           num_warps=geometry.select_num_warps(num_tokens * num_heads, max_blocks), num_stages=1,
            **geometry.select_constexprs(topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
                                         max_blocks=max_blocks))
 
@@ -155,7 +155,8 @@ def launch_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, out,
 def _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, out, decode_query_len, sm_scale,
                       sparse):
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
-    tile = geometry.decode_tile(num_q_heads // num_kv_heads, decode_query_len, sparse)
+    tile = geometry.decode_tile(num_q_heads // num_kv_heads, decode_query_len, sparse,
+                                max_blocks=block_table.shape[1], topk=block_ids.shape[2] if sparse else 0)
     tile_map, _ = decode_maps(q.device, block_table.shape[0], decode_query_len, tile.tokens_per_tile)
     launch_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, out, tile_map=tile_map, tile=tile,
                      sm_scale=sm_scale, sparse=sparse)

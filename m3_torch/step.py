@@ -66,26 +66,9 @@ def step_arena(layout: planner.WorkspaceLayout, device) -> StepArena:
 
 
 def _check_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, plan, sparse, out):
-    cfg = plan.config
-    num_requests, max_blocks = validate.check_metadata(block_table, seq_lens)
-    num_q_heads, num_kv_heads, head_dim = validate.check_kv_caches(q, k_cache, v_cache)
-    for name, got, want in (("q: Hq", num_q_heads, cfg.num_q_heads), ("k_cache: Hk", num_kv_heads, cfg.num_kv_heads),
-                            ("q: D", head_dim, cfg.head_dim)):
-        if got != want:
-            raise ValueError(f"{name} = {got}, but the step was planned for {want}")
-    if num_requests != plan.num_rows:
-        raise ValueError(f"block_table/seq_lens: expected R = {plan.num_rows} rows (the plan's, padding included), "
-                         f"got {num_requests}")
-    validate.check_dim("q", q, 0, plan.num_tokens, "T (the plan's query tokens, padding included)")
-    need = max(s.max_blocks for s in (plan.context, plan.generation) if s.num_rows) if plan.num_rows else 0
-    if max_blocks < need:
-        raise ValueError(f"block_table: expected >= {need} columns (the plan's block bound), got {max_blocks}")
-    if sparse:
-        if idx_q is None or index_k_cache is None:
-            raise ValueError("idx_q, index_k_cache: required for a sparse layer (sparse=True)")
-        num_index_heads, _ = validate.check_index_inputs(idx_q, index_k_cache)
-        validate.check_index_heads(num_index_heads, num_kv_heads)
-        validate.check_dim("idx_q", idx_q, 0, plan.num_tokens, "T (tokens of q)")
+    bound = max((s.max_blocks for s in (plan.context, plan.generation) if s.num_rows), default=0)
+    validate.check_step_inputs(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, config=plan.config,
+                               num_rows=plan.num_rows, num_tokens=plan.num_tokens, block_bound=bound, sparse=sparse)
     validate.check_out(out, q.shape, validate.dtype_name(q))
     return check_devices(q=q, idx_q=idx_q if sparse else None, k_cache=k_cache, v_cache=v_cache,
                          index_k_cache=index_k_cache if sparse else None, block_table=block_table,
@@ -153,7 +136,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             decode.index_scores(idx_q[toks], index_k_cache, table, lens, decode_query_len=n, out=scores)
             decode.select_blocks(scores, lens, decode_query_len=n, topk=topk, init_blocks=init_blocks,
                                  local_blocks=local_blocks, out=ids)
-        tile = geometry.decode_tile(group, n, sparse)
+        tile = geometry.decode_tile(group, n, sparse, max_blocks=gen.max_blocks, topk=topk)
         tile_map, _ = decode_maps(device, gen.num_rows, n, tile.tokens_per_tile)
         _attention_op(q[toks], k_cache, v_cache, ids, table, lens, tile_map, out[toks], *partials,
                       tile.tokens_per_tile, scale, sparse)

@@ -39,7 +39,7 @@ def compile_for_hopper(fn, constexprs, num_warps, num_stages, scalars_divisible)
 
 
 def attention_case(n, sparse):
-    tile = geometry.decode_tile(16, n, sparse)
+    tile = geometry.decode_tile(16, n, sparse, max_blocks=141, topk=16)
     plan = geometry.attention_plan(tile=tile, num_tiles=64, num_kv_heads=4, head_dim=128, topk=16, max_blocks=141,
                                    sparse=sparse)
     consts = dict(plan.constexprs(num_q_heads=64, head_dim=128, topk=16, sparse=sparse),

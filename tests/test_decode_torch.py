@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import m3_torch
+from m3_kernels import geometry
 from m3_torch import reference as ref
 
 from cases import CASES, TOLERANCE, Case, make_inputs, random_block_ids, rel_err
@@ -68,6 +69,27 @@ def test_select_blocks_ties_nan_and_forced():
     assert ids[0, 0].tolist() == [0, 1, 2, 9]
     expected = ref.select_blocks_ref(flat, seq_lens[:1], [1], 4)
     assert torch.equal(ids, expected)
+    # -0.0 == +0.0: a tie, so the lower id wins whichever sign it carries
+    signed = torch.tensor([[[-1.0, 0.0, -0.0, -1.0, 0.0, 5.0]]])
+    ids = m3_torch.select_blocks(signed, torch.tensor([6 * 128], dtype=torch.int32), decode_query_len=1, topk=3)
+    assert ids[0, 0].tolist() == [1, 2, 5]
+
+
+@pytest.mark.parametrize("max_blocks", [600, 1500])
+def test_select_blocks_long_rows(max_blocks):
+    """Rows past geometry.SELECT_TWO_LEVEL_BLOCKS: best chunks first, then blocks."""
+    assert geometry.select_constexprs(topk=16, init_blocks=0, local_blocks=1, max_blocks=max_blocks)["CHUNK"] > 0
+    g = torch.Generator().manual_seed(max_blocks)
+    seq_lens = torch.tensor([max_blocks * 128, 40 * 128 + 3, 15 * 128, (max_blocks - 3) * 128 - 5, 1],
+                            dtype=torch.int32)
+    scores = torch.randn(2, 5, max_blocks, generator=g)
+    scores[0, 0, 100:140] = 3.0             # a tie spread over three chunks
+    scores[1, 3, ::7] = math.nan
+    scores[1, 0, 17::16] = 5.0              # one winner in each of many chunks
+    for init_blocks in (0, 2):
+        ids = m3_torch.select_blocks(scores, seq_lens, decode_query_len=1, init_blocks=init_blocks)
+        expected = ref.select_blocks_ref(scores, seq_lens, [1] * 5, 16, init_blocks, 1)
+        assert torch.equal(ids, expected)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

@@ -2,9 +2,10 @@
 
 CPU budget: the interpreter runs one Python pass per program, and the default
 geometry aims at ~1024 programs per launch (GPU occupancy). Cases marked
-``few_programs`` run with ``geometry.TARGET_PROGRAMS = 1`` (one program per
-row tile, no split-K); the others, and every step test, keep the default
-geometry, so split-K + merge is covered at small token counts.
+``few_programs`` run with ``geometry.TARGET_PROGRAMS`` and
+``SPARSE_TARGET_PROGRAMS`` set to 1 (one program per row tile, no split-K);
+the others, and every step test, keep the default geometry, so split-K +
+merge is covered at small token counts.
 """
 
 import dataclasses
@@ -26,6 +27,7 @@ def geometry_for(monkeypatch):
     def apply(case):
         if case.few_programs:
             monkeypatch.setattr(geometry, "TARGET_PROGRAMS", 1)
+            monkeypatch.setattr(geometry, "SPARSE_TARGET_PROGRAMS", 1)
     return apply
 
 
