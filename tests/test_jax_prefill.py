@@ -159,22 +159,15 @@ def test_dense_step_matches_torch():
 
 
 def test_context_only_and_generation_only_steps():
-    case = _step_case((3, 4, 1), (130, 0, 5))
-    x, plan = _planned(case, seed=63, num_context=3)
-    j = jax_inputs(case, x)
-    args = (j["q"], j["idx_q"], j["k_cache"], j["v_cache"], j["index_k_cache"], j["block_table"], j["seq_lens"])
-    out, ids = m3_jax.msa_attention_step(*args, plan=plan)
-    t_out, t_ids = _torch_step(x, plan, sparse=True)
-    assert_bit_identical(out, t_out)
-    assert_bit_identical(ids, t_ids)
-    case = _step_case((1, 1, 1), (130, 0, 5))
-    x, plan = _planned(case, seed=64, num_context=0)
-    j = jax_inputs(case, x)
-    args = (j["q"], j["idx_q"], j["k_cache"], j["v_cache"], j["index_k_cache"], j["block_table"], j["seq_lens"])
-    out, ids = m3_jax.msa_attention_step(*args, plan=plan)
-    t_out, t_ids = _torch_step(x, plan, sparse=True)
-    assert_bit_identical(out, t_out)
-    assert_bit_identical(ids, t_ids)
+    for q_lens, seed, num_context in (((3, 4, 1), 63, 3), ((1, 1, 1), 64, 0)):
+        case = _step_case(q_lens, (130, 0, 5))
+        x, plan = _planned(case, seed=seed, num_context=num_context)
+        j = jax_inputs(case, x)
+        args = (j["q"], j["idx_q"], j["k_cache"], j["v_cache"], j["index_k_cache"], j["block_table"], j["seq_lens"])
+        out, ids = m3_jax.msa_attention_step(*args, plan=plan)
+        t_out, t_ids = _torch_step(x, plan, sparse=True)
+        assert_bit_identical(out, t_out)
+        assert_bit_identical(ids, t_ids)
 
 
 def test_errors():
