@@ -31,12 +31,11 @@ from typing import Sequence
 
 import numpy as np
 
-from . import geometry
-
-PAGE_SIZE = geometry.PAGE_SIZE
+from . import tuning
+from .maps import PAGE_SIZE, cdiv, decode_tile, max_row_tiles, next_pow2, row_tile, varlen_maps
 ARENA_ALIGN = 256  # bytes; every arena region starts on this boundary
 
-__all__ = ["StepConfig", "StepPlanner", "StepPlan", "ContextSpan", "GenerationSpan", "PrefillPlan",
+__all__ = ["StepConfig", "StepPlanner", "StepPlan", "Span", "PrefillPlan",
            "WorkspaceLayout", "Region", "prefill_plan", "max_row_tiles", "block_bound"]
 
 
@@ -51,18 +50,10 @@ def _ints(name, values) -> tuple:
     return tuple(int(x) for x in arr)
 
 
-def max_row_tiles(num_tokens: int, num_rows: int, tokens_per_tile: int) -> int:
-    """Upper bound on the row tiles of any ``num_rows`` requests holding ``num_tokens`` tokens.
-
-    ``sum ceil(q_r / tpt) <= (T + R * (tpt - 1)) // tpt``, and a tile holds >= 1 token.
-    """
-    return min(num_tokens, (num_tokens + num_rows * (tokens_per_tile - 1)) // tokens_per_tile)
-
-
 def block_bound(max_kv_len: int, max_blocks: int) -> int:
     """Block-table columns a span's kernels use: ``ceil(max_kv_len / 128)`` rounded
     up to a power of two (few kernel variants), at least 1, at most ``max_blocks``."""
-    return min(max(geometry.next_pow2(geometry.cdiv(max_kv_len, PAGE_SIZE)), 1), max_blocks)
+    return min(max(next_pow2(cdiv(max_kv_len, PAGE_SIZE)), 1), max_blocks)
 
 
 # -- prefill maps --------------------------------------------------------------------
@@ -109,14 +100,14 @@ class PrefillPlan:
         """
         key = ("tiles", int(heads))
         if key not in self._cache:
-            tile = geometry.row_tile(int(heads), max(self.max_q_len, 1))
-            tile_map, _ = geometry.varlen_maps(self.q_lens, tile.tokens_per_tile, num_tiles=self.max_tiles(heads))
+            tile = row_tile(int(heads), max(self.max_q_len, 1))
+            tile_map, _ = varlen_maps(self.q_lens, tile.tokens_per_tile, num_tiles=self.max_tiles(heads))
             self._cache[key] = (tile, tile_map)
         return self._cache[key]
 
     def max_tiles(self, heads: int) -> int:
         """Tile-count upper bound for any requests with this many rows and tokens (the padded map's rows)."""
-        tile = geometry.row_tile(int(heads), max(self.max_q_len, 1))
+        tile = row_tile(int(heads), max(self.max_q_len, 1))
         return max_row_tiles(self.num_tokens, self.num_rows, tile.tokens_per_tile)
 
     def memo(self, key, build):
@@ -138,7 +129,7 @@ def prefill_plan(cu_seqlens_q) -> PrefillPlan:
 
 
 def _from_q_lens(q_lens) -> PrefillPlan:
-    _, token_map = geometry.varlen_maps(q_lens, 1)
+    _, token_map = varlen_maps(q_lens, 1)
     return PrefillPlan(tuple(int(x) for x in q_lens), token_map)
 
 
@@ -177,7 +168,7 @@ def _layout(sizes: dict) -> WorkspaceLayout:
     regions, offset = [], 0
     for name, (numel, dtype) in sizes.items():
         regions.append((name, Region(offset, int(numel), dtype)))
-        offset += geometry.cdiv(int(numel) * 4, ARENA_ALIGN) * ARENA_ALIGN
+        offset += cdiv(int(numel) * 4, ARENA_ALIGN) * ARENA_ALIGN
     return WorkspaceLayout(tuple(regions), max(offset, ARENA_ALIGN))
 
 
@@ -231,39 +222,52 @@ class StepConfig:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ContextSpan:
-    """Rows ``[0, num_rows)`` and tokens ``[0, num_tokens)``: prefill kernels."""
-    num_rows: int
-    num_tokens: int
-    max_kv_len: int        # over the context rows only
-    max_blocks: int        # block_bound(max_kv_len): block-table columns its kernels use
-    prefill: PrefillPlan   # maps of the span (q_lens of the context rows)
+class Span:
+    """Rows ``[row_start, row_start + num_rows)`` and tokens ``[token_start, token_start + num_tokens)`` of a step.
 
-
-@dataclasses.dataclass(frozen=True)
-class GenerationSpan:
-    """Rows ``[row_start, row_start + num_rows)``, tokens ``[token_start, token_start + num_tokens)``:
-    decode kernels with ``decode_query_len = query_len``. ``num_rows`` includes
-    ``num_padding_rows`` rows added for graph capture (the caller gives them ``seq_len = 0``)."""
+    The context span (the row prefix) runs the prefill kernels over ``prefill``'s
+    maps; the generation span (the suffix) runs the decode kernels with
+    ``decode_query_len`` tokens per row (``prefill`` is None). ``max_kv_len`` is
+    over the span's own rows, and ``max_blocks = block_bound(max_kv_len)`` bounds
+    the block-table columns its kernels read. ``num_rows`` includes
+    ``num_padding_rows`` rows added for graph capture (the caller gives them
+    ``seq_len = 0``).
+    """
     row_start: int
     num_rows: int
     token_start: int
-    query_len: int          # uniform query tokens per generation row (0 when the span is empty)
-    max_kv_len: int         # over the generation rows only
-    max_blocks: int         # block_bound(max_kv_len)
+    num_tokens: int
+    max_kv_len: int
+    max_blocks: int
+    prefill: PrefillPlan | None = None
+    decode_query_len: int = 0
     num_padding_rows: int = 0
 
     @property
-    def num_tokens(self) -> int:
-        return self.num_rows * self.query_len
+    def rows(self) -> slice:
+        return slice(self.row_start, self.row_start + self.num_rows)
+
+    @property
+    def tokens(self) -> slice:
+        return slice(self.token_start, self.token_start + self.num_tokens)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepPlan:
     config: StepConfig
-    context: ContextSpan
-    generation: GenerationSpan
+    context: Span
+    generation: Span
     layout: WorkspaceLayout
+
+    @property
+    def spans(self) -> tuple:
+        """The non-empty spans, context first."""
+        return tuple(s for s in (self.context, self.generation) if s.num_rows)
+
+    @property
+    def block_bound(self) -> int:
+        """The most block-table columns any span of the step reads."""
+        return max((s.max_blocks for s in self.spans), default=0)
 
     @property
     def num_rows(self) -> int:
@@ -287,30 +291,26 @@ class StepPlan:
         return self.context.num_rows == 0 and g.num_rows in self.config.graph_batch_sizes
 
     def workspace_use(self) -> dict:
-        """Elements of each arena region this step uses (sparse or dense layers, either span)."""
+        """Elements of each arena region this step uses (sparse or dense layers, either span, GPU or CPU)."""
         cfg, use = self.config, {"scores": 0, "partial_out": 0, "partial_lse": 0}
-        spans = []  # (tokens, block bound, sparse -> (tile, num_tiles)), as the launchers pick them
-        if self.context.num_rows:
-            tile, tile_map = self.context.prefill.tiles(cfg.group)
-            spans.append((self.context.num_tokens, self.context.max_blocks,
-                          lambda sparse, tile=tile, n=tile_map.shape[0]: (tile, n)))
-        g = self.generation
-        if g.num_rows:
-            def decode_tiles(sparse):
-                tile = geometry.decode_tile(cfg.group, g.query_len, sparse, max_blocks=g.max_blocks, topk=cfg.topk)
-                return tile, geometry.cdiv(g.query_len, tile.tokens_per_tile) * g.num_rows
-            spans.append((g.num_tokens, g.max_blocks, decode_tiles))
-        for tokens, blocks, tiles in spans:
-            use["scores"] = max(use["scores"], cfg.num_kv_heads * tokens * blocks)
+        for span in self.spans:
+            use["scores"] = max(use["scores"], cfg.num_kv_heads * span.num_tokens * span.max_blocks)
             for sparse in (True, False):
-                tile, num_tiles = tiles(sparse)
-                plan = geometry.attention_plan(tile=tile, num_tiles=num_tiles, num_kv_heads=cfg.num_kv_heads,
-                                               head_dim=cfg.head_dim, topk=cfg.topk, max_blocks=blocks,
-                                               sparse=sparse)
-                shapes = plan.partial_shapes(tokens, cfg.num_q_heads, cfg.head_dim)
-                if shapes is not None:
-                    use["partial_out"] = max(use["partial_out"], int(np.prod(shapes[0])))
-                    use["partial_lse"] = max(use["partial_lse"], int(np.prod(shapes[1])))
+                if span.prefill is not None:
+                    tile, tile_map = span.prefill.tiles(cfg.group)
+                    num_tiles = tile_map.shape[0]
+                else:
+                    tile = decode_tile(cfg.group, span.decode_query_len, sparse, max_blocks=span.max_blocks,
+                                       topk=cfg.topk)
+                    num_tiles = cdiv(span.decode_query_len, tile.tokens_per_tile) * span.num_rows
+                for interpret in (False, True):
+                    splits = tuning.attention(tile=tile, num_tiles=num_tiles, num_kv_heads=cfg.num_kv_heads,
+                                              head_dim=cfg.head_dim, topk=cfg.topk, max_blocks=span.max_blocks,
+                                              sparse=sparse, interpret=interpret).num_splits
+                    if splits > 1:
+                        rows = span.num_tokens * cfg.num_q_heads * splits
+                        use["partial_out"] = max(use["partial_out"], rows * cfg.head_dim)
+                        use["partial_lse"] = max(use["partial_lse"], rows)
         use["block_ids"] = cfg.num_kv_heads * self.num_tokens * cfg.topk
         return use
 
@@ -321,7 +321,7 @@ class StepPlanner:
     >>> planner = StepPlanner(StepConfig(num_q_heads=64, num_kv_heads=4, head_dim=128,
     ...                                  max_batch=256, max_num_tokens=8192, max_blocks=1024))
     >>> plan = planner.plan(seq_lens=[5000, 700, 901], cu_seqlens_q=[0, 300, 301, 302], num_context=1)
-    >>> plan.generation.row_start, plan.generation.query_len, plan.generation.max_kv_len
+    >>> plan.generation.row_start, plan.generation.decode_query_len, plan.generation.max_kv_len
     (1, 1, 901)
     """
 
@@ -339,11 +339,11 @@ class StepPlanner:
         # splits >= 2, i.e. work < TARGET. So T * splits <= tpt * (TARGET + work - 1) / Hk
         # < tpt * 2 * TARGET / Hk, and <= max_num_tokens * ceil(TARGET / Hk).
         # tpt grows with the query length: take the largest. (Sparse attention
-        # aims at SPARSE_TARGET_PROGRAMS <= TARGET_PROGRAMS: fewer splits.)
-        tpt = geometry.row_tile(c.group, c.max_num_tokens).tokens_per_tile
-        target = geometry.TARGET_PROGRAMS
-        partial_rows = min(geometry.cdiv(tpt * (2 * target - 2), c.num_kv_heads),
-                           c.max_num_tokens * geometry.cdiv(target, c.num_kv_heads))
+        # aims at fewer programs than dense: fewer splits.)
+        tpt = row_tile(c.group, c.max_num_tokens).tokens_per_tile
+        target = tuning.max_target_programs()
+        partial_rows = min(cdiv(tpt * (2 * target - 2), c.num_kv_heads),
+                           c.max_num_tokens * cdiv(target, c.num_kv_heads))
         return _layout({
             "scores": (c.num_kv_heads * c.max_num_tokens * c.max_blocks, "float32"),
             "block_ids": (c.num_kv_heads * c.max_num_tokens * c.topk, "int32"),
@@ -392,14 +392,14 @@ class StepPlanner:
             pad = next(s for s in cfg.graph_batch_sizes if s >= Rg) - Rg
         gen_kv = max(seq_lens[Rc:], default=0)
         Tc = sum(q_lens[:Rc])
-        generation = GenerationSpan(row_start=Rc, num_rows=Rg + pad, token_start=Tc, query_len=n,
-                                    max_kv_len=gen_kv, max_blocks=block_bound(gen_kv, cfg.max_blocks),
-                                    num_padding_rows=pad)
+        generation = Span(row_start=Rc, num_rows=Rg + pad, token_start=Tc, num_tokens=(Rg + pad) * n,
+                          max_kv_len=gen_kv, max_blocks=block_bound(gen_kv, cfg.max_blocks), decode_query_len=n,
+                          num_padding_rows=pad)
 
         # -- context span: the row prefix, any query lengths
         ctx_kv = max(seq_lens[:Rc], default=0)
-        context = ContextSpan(num_rows=Rc, num_tokens=Tc, max_kv_len=ctx_kv,
-                              max_blocks=block_bound(ctx_kv, cfg.max_blocks), prefill=_from_q_lens(q_lens[:Rc]))
+        context = Span(row_start=0, num_rows=Rc, token_start=0, num_tokens=Tc, max_kv_len=ctx_kv,
+                       max_blocks=block_bound(ctx_kv, cfg.max_blocks), prefill=_from_q_lens(q_lens[:Rc]))
 
         plan = StepPlan(cfg, context, generation, self.layout)
         if plan.num_rows > cfg.max_batch:

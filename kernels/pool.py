@@ -23,8 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from . import validate
-from .geometry import PAGE_SIZE, next_pow2
+from .maps import PAGE_SIZE, next_pow2
 
 KV_LAYOUTS = ("HND", "NHD")
 ITEM_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -153,67 +152,3 @@ class PoolLayout:
 
     def views(self) -> list[LayerView]:
         return [self.layer(i) for i in range(self.num_layers)]
-
-
-# -- cache_write launch arguments, in kernel-signature order ------------------------
-
-def cache_write_args(*, k, v, index_k, slot_mapping, pool_in, k_off, v_off, index_k_off, k_strides, v_strides,
-                     index_k_strides, k_cache_strides, v_cache_strides, index_k_cache_strides):
-    """Runtime arguments of ``cache_write_kernel`` up to (not including) the pool output.
-
-    ``pool_in`` is the pool buffer again (JAX passes the aliased input; torch
-    passes the same tensor twice). Missing tensors (a dense layer's index-K)
-    are passed as any other tensor of the call, with zero strides: never read.
-    """
-    return [k, v, index_k, slot_mapping, pool_in, int(k_off), int(v_off), int(index_k_off),
-            *k_strides, *v_strides, *index_k_strides, *k_cache_strides, *v_cache_strides, *index_k_cache_strides]
-
-
-def cache_write_constexprs(*, num_kv_heads, head_dim, index_head_dim, write_k=True, write_v=True,
-                           write_index=False):
-    return dict(NUM_KV_HEADS=num_kv_heads, HEADS_PAD=next_pow2(num_kv_heads), HEAD_DIM=head_dim,
-                INDEX_HEAD_DIM=index_head_dim if write_index else 16, WRITE_K=bool(write_k),
-                WRITE_V=bool(write_v), WRITE_INDEX=bool(write_index))
-
-
-CACHE_WRITE_NUM_WARPS = 4
-
-
-# -- checks (shapes and dtypes only) ------------------------------------------------
-
-def check_cache_write(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping):
-    """k, v [T, Hk, D]; index_k [T, Di] or None; caches as in SPEC.md; slot_mapping [T]
-    int32/int64. -> (T, Hk, D, Di or None)."""
-    validate.check_rank("k", k, 3, "[T, Hk, D]")
-    validate.check_dtype("k", k, validate.FLOAT_DTYPES)
-    num_tokens, num_kv_heads, head_dim = (int(s) for s in k.shape)
-    validate.check_head_dim("k", head_dim)
-    validate.check_rank("v", v, 3, "[T, Hk, D]")
-    validate.check_dtype("v", v, validate.dtype_name(k))
-    for axis, (want, what) in enumerate(((num_tokens, "T"), (num_kv_heads, "Hk"), (head_dim, "D"))):
-        validate.check_dim("v", v, axis, want, f"{what} of k")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        validate.check_rank(name, cache, 4, "[slots, Hk, 128, D]")
-        validate.check_dtype(name, cache, validate.dtype_name(k))
-        validate.check_dim(name, cache, 1, num_kv_heads, "Hk of k")
-        validate.check_dim(name, cache, 2, PAGE_SIZE, "page size")
-        validate.check_dim(name, cache, 3, head_dim, "D of k")
-    validate.check_rank("slot_mapping", slot_mapping, 1, "[T]")
-    validate.check_dtype("slot_mapping", slot_mapping, ("int32", "int64"))
-    validate.check_dim("slot_mapping", slot_mapping, 0, num_tokens, "T (tokens of k)")
-    if (index_k is None) != (index_k_cache is None):
-        raise ValueError("index_k / index_k_cache: give both (sparse layer) or neither (dense layer), got "
-                         f"index_k={'None' if index_k is None else 'a tensor'}, "
-                         f"index_k_cache={'None' if index_k_cache is None else 'a tensor'}")
-    if index_k is None:
-        return num_tokens, num_kv_heads, head_dim, None
-    validate.check_rank("index_k", index_k, 2, "[T, Di]")
-    validate.check_dtype("index_k", index_k, validate.dtype_name(k))
-    validate.check_dim("index_k", index_k, 0, num_tokens, "T (tokens of k)")
-    index_head_dim = int(index_k.shape[1])
-    validate.check_head_dim("index_k", index_head_dim)
-    validate.check_rank("index_k_cache", index_k_cache, 3, "[slots, 128, Di]")
-    validate.check_dtype("index_k_cache", index_k_cache, validate.dtype_name(k))
-    validate.check_dim("index_k_cache", index_k_cache, 1, PAGE_SIZE, "page size")
-    validate.check_dim("index_k_cache", index_k_cache, 2, index_head_dim, "Di of index_k")
-    return num_tokens, num_kv_heads, head_dim, index_head_dim

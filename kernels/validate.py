@@ -1,16 +1,42 @@
-"""Argument checks shared by both launchers.
+"""Every argument check of the public ops, for both frameworks.
 
-They read ``.shape`` and ``.dtype`` only, never values, so no check
-synchronizes with the device (a decode step stays CUDA-graph capturable).
-Dtypes are compared by name, which torch ("torch.bfloat16") and JAX/numpy
-("bfloat16") both provide.
+The shape/dtype checks read ``.shape``, ``.dtype`` (and, for torch, strides
+through the launch description) only, never values, so no check synchronizes
+with the device and a decode step stays CUDA-graph capturable. Dtypes are
+compared by name, which torch ("torch.bfloat16") and JAX/numpy ("bfloat16")
+both provide. Each public op calls ONE ``check_*_call`` here, which returns a
+:class:`Call` with the sizes it resolved; composite ops do not re-check
+inside. Value checks (opt-in, ``M3_VALIDATE=1``) are at the end.
 """
 
 from __future__ import annotations
 
-from .geometry import PAGE_SIZE
+import dataclasses
+import os
+
+import numpy as np
+
+from .maps import PAGE_SIZE
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a validated call resolved (0 where it does not apply)."""
+    num_requests: int = 0
+    max_blocks: int = 0
+    num_tokens: int = 0
+    num_q_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    num_index_heads: int = 0
+    index_head_dim: int = 0
+    sm_scale: float = 0.0
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
 
 
 def dtype_name(x) -> str:
@@ -43,6 +69,26 @@ def check_head_dim(name, d):
         raise ValueError(f"{name}: head dim must be a power of two in [16, 256], got {d}")
 
 
+def softmax_scale(sm_scale, head_dim) -> float:
+    """``sm_scale``, or the default ``head_dim ** -0.5`` (SPEC.md)."""
+    return head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+
+
+def check_cache_layout(name, offset, strides):
+    """Cache offsets and all strides but the last must be multiples of 16 elements.
+
+    The kernels state this to the compiler (``multiple_of_16``) so that K/V
+    loads vectorize and pipeline in both frameworks. Any cache whose head dim
+    is a multiple of 16 and whose rows are contiguous, HND, NHD or inside a
+    pool, satisfies it.
+    """
+    if any(int(x) % 16 for x in (offset, *strides[:-1])):
+        raise ValueError(f"{name}: element offset and strides (except the last) must be multiples of 16, "
+                         f"got offset {int(offset)}, strides {tuple(int(x) for x in strides)}")
+
+
+# -- metadata and rows --------------------------------------------------------------------
+
 def check_metadata(block_table, seq_lens):
     """-> (R, max_blocks)."""
     check_rank("block_table", block_table, 2, "[R, max_blocks]")
@@ -53,11 +99,32 @@ def check_metadata(block_table, seq_lens):
     return int(block_table.shape[0]), int(block_table.shape[1])
 
 
-def check_tokens(name, x, num_requests, decode_query_len, axis=0):
-    if not isinstance(decode_query_len, int) or isinstance(decode_query_len, bool) or decode_query_len < 1:
-        raise ValueError(f"decode_query_len: expected an int >= 1, got {decode_query_len!r}")
-    check_dim(name, x, axis, num_requests * decode_query_len,
-              f"T = R * decode_query_len = {num_requests} * {decode_query_len}")
+def check_int(name, value, minimum):
+    """An int (Python or numpy integer, not bool) >= ``minimum`` -> Python int."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    value = int(value.__index__())
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_rows(name, x, num_requests, *, decode_query_len=None, prefill=None, cu_seqlens_q=None, axis=0) -> int:
+    """The token axis of ``x`` against decode (``T = R * decode_query_len``) or a PrefillPlan -> T.
+
+    ``cu_seqlens_q``: the array the plan was read from, if any (shape and dtype checked).
+    """
+    if cu_seqlens_q is not None and hasattr(cu_seqlens_q, "shape"):
+        check_cu_seqlens(cu_seqlens_q, num_requests)
+    if prefill is not None:
+        if prefill.num_rows != num_requests:
+            raise ValueError(f"cu_seqlens_q: {prefill.num_rows} requests, but block_table/seq_lens have "
+                             f"{num_requests}")
+        check_dim(name, x, axis, prefill.num_tokens, "T = cu_seqlens_q[-1]")
+        return prefill.num_tokens
+    n = check_int("decode_query_len", decode_query_len, 1)
+    check_dim(name, x, axis, num_requests * n, f"T = R * decode_query_len = {num_requests} * {n}")
+    return num_requests * n
 
 
 def check_cu_seqlens(cu_seqlens_q, num_requests):
@@ -67,12 +134,15 @@ def check_cu_seqlens(cu_seqlens_q, num_requests):
     check_dim("cu_seqlens_q", cu_seqlens_q, 0, num_requests + 1, "R + 1 (rows of block_table + 1)")
 
 
-def check_prefill_plan(name, x, plan, num_requests, axis=0):
-    """A prefill plan's rows and tokens against the tensors' shapes."""
-    if plan.num_rows != num_requests:
-        raise ValueError(f"plan: built for {plan.num_rows} requests, but block_table/seq_lens have {num_requests}")
-    check_dim(name, x, axis, plan.num_tokens, "T = cu_seqlens_q[-1]")
+def check_out(out, shape, dtype):
+    if out is None:
+        return
+    if _shape(out) != tuple(shape):
+        raise ValueError(f"out: expected shape {tuple(shape)}, got {_shape(out)}")
+    check_dtype("out", out, dtype)
 
+
+# -- operands ---------------------------------------------------------------------------
 
 def check_kv_caches(q, k_cache, v_cache):
     """q [T, Hq, D], caches [pages, Hk, PAGE_SIZE, D] (logical HND) -> (Hq, Hk, D)."""
@@ -105,6 +175,11 @@ def check_index_inputs(idx_q, index_k_cache):
     return int(idx_q.shape[1]), head_dim
 
 
+def check_index_heads(num_index_heads, num_kv_heads):
+    if num_index_heads != num_kv_heads:
+        raise ValueError(f"idx_q: index heads Hi={num_index_heads} must equal KV heads Hk={num_kv_heads}")
+
+
 def check_block_ids(block_ids, num_kv_heads, num_tokens):
     """block_ids [Hk, T, topk] int32 -> topk."""
     check_rank("block_ids", block_ids, 3, "[Hk, T, topk]")
@@ -115,31 +190,80 @@ def check_block_ids(block_ids, num_kv_heads, num_tokens):
 
 
 def check_selection_args(topk, init_blocks, local_blocks):
-    for name, v, lo in (("topk", topk, 1), ("init_blocks", init_blocks, 0), ("local_blocks", local_blocks, 0)):
-        if not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    """-> (topk, init_blocks, local_blocks) as Python ints."""
+    topk = check_int("topk", topk, 1)
+    init_blocks = check_int("init_blocks", init_blocks, 0)
+    local_blocks = check_int("local_blocks", local_blocks, 0)
     if init_blocks + local_blocks > topk:
         raise ValueError(f"init_blocks + local_blocks ({init_blocks} + {local_blocks}) must not exceed topk ({topk})")
+    return topk, init_blocks, local_blocks
 
 
-def check_select_inputs(scores, seq_lens, decode_query_len, topk, init_blocks, local_blocks):
-    """scores [Hi, T, max_blocks] float32, seq_lens [R] int32, T = R * n -> Hi."""
+# -- one check per public call ------------------------------------------------------------
+
+def check_index_call(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_len=None, prefill=None,
+                     cu_seqlens_q=None, out=None) -> Call:
+    """``index_scores`` / ``index_scores_prefill``."""
+    num_requests, max_blocks = check_metadata(block_table, seq_lens)
+    num_heads, head_dim = check_index_inputs(idx_q, index_k_cache)
+    num_tokens = check_rows("idx_q", idx_q, num_requests, decode_query_len=decode_query_len, prefill=prefill,
+                            cu_seqlens_q=cu_seqlens_q)
+    check_out(out, (num_heads, num_tokens, max_blocks), "float32")
+    return Call(num_requests, max_blocks, num_tokens, num_index_heads=num_heads, index_head_dim=head_dim)
+
+
+def check_select_call(scores, seq_lens, *, topk, init_blocks, local_blocks, decode_query_len=None, prefill=None,
+                      cu_seqlens_q=None, out=None) -> Call:
+    """``select_blocks`` / ``select_blocks_prefill``."""
     check_selection_args(topk, init_blocks, local_blocks)
     check_rank("seq_lens", seq_lens, 1, "[R]")
     check_dtype("seq_lens", seq_lens, "int32")
     check_rank("scores", scores, 3, "[Hi, T, max_blocks]")
     check_dtype("scores", scores, "float32")
-    check_tokens("scores", scores, int(seq_lens.shape[0]), decode_query_len, axis=1)
-    return int(scores.shape[0])
+    num_requests = int(seq_lens.shape[0])
+    num_tokens = check_rows("scores", scores, num_requests, decode_query_len=decode_query_len, prefill=prefill,
+                            cu_seqlens_q=cu_seqlens_q, axis=1)
+    check_out(out, (int(scores.shape[0]), num_tokens, topk), "int32")
+    return Call(num_requests, int(scores.shape[2]), num_tokens, num_index_heads=int(scores.shape[0]))
 
 
-def check_step_inputs(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, config, num_rows,
-                      num_tokens, block_bound, sparse):
-    """A mixed step's arrays against the step's plan (``msa_attention_step`` of both frameworks).
+def check_attention_call(q, k_cache, v_cache, block_table, seq_lens, *, block_ids=None, sm_scale=None,
+                         decode_query_len=None, prefill=None, cu_seqlens_q=None, out=None) -> Call:
+    """``sparse_*`` (with ``block_ids``) and ``dense_*``, decode or prefill."""
+    num_requests, max_blocks = check_metadata(block_table, seq_lens)
+    num_q_heads, num_kv_heads, head_dim = check_kv_caches(q, k_cache, v_cache)
+    num_tokens = check_rows("q", q, num_requests, decode_query_len=decode_query_len, prefill=prefill,
+                            cu_seqlens_q=cu_seqlens_q)
+    if block_ids is not None:
+        check_block_ids(block_ids, num_kv_heads, num_tokens)
+    check_out(out, q.shape, dtype_name(q))
+    return Call(num_requests, max_blocks, num_tokens, num_q_heads, num_kv_heads, head_dim,
+                sm_scale=softmax_scale(sm_scale, head_dim))
+
+
+def check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, topk, init_blocks,
+                   local_blocks, sm_scale=None, decode_query_len=None, prefill=None, cu_seqlens_q=None,
+                   out=None) -> Call:
+    """``msa_decode`` / ``msa_prefill``: the three stages' inputs at once."""
+    check_selection_args(topk, init_blocks, local_blocks)
+    call = check_attention_call(q, k_cache, v_cache, block_table, seq_lens, sm_scale=sm_scale,
+                                decode_query_len=decode_query_len, prefill=prefill,
+                                cu_seqlens_q=cu_seqlens_q, out=out)
+    num_index_heads, index_head_dim = check_index_inputs(idx_q, index_k_cache)
+    check_index_heads(num_index_heads, call.num_kv_heads)
+    check_dim("idx_q", idx_q, 0, call.num_tokens, "T (tokens of q)")
+    return dataclasses.replace(call, num_index_heads=num_index_heads, index_head_dim=index_head_dim)
+
+
+def check_step_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, config, num_rows,
+                    num_tokens, block_bound, sparse, init_blocks, local_blocks, sm_scale=None, out=None) -> Call:
+    """``msa_attention_step``: a mixed step's arrays against the step's plan.
 
     config: the planner's StepConfig; num_rows / num_tokens: the plan's, padding
     included; block_bound: the most block-table columns any span of the plan reads.
     """
+    if sparse:
+        check_selection_args(config.topk, init_blocks, local_blocks)
     num_requests, max_blocks = check_metadata(block_table, seq_lens)
     num_q_heads, num_kv_heads, head_dim = check_kv_caches(q, k_cache, v_cache)
     for name, got, want in (("q: Hq", num_q_heads, config.num_q_heads),
@@ -158,16 +282,133 @@ def check_step_inputs(q, idx_q, k_cache, v_cache, index_k_cache, block_table, se
         num_index_heads, _ = check_index_inputs(idx_q, index_k_cache)
         check_index_heads(num_index_heads, num_kv_heads)
         check_dim("idx_q", idx_q, 0, num_tokens, "T (tokens of q)")
+    check_out(out, q.shape, dtype_name(q))
+    return Call(num_requests, max_blocks, num_tokens, num_q_heads, num_kv_heads, head_dim,
+                sm_scale=softmax_scale(sm_scale, head_dim))
 
 
-def check_index_heads(num_index_heads, num_kv_heads):
-    if num_index_heads != num_kv_heads:
-        raise ValueError(f"idx_q: index heads Hi={num_index_heads} must equal KV heads Hk={num_kv_heads}")
+def check_cache_write(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping):
+    """``write_cache``: k, v [T, Hk, D]; index_k [T, Di] or None; caches as in SPEC.md;
+    slot_mapping [T] int32/int64. -> T."""
+    check_rank("k", k, 3, "[T, Hk, D]")
+    check_dtype("k", k, FLOAT_DTYPES)
+    num_tokens, num_kv_heads, head_dim = (int(s) for s in k.shape)
+    check_head_dim("k", head_dim)
+    check_rank("v", v, 3, "[T, Hk, D]")
+    check_dtype("v", v, dtype_name(k))
+    for axis, (want, what) in enumerate(((num_tokens, "T"), (num_kv_heads, "Hk"), (head_dim, "D"))):
+        check_dim("v", v, axis, want, f"{what} of k")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_rank(name, cache, 4, "[slots, Hk, 128, D]")
+        check_dtype(name, cache, dtype_name(k))
+        check_dim(name, cache, 1, num_kv_heads, "Hk of k")
+        check_dim(name, cache, 2, PAGE_SIZE, "page size")
+        check_dim(name, cache, 3, head_dim, "D of k")
+    check_rank("slot_mapping", slot_mapping, 1, "[T]")
+    check_dtype("slot_mapping", slot_mapping, ("int32", "int64"))
+    check_dim("slot_mapping", slot_mapping, 0, num_tokens, "T (tokens of k)")
+    if (index_k is None) != (index_k_cache is None):
+        raise ValueError("index_k / index_k_cache: give both (sparse layer) or neither (dense layer), got "
+                         f"index_k={'None' if index_k is None else 'a tensor'}, "
+                         f"index_k_cache={'None' if index_k_cache is None else 'a tensor'}")
+    if index_k is not None:
+        check_rank("index_k", index_k, 2, "[T, Di]")
+        check_dtype("index_k", index_k, dtype_name(k))
+        check_dim("index_k", index_k, 0, num_tokens, "T (tokens of k)")
+        check_head_dim("index_k", int(index_k.shape[1]))
+        check_rank("index_k_cache", index_k_cache, 3, "[slots, 128, Di]")
+        check_dtype("index_k_cache", index_k_cache, dtype_name(k))
+        check_dim("index_k_cache", index_k_cache, 1, PAGE_SIZE, "page size")
+        check_dim("index_k_cache", index_k_cache, 2, int(index_k.shape[1]), "Di of index_k")
+    return num_tokens
 
 
-def check_out(out, shape, dtype):
-    if out is None:
-        return
-    if _shape(out) != tuple(shape):
-        raise ValueError(f"out: expected shape {tuple(shape)}, got {_shape(out)}")
-    check_dtype("out", out, dtype)
+# -- opt-in value checks (M3_VALIDATE=1) -----------------------------------------------------
+# Off by default: reading values needs the metadata on the host (a device sync on a GPU).
+# The framework guards (m3_torch.guards, m3_jax.guards) run them once per public call, on
+# host numpy copies. Without them, out-of-range page or slot ids are undefined behaviour;
+# lengths past the table and negative lengths are defined (clamped / padding) either way.
+
+VALUE_CHECKED = ("seq_lens", "block_table", "block_ids", "slot_mapping")
+
+
+def values_enabled() -> bool:
+    """True when ``M3_VALIDATE`` is set to anything but "" or "0"; read at each call."""
+    return os.environ.get("M3_VALIDATE", "") not in ("", "0")
+
+
+def check_seq_lens_values(seq_lens, max_blocks):
+    """Every ``seq_lens[r]`` in ``[0, max_blocks * 128]``."""
+    seq_lens = np.asarray(seq_lens)
+    limit = int(max_blocks) * PAGE_SIZE
+    bad = np.flatnonzero((seq_lens < 0) | (seq_lens > limit))
+    if bad.size:
+        r = int(bad[0])
+        raise ValueError(f"seq_lens: row {r} is {int(seq_lens[r])}, expected 0 <= seq_len <= {limit} "
+                         f"(max_blocks * 128 = {int(max_blocks)} * 128)")
+
+
+def check_metadata_values(block_table, seq_lens, num_pages):
+    """``seq_lens`` as above; every visible ``block_table`` entry (the first
+    ``ceil(seq_lens[r] / 128)`` of row r) in ``[0, num_pages)``. Entries past them are never read."""
+    block_table, seq_lens = np.asarray(block_table), np.asarray(seq_lens)
+    max_blocks = block_table.shape[1]
+    check_seq_lens_values(seq_lens, max_blocks)
+    visible = np.arange(max_blocks)[None, :] < -(-seq_lens[:, None] // PAGE_SIZE)
+    bad = np.argwhere(visible & ((block_table < 0) | (block_table >= num_pages)))
+    if bad.size:
+        r, b = (int(i) for i in bad[0])
+        raise ValueError(f"block_table: row {r}, block {b} is {int(block_table[r, b])}, expected a page id in "
+                         f"[0, {int(num_pages)}) (pages of the caches; the row's first "
+                         f"{-(-int(seq_lens[r]) // PAGE_SIZE)} blocks are read, seq_lens[{r}] = {int(seq_lens[r])})")
+
+
+def check_slot_mapping_values(slot_mapping, num_slots):
+    """Every ``slot_mapping[t]`` is -1 (skip) or in ``[0, num_slots * 128)``."""
+    slot_mapping = np.asarray(slot_mapping)
+    limit = int(num_slots) * PAGE_SIZE
+    bad = np.flatnonzero((slot_mapping < -1) | (slot_mapping >= limit))
+    if bad.size:
+        t = int(bad[0])
+        raise ValueError(f"slot_mapping: token {t} is {int(slot_mapping[t])}, expected -1 (skip) or a value in "
+                         f"[0, {limit}) (num_slots * 128 = {int(num_slots)} * 128)")
+
+
+def check_block_ids_values(block_ids, max_blocks):
+    """Every ``block_ids[k, t, j]`` is -1 (empty slot) or in ``[0, max_blocks)``."""
+    block_ids = np.asarray(block_ids)
+    bad = np.argwhere((block_ids < -1) | (block_ids >= max_blocks))
+    if bad.size:
+        k, t, j = (int(i) for i in bad[0])
+        raise ValueError(f"block_ids: [kv head {k}, token {t}, slot {j}] is {int(block_ids[k, t, j])}, expected -1 "
+                         f"or a block in [0, {int(max_blocks)}) (max_blocks: columns of block_table)")
+
+
+def value_check_bounds(arrays: dict) -> dict:
+    """The bounds the value checks of one call need, from the shapes of its named arguments.
+
+    Pages (and pool slots) from the caches' first axis (the smallest, when
+    several caches are given), ``max_blocks`` from ``block_table`` (or the
+    scores of ``select_blocks``).
+    """
+    pages = [int(arrays[n].shape[0]) for n in ("k_cache", "v_cache", "index_k_cache") if arrays.get(n) is not None]
+    if arrays.get("block_table") is not None:
+        max_blocks = int(arrays["block_table"].shape[1])
+    elif arrays.get("scores") is not None:
+        max_blocks = int(arrays["scores"].shape[2])
+    else:
+        max_blocks = None
+    return dict(num_pages=min(pages) if pages else None, max_blocks=max_blocks)
+
+
+def check_values(values: dict, *, num_pages, max_blocks):
+    """Every value check that applies to ``values`` (host arrays by argument name, see VALUE_CHECKED)."""
+    if "seq_lens" in values:
+        if "block_table" in values:
+            check_metadata_values(values["block_table"], values["seq_lens"], num_pages)
+        else:
+            check_seq_lens_values(values["seq_lens"], max_blocks)
+    if "block_ids" in values:
+        check_block_ids_values(values["block_ids"], max_blocks)
+    if "slot_mapping" in values:
+        check_slot_mapping_values(values["slot_mapping"], num_pages)

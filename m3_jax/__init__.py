@@ -1,23 +1,23 @@
 """JAX API of the MiniMax-M3 MSA kernels.
 
-The same Triton kernels as ``m3_torch``: compiled through jax-triton on a GPU
-backend, run by Triton's interpreter inside ``jax.pure_callback`` on a CPU
-backend. Every op works under ``jax.jit``. See SPEC.md for what each op computes.
+The same Triton kernels and launch descriptions as ``m3_torch``: compiled
+through jax-triton on a GPU backend, run by Triton's interpreter inside
+``jax.pure_callback`` on a CPU backend. Every op works under ``jax.jit``.
+See SPEC.md for what each op computes.
 """
 
-from . import cache, interop, reference
+from . import cache, interop, ops, reference
+from .api import (StepSpec, dense_decode, dense_prefill, index_scores, index_scores_prefill, msa_attention_step,
+                  msa_decode, msa_prefill, select_blocks, select_blocks_prefill, sparse_decode, sparse_prefill,
+                  step_inputs)
 from .cache import allocate_pool, layer_views, write_cache, write_layer
 from .interop import StepMetadata, to_jax, to_torch
-from ._triton_call import triton_call
-from .decode import dense_decode, index_scores, msa_decode, select_blocks, sparse_decode
-from .prefill import (PrefillMaps, dense_prefill, index_scores_prefill, msa_prefill, prefill_maps,
-                      select_blocks_prefill, sparse_prefill)
-from .step import StepSpec, msa_attention_step, step_inputs
+from .ops import PrefillMaps, prefill_maps
 from .views import PagedView, as_index_k_view, as_kv_view, index_k_view, kv_cache_view
 
-__all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode", "reference",
-           "triton_call", "PagedView", "kv_cache_view", "index_k_view", "as_kv_view", "as_index_k_view",
-           "cache", "allocate_pool", "layer_views", "write_cache", "write_layer",
-           "interop", "StepMetadata", "to_jax", "to_torch",
+__all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode",
            "index_scores_prefill", "select_blocks_prefill", "sparse_prefill", "dense_prefill", "msa_prefill",
-           "PrefillMaps", "prefill_maps", "msa_attention_step", "StepSpec", "step_inputs"]
+           "PrefillMaps", "prefill_maps", "msa_attention_step", "StepSpec", "step_inputs",
+           "PagedView", "kv_cache_view", "index_k_view", "as_kv_view", "as_index_k_view",
+           "cache", "allocate_pool", "layer_views", "write_cache", "write_layer",
+           "interop", "StepMetadata", "to_jax", "to_torch", "ops", "reference"]

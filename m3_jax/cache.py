@@ -23,19 +23,14 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from m3_kernels import geometry
-from m3_kernels import pool as pool_layout
+from m3_kernels import launches, validate
 from m3_kernels.pool import PoolLayout, SubPageView
 
-from ._triton_call import triton_call
+from .ops import operand, run
 from .views import PagedView, as_index_k_view, as_kv_view
 
 __all__ = ["LayerViews", "allocate_pool", "check_pool", "sub_page_view", "layer_views", "write_cache",
            "write_layer"]
-
-_CACHE_WRITE = ("cache_write", "cache_write_kernel")
-_POOL_ARG = 4   # index of pool_in in cache_write_args: aliased to the kernel's only output
-
 
 class LayerViews(NamedTuple):
     k_cache: PagedView                   # [num_slots, Hk, 128, D]
@@ -70,29 +65,12 @@ def layer_views(pool, layout: PoolLayout, layer: int) -> LayerViews:
 
 def _launch(k, v, index_k, slot_mapping, buffer, views):
     """One kernel launch writing the caches in ``views`` (name -> PagedView, all over ``buffer``)."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    strides = geometry.contiguous_strides   # JAX arrays are dense row-major
-
-    def off(name):
-        return views[name].offset if name in views else 0
-
-    def cache_strides(name, rank):
-        return views[name].strides if name in views else (0,) * rank
-
-    args = pool_layout.cache_write_args(
-        k=k, v=v, index_k=index_k if index_k is not None else k, slot_mapping=slot_mapping, pool_in=buffer,
-        k_off=off("k"), v_off=off("v"), index_k_off=off("index"), k_strides=strides(k.shape),
-        v_strides=strides(v.shape), index_k_strides=strides(index_k.shape) if index_k is not None else (0, 0),
-        k_cache_strides=cache_strides("k", 4), v_cache_strides=cache_strides("v", 4),
-        index_k_cache_strides=cache_strides("index", 3))
-    assert args[_POOL_ARG] is buffer
-    return triton_call(*args, kernel=_CACHE_WRITE, out_shape=jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
-                       grid=(num_tokens,), num_warps=pool_layout.CACHE_WRITE_NUM_WARPS, num_stages=1,
-                       input_output_aliases={_POOL_ARG: 0},
-                       **pool_layout.cache_write_constexprs(
-                           num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           index_head_dim=index_k.shape[1] if index_k is not None else None,
-                           write_k="k" in views, write_v="v" in views, write_index="index" in views))
+    launch = launches.write_cache(
+        k=operand(k), v=operand(v), index_k=None if index_k is None else operand(index_k),
+        slot_mapping=slot_mapping, pool=buffer, pool_shape=buffer.shape, pool_dtype=str(buffer.dtype),
+        **{f"{name}_cache": operand(views[key]) if key in views else None
+           for name, key in (("k", "k"), ("v", "v"), ("index_k", "index"))})
+    return run(launch)["pool"]
 
 
 def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, *, kv_layout="HND"):
@@ -112,8 +90,8 @@ def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, *,
     views = {"k": as_kv_view(k_cache, kv_layout, "k_cache"), "v": as_kv_view(v_cache, kv_layout, "v_cache")}
     if index_k_cache is not None:
         views["index"] = as_index_k_view(index_k_cache)
-    num_tokens, _, _, _ = pool_layout.check_cache_write(k, v, index_k, views["k"], views["v"], views.get("index"),
-                                                        slot_mapping)
+    num_tokens = validate.check_cache_write(k, v, index_k, views["k"], views["v"], views.get("index"),
+                                            slot_mapping)
     if num_tokens == 0:
         return k_cache, v_cache, index_k_cache
     groups: list = []   # [(buffer, {name: view})], one per distinct buffer object

@@ -30,11 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3_kernels import geometry
+from m3_kernels.maps import PAGE_SIZE, contiguous_strides
 
 __all__ = ["PagedView", "kv_cache_view", "index_k_view", "as_kv_view", "as_index_k_view", "KV_LAYOUTS"]
 
-PAGE_SIZE = geometry.PAGE_SIZE
 KV_LAYOUTS = ("HND", "NHD")
 
 
@@ -98,7 +97,7 @@ class PagedView:
     @classmethod
     def of_array(cls, x):
         """The whole of a dense array, as a view (offset 0, row-major strides)."""
-        return cls(x, 0, x.shape, geometry.contiguous_strides(x.shape))
+        return cls(x, 0, x.shape, contiguous_strides(x.shape))
 
     def to_array(self):
         """Gather the view into a dense jax array of ``shape`` (a copy; for references and tests)."""
@@ -123,7 +122,7 @@ def kv_cache_view(cache, kv_layout: str = "HND", name: str = "k_cache") -> Paged
     if len(cache.shape) != 4:
         layout = "[pages, Hk, 128, D]" if kv_layout == "HND" else "[pages, 128, Hk, D]"
         raise ValueError(f"{name}: expected rank 4 {layout} ({kv_layout}), got shape {tuple(cache.shape)}")
-    strides = geometry.contiguous_strides(cache.shape)
+    strides = contiguous_strides(cache.shape)
     if kv_layout == "HND":
         return PagedView(cache, 0, cache.shape, strides)
     pages, page, heads, dim = cache.shape

@@ -1,17 +1,18 @@
-"""PyTorch API of the MiniMax-M3 MSA kernels (custom ops in the ``m3`` namespace).
+"""PyTorch API of the MiniMax-M3 MSA kernels.
 
 See SPEC.md / README.md for what each op computes. CUDA tensors run the
 compiled Triton kernels; CPU tensors run the same kernels in Triton's
-interpreter.
+interpreter. The ``torch.ops.m3.*`` custom ops behind these functions are
+internal (``m3_torch.ops``; their signatures may change).
 """
 
-from . import cache, reference
+from . import cache, ops, reference
+from .api import (dense_decode, dense_prefill, index_scores, index_scores_prefill, msa_attention_step, msa_decode,
+                  msa_prefill, prefill_plan, select_blocks, select_blocks_prefill, sparse_decode, sparse_prefill)
 from .cache import allocate_pool, layer_caches, write_cache
-from .decode import dense_decode, index_scores, msa_decode, select_blocks, sparse_decode
-from .prefill import dense_prefill, index_scores_prefill, msa_prefill, select_blocks_prefill, sparse_prefill
-from .step import msa_attention_step
+from .ops import StepArena, step_arena
 
-__all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode", "reference",
-           "cache", "allocate_pool", "layer_caches", "write_cache",
+__all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode",
            "index_scores_prefill", "select_blocks_prefill", "sparse_prefill", "dense_prefill", "msa_prefill",
-           "msa_attention_step"]
+           "msa_attention_step", "prefill_plan", "StepArena", "step_arena",
+           "cache", "allocate_pool", "layer_caches", "write_cache", "ops", "reference"]

@@ -13,10 +13,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from m3_kernels import pool as pool_layout
+from m3_kernels import validate
 from m3_kernels.pool import PoolLayout, SubPageView
 
-from ._launch import check_devices, kernel, launch
+from . import ops
+from .api import _check_devices
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -56,34 +57,6 @@ def layer_caches(pool: torch.Tensor, layout: PoolLayout, layer: int) -> LayerCac
 
 # -- write_cache ---------------------------------------------------------------------
 
-@torch.library.custom_op("m3::write_cache", mutates_args=("pool",))
-def _write_cache_op(k: torch.Tensor, v: torch.Tensor, index_k: Optional[torch.Tensor], slot_mapping: torch.Tensor,
-                    pool: torch.Tensor, k_off: int, v_off: int, index_k_off: int, k_cache_strides: list[int],
-                    v_cache_strides: list[int], index_k_cache_strides: list[int], write_k: bool, write_v: bool,
-                    write_index: bool) -> None:
-    """One launch writing into the flat buffer ``pool`` (caches at the given offsets/strides)."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    ik = index_k if index_k is not None else k   # never read without write_index
-    args = pool_layout.cache_write_args(
-        k=k, v=v, index_k=ik, slot_mapping=slot_mapping, pool_in=pool, k_off=k_off, v_off=v_off,
-        index_k_off=index_k_off, k_strides=k.stride(), v_strides=v.stride(),
-        index_k_strides=index_k.stride() if index_k is not None else (0, 0),
-        k_cache_strides=k_cache_strides, v_cache_strides=v_cache_strides,
-        index_k_cache_strides=index_k_cache_strides)
-    launch(kernel("cache_write", "cache_write_kernel", k.device), (num_tokens,), [*args, pool],
-           num_warps=pool_layout.CACHE_WRITE_NUM_WARPS, num_stages=1,
-           **pool_layout.cache_write_constexprs(
-               num_kv_heads=num_kv_heads, head_dim=head_dim,
-               index_head_dim=index_k.shape[1] if index_k is not None else None,
-               write_k=write_k, write_v=write_v, write_index=write_index))
-
-
-@_write_cache_op.register_fake
-def _(k, v, index_k, slot_mapping, pool, k_off, v_off, index_k_off, k_cache_strides, v_cache_strides,
-      index_k_cache_strides, write_k, write_v, write_index):
-    return None
-
-
 def _flat_base(cache: torch.Tensor) -> torch.Tensor:
     """The whole storage under ``cache`` as a 1-D tensor (``cache`` sits at its storage_offset)."""
     storage = cache.untyped_storage()
@@ -100,10 +73,9 @@ def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping):
     Updates the caches in place, one kernel launch per distinct buffer (one for
     a pool). Nothing else in the caches' buffers is touched.
     """
-    num_tokens, _, _, _ = pool_layout.check_cache_write(k, v, index_k, k_cache, v_cache, index_k_cache,
-                                                        slot_mapping)
-    check_devices(k=k, v=v, index_k=index_k, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
-                  slot_mapping=slot_mapping)
+    num_tokens = validate.check_cache_write(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping)
+    _check_devices(k=k, v=v, index_k=index_k, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
+                   slot_mapping=slot_mapping)
     if num_tokens == 0:
         return
     caches = {"k": k_cache, "v": v_cache, "index": index_k_cache}
@@ -115,11 +87,6 @@ def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping):
         on = {name: name in names for name in caches}
         base = _flat_base(caches[names[0]])
 
-        def off(name):
-            return caches[name].storage_offset() if on[name] else 0
-
-        def strides(name, rank):
-            return list(caches[name].stride()) if on[name] else [0] * rank
-
-        _write_cache_op(k, v, index_k, slot_mapping, base, off("k"), off("v"), off("index"), strides("k", 4),
-                        strides("v", 4), strides("index", 3), on["k"], on["v"], on["index"])
+        offsets = [caches[name].storage_offset() if on[name] else 0 for name in caches]
+        strides = [list(caches[name].stride()) if on[name] else [] for name in caches]
+        ops.write_cache(k, v, index_k, slot_mapping, base, offsets, *strides)

@@ -1,0 +1,201 @@
+"""One launch description per kernel: everything a launcher needs, from shapes alone.
+
+A builder here turns operands (arrays as the kernel sees them: the object
+passed as the pointer, an element offset, shape and strides), maps and
+options into a :class:`Launch`: the kernel, its grid, its arguments in
+signature order, its outputs, constexprs, warps and stages, and the launch
+that follows it (the split-K merge). ``m3_torch.ops.run(launch, outputs)``
+and ``m3_jax.ops.run(launch)`` execute a Launch; they add nothing of their
+own, so the two frameworks compile the same kernel variant with the same
+arguments, and their results are bit-identical by construction.
+
+Kernel signature convention (jax-triton's): input pointers and runtime
+scalars, then the output pointers, then the ``tl.constexpr`` parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+from . import tuning
+from .maps import RowTile, contiguous_strides, next_pow2
+from .validate import check_cache_layout
+
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """An array as a kernel reads it: ``element(i) = flat(ref)[offset + sum(i_k * strides_k)]``.
+
+    torch: the tensor itself, offset 0 (its data pointer already includes its
+    storage offset) and ``.stride()``; JAX: the buffer of a PagedView with its
+    offset and strides, or a dense array with row-major strides.
+    """
+    ref: Any
+    offset: int
+    shape: tuple
+    strides: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """One output pointer of a launch.
+
+    scratch: a float32 workspace in the contiguous layout given here (torch
+             hands in a flat buffer at least this large; JAX allocates it).
+    unused:  the kernel variant never touches it (torch passes any tensor; JAX
+             a 1-element dummy).
+    """
+    name: str
+    shape: tuple
+    dtype: str
+    strides: tuple
+    scratch: bool = False
+    unused: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prev:
+    """In ``Launch.then.args``: output ``index`` of the launch before."""
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    kernel: str                     # "<module>.<function>" of m3_kernels
+    grid: tuple
+    args: tuple                     # everything before the outputs, in signature order
+    outputs: tuple                  # Output per output pointer, in signature order
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    aliases: tuple = ()             # (arg index, output index): one buffer, updated in place
+    then: Optional["Launch"] = None  # the launch that follows (reads this one's outputs via Prev)
+
+    @property
+    def empty(self) -> bool:
+        return math.prod(self.grid) == 0
+
+
+# -- the indexer ------------------------------------------------------------------------
+
+def index_scores(*, idx_q: Operand, index_k: Operand, block_table: Operand, seq_lens, tile_map, tile: RowTile,
+                 out_strides, interpret: bool) -> Launch:
+    """Per-block causal max scores over ``tile_map``'s row tiles -> ``scores [Hi, T, max_blocks]`` float32."""
+    num_tokens, num_heads, head_dim = idx_q.shape
+    max_blocks = block_table.shape[1]
+    num_tiles = int(tile_map.shape[0])
+    cfg = tuning.index_scores(tile=tile, num_tiles=num_tiles, head_dim=head_dim, max_blocks=max_blocks,
+                              interpret=interpret)
+    check_cache_layout("index_k_cache", index_k.offset, index_k.strides)
+    args = (idx_q.ref, index_k.ref, block_table.ref, seq_lens, tile_map, index_k.offset, *idx_q.strides,
+            *index_k.strides, *block_table.strides, *out_strides, max_blocks, cfg.blocks_per_program)
+    out = Output("scores", (num_heads, num_tokens, max_blocks), "float32", tuple(out_strides))
+    return Launch("index.index_scores_kernel", (cfg.num_chunks, num_tiles), args, (out,),
+                  dict(NUM_HEADS=num_heads, HEADS_PAD=tile.heads_pad, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
+                       BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP),
+                  cfg.num_warps, cfg.num_stages)
+
+
+def select_blocks(*, scores: Operand, seq_lens, token_map, topk: int, init_blocks: int, local_blocks: int,
+                  out_strides) -> Launch:
+    """Top-``topk`` blocks, one program per (token, index head) -> ``block_ids [Hi, T, topk]`` int32."""
+    num_heads, num_tokens, max_blocks = scores.shape
+    blocks_pad, chunk, num_warps = tuning.select_blocks(num_rows=num_tokens * num_heads, max_blocks=max_blocks,
+                                                        topk=topk)
+    args = (scores.ref, seq_lens, token_map, *scores.strides, *out_strides, max_blocks)
+    out = Output("block_ids", (num_heads, num_tokens, topk), "int32", tuple(out_strides))
+    return Launch("index.select_blocks_kernel", (num_tokens, num_heads), args, (out,),
+                  dict(TOPK=topk, TOPK_PAD=next_pow2(topk), INIT_BLOCKS=init_blocks, LOCAL_BLOCKS=local_blocks,
+                       BLOCKS_PAD=blocks_pad, CHUNK=chunk),
+                  num_warps, 1)
+
+
+# -- paged attention ----------------------------------------------------------------------
+
+def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[Operand], block_table: Operand,
+                    seq_lens, tile_map, tile: RowTile, sm_scale: float, out_dtype: str, out_strides,
+                    interpret: bool) -> Launch:
+    """Paged GQA attention over ``tile_map``'s row tiles -> ``out [T, Hq, D]``.
+
+    Sparse when ``block_ids`` is given (each token's chosen blocks), dense
+    otherwise (every visible block). With several splits the attention launch
+    writes float32 partials (scratch outputs) and a merge launch follows.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, max_blocks = k.shape[1], block_table.shape[1]
+    sparse = block_ids is not None
+    topk = block_ids.shape[2] if sparse else 1
+    num_tiles = int(tile_map.shape[0])
+    cfg = tuning.attention(tile=tile, num_tiles=num_tiles, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           topk=topk if sparse else 0, max_blocks=max_blocks, sparse=sparse, interpret=interpret)
+    check_cache_layout("k_cache", k.offset, k.strides)
+    check_cache_layout("v_cache", v.offset, v.strides)
+    out = Output("out", (num_tokens, num_q_heads, head_dim), out_dtype, tuple(out_strides))
+    if cfg.num_splits == 1:
+        # the program writes the output itself; the lse pointer is never touched
+        outputs = (out, Output("partial_lse", (1,), "float32", (1,), scratch=True, unused=True))
+        o_strides = (out_strides[0], out_strides[1], 0, out_strides[2])
+        lse_strides = (0, 0, 0)
+    else:
+        part_o = (num_tokens, num_q_heads, cfg.num_splits, head_dim)
+        part_lse = (num_tokens, num_q_heads, cfg.num_splits)
+        o_strides, lse_strides = contiguous_strides(part_o), contiguous_strides(part_lse)
+        outputs = (Output("partial_out", part_o, "float32", o_strides, scratch=True),
+                   Output("partial_lse", part_lse, "float32", lse_strides, scratch=True))
+    # dense: the block-id pointer is never read; the block table stands in for it
+    ids = block_ids if sparse else Operand(block_table.ref, 0, (0, 0, 0), (0, 0, 0))
+    args = (q.ref, k.ref, v.ref, ids.ref, block_table.ref, seq_lens, tile_map, float(sm_scale) * LOG2E,
+            k.offset, v.offset, max_blocks, *q.strides, *k.strides, *v.strides, *ids.strides,
+            *block_table.strides, *o_strides, *lse_strides)
+    launch = Launch("attention.paged_attention_kernel", (cfg.num_splits, num_tiles, num_kv_heads), args, outputs,
+                    dict(GROUP=tile.heads, GROUP_PAD=tile.heads_pad, HEAD_DIM=head_dim, TOPK=topk,
+                         TOPK_PAD=next_pow2(topk), TOKENS_PER_TILE=tile.tokens_per_tile,
+                         ENTRIES_PAD=tile.tokens_per_tile * next_pow2(topk), BLOCK_M=tile.block_m,
+                         BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, SPARSE=sparse,
+                         NUM_SPLITS=cfg.num_splits),
+                    cfg.num_warps, cfg.num_stages)
+    if cfg.num_splits == 1:
+        return launch
+    merge = Launch("merge.merge_splits_kernel", (num_tokens, num_q_heads),
+                   (Prev(0), Prev(1), *o_strides, *lse_strides, *out_strides), (out,),
+                   dict(HEAD_DIM=head_dim, NUM_SPLITS=cfg.num_splits, SPLITS_PAD=next_pow2(cfg.num_splits)),
+                   tuning.MERGE_NUM_WARPS, 1)
+    return dataclasses.replace(launch, then=merge)
+
+
+def partial_numels(launch: Launch) -> dict:
+    """Elements of each scratch output of ``launch`` (the split-K workspaces; empty without splits)."""
+    return {o.name: o.numel for o in launch.outputs if o.scratch and not o.unused}
+
+
+# -- cache writes -------------------------------------------------------------------------
+
+def write_cache(*, k: Operand, v: Operand, index_k: Optional[Operand], slot_mapping, pool, pool_shape, pool_dtype,
+                k_cache: Optional[Operand], v_cache: Optional[Operand], index_k_cache: Optional[Operand]) -> Launch:
+    """Append a step's rows to the caches that live in ``pool`` (one flat buffer; None = not in it).
+
+    The pool is the kernel's only output, aliased to its input ``pool_in``:
+    JAX updates it in place through the alias, torch passes the same tensor twice.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    absent3, absent4 = Operand(None, 0, (), (0, 0, 0)), Operand(None, 0, (), (0, 0, 0, 0))
+    kc, vc, ic = (c if c is not None else a for c, a in ((k_cache, absent4), (v_cache, absent4),
+                                                        (index_k_cache, absent3)))
+    ik = index_k if index_k is not None else Operand(k.ref, 0, (0, 0), (0, 0))  # never read without an index cache
+    args = (k.ref, v.ref, ik.ref, slot_mapping, pool, kc.offset, vc.offset, ic.offset, *k.strides, *v.strides,
+            *ik.strides, *kc.strides, *vc.strides, *ic.strides)
+    out = Output("pool", tuple(pool_shape), pool_dtype, contiguous_strides(pool_shape))
+    return Launch("cache_write.cache_write_kernel", (num_tokens,), args, (out,),
+                  dict(NUM_KV_HEADS=num_kv_heads, HEADS_PAD=next_pow2(num_kv_heads), HEAD_DIM=head_dim,
+                       INDEX_HEAD_DIM=index_k.shape[1] if index_k is not None else 16,
+                       WRITE_K=k_cache is not None, WRITE_V=v_cache is not None,
+                       WRITE_INDEX=index_k_cache is not None),
+                  tuning.CACHE_WRITE_NUM_WARPS, 1, aliases=((4, 0),))

@@ -1,0 +1,120 @@
+"""Row tiles and the tile/token maps every kernel walks (decode, prefill, mixed steps).
+
+A *row tile* packs up to ``tokens_per_tile`` consecutive query tokens of ONE
+request times the heads that share a KV (or index) head into the rows of one
+MMA tile, so each cached block is read once for all of them.
+
+    tile_map[i]  = [request, first token, position of first token - seq_len, tokens]
+    token_map[t] = [request, position of token t - seq_len]
+
+Token ``j`` of a request with ``q_len`` query tokens sits at
+``seq_len - q_len + j`` (SPEC.md, position rule), so the maps depend on the
+query lengths only, never on ``seq_lens``: decode maps are fixed per batch
+shape, prefill maps per ``cu_seqlens_q``. Everything here is shapes and numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+PAGE_SIZE = 128  # tokens per sparse block and per KV page (SPEC.md); the kernels' PAGE_SIZE is this int
+
+# Rows of one MMA tile (tokens x heads) are capped here; tl.dot wants >= 16.
+MAX_TILE_ROWS = 128
+MIN_TILE_ROWS = 16
+# ... and hold at most this many tokens: sparse attention de-duplicates the
+# tile's TOKENS x TOPK chosen ids with a square comparison in registers.
+MAX_TILE_TOKENS = 8
+# An empty tile (padding of a prefill map) starts this far before its request: it reads no block.
+EMPTY_TILE_POSITION = -(1 << 30)
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+def contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for s in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= int(s)
+    return tuple(reversed(strides))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTile:
+    """How query tokens x heads are packed into the rows of one MMA tile."""
+    heads: int            # heads per token in a tile (GROUP = Hq // Hk, or Hi)
+    heads_pad: int        # power of two >= heads
+    tokens_per_tile: int  # power of two
+    block_m: int          # rows of the tile, >= MIN_TILE_ROWS
+
+
+def row_tile(heads: int, max_tokens: int) -> RowTile:
+    heads_pad = next_pow2(heads)
+    tpt = max(1, min(next_pow2(max_tokens), MAX_TILE_ROWS // heads_pad, MAX_TILE_TOKENS))
+    return RowTile(heads, heads_pad, tpt, max(MIN_TILE_ROWS, tpt * heads_pad))
+
+
+# Sparse decode with several query tokens per request (MTP): pack them into one
+# tile (each distinct chosen block read once, but every row computed against
+# every block of the union) or give each token its own tile (per-token work
+# only; the shared blocks come from L2). Packing pays when it at least halves
+# the block visits: the union of the tokens' choices is at most max_blocks,
+# against decode_query_len * topk visits one tile per token. Measured on an
+# H200 (docs/PERF.md): packed wins at contexts <= 4k (36 blocks), per-token
+# from 16k (141 blocks) on, at decode_query_len = 8.
+SPARSE_PACK_RATIO = 2
+
+
+def packs_sparse_decode(decode_query_len: int, max_blocks: int, topk: int) -> bool:
+    return SPARSE_PACK_RATIO * max_blocks <= decode_query_len * topk
+
+
+def decode_tile(group: int, decode_query_len: int, sparse: bool, *, max_blocks: int, topk: int) -> RowTile:
+    """The attention row tile of a decode launch with ``decode_query_len`` tokens per request."""
+    packed = not sparse or packs_sparse_decode(decode_query_len, max_blocks, topk)
+    return row_tile(group, decode_query_len if packed else 1)
+
+
+def max_row_tiles(num_tokens: int, num_rows: int, tokens_per_tile: int) -> int:
+    """Upper bound on the row tiles of any ``num_rows`` requests holding ``num_tokens`` tokens.
+
+    ``sum ceil(q_r / tpt) <= (T + R * (tpt - 1)) // tpt``, and a tile holds >= 1 token.
+    """
+    return min(num_tokens, (num_tokens + num_rows * (tokens_per_tile - 1)) // tokens_per_tile)
+
+
+def varlen_maps(q_lens, tokens_per_tile: int, num_tiles: int | None = None):
+    """-> ``(tile_map [tiles, 4], token_map [T, 2])`` int32 for requests of ``q_lens[r]`` query tokens.
+
+    ``num_tiles`` pads the tile map with empty tiles (no tokens, a first
+    position far before the request's start, so they read no block).
+    """
+    tiles, tokens = [], []
+    t0 = 0
+    for r, q_len in enumerate(int(x) for x in q_lens):
+        for j0 in range(0, q_len, tokens_per_tile):
+            tiles.append((r, t0 + j0, j0 - q_len, min(tokens_per_tile, q_len - j0)))
+        tokens.extend((r, j - q_len) for j in range(q_len))
+        t0 += q_len
+    if num_tiles is not None:
+        if len(tiles) > num_tiles:
+            raise ValueError(f"{len(tiles)} row tiles do not fit the {num_tiles} planned")
+        tiles.extend([(0, 0, EMPTY_TILE_POSITION, 0)] * (num_tiles - len(tiles)))
+    return np.asarray(tiles, np.int32).reshape(-1, 4), np.asarray(tokens, np.int32).reshape(-1, 2)
+
+
+@functools.lru_cache(maxsize=256)
+def decode_maps(num_requests: int, decode_query_len: int, tokens_per_tile: int):
+    """Decode maps (``q_lens = [decode_query_len] * num_requests``), built once per shape (read-only)."""
+    tile_map, token_map = varlen_maps([decode_query_len] * num_requests, tokens_per_tile)
+    tile_map.flags.writeable = token_map.flags.writeable = False
+    return tile_map, token_map

@@ -1,0 +1,130 @@
+"""The one tuning table: program targets, split rules, block sizes, warps and stages.
+
+Every launch reads its knobs here, from shapes only (never from ``seq_lens``
+values), so a captured CUDA graph or a jitted JAX step replays without
+recompiling, and torch and JAX pick the same kernel variant for the same
+shapes (bit-identical results). GPU numbers were measured on an H200
+(``benchmarks/tune.py``; docs/PERF.md).
+
+Triton's interpreter (CPU tensors) runs a launch's programs one after the
+other, so it aims at far fewer programs; it still splits small batches, which
+keeps split-K and its merge covered by the CPU tests. Tests that want one
+program per row tile use :func:`override`::
+
+    with tuning.override(target_programs=1, sparse_target_programs=1):
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from .maps import PAGE_SIZE, RowTile, cdiv, next_pow2
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTargets:
+    # split-K attention and the indexer's block chunks aim at this many programs
+    # (~8 per SM on a 132-SM H200; a constant, not the device's SM count, so every
+    # GPU and both frameworks choose the same variant)
+    target_programs: int
+    # sparse attention visits only topk blocks per row tile: it splits only while
+    # there are fewer (tile, KV head) programs than this, about one per SM (batch 64,
+    # 16k: one program per (token, KV head), no merge, 68 us = 93% of the floor,
+    # against 91 us with 4 splits)
+    sparse_target_programs: int
+
+
+GPU = ProgramTargets(target_programs=1024, sparse_target_programs=128)
+INTERPRETER = ProgramTargets(target_programs=16, sparse_target_programs=8)
+_overrides: dict = {}
+
+# A split-K program of dense attention gets at least this many blocks (fewer make
+# the pipeline's fill and the partial write dominate); sparse ones down to 1.
+MIN_BLOCKS_PER_SPLIT = 4
+# Blocks whose page ids a kernel gathers in one go before loading their K/V.
+STEP_GROUP = 16
+# select_blocks: rows of at least SELECT_TWO_LEVEL_BLOCKS (padded) blocks first
+# pick the best chunks of SELECT_CHUNK blocks, then the best blocks inside them.
+SELECT_CHUNK = 16
+SELECT_TWO_LEVEL_BLOCKS = 512
+MERGE_NUM_WARPS = 4
+CACHE_WRITE_NUM_WARPS = 4
+
+
+def targets(interpret: bool) -> ProgramTargets:
+    base = INTERPRETER if interpret else GPU
+    return dataclasses.replace(base, **_overrides) if _overrides else base
+
+
+def max_target_programs() -> int:
+    """The most programs any launch aims at (sizes split-K workspaces)."""
+    return max(targets(False).target_programs, targets(True).target_programs)
+
+
+@contextlib.contextmanager
+def override(**fields):
+    """Other program targets (GPU and interpreter alike) inside the ``with`` block (tests; one thread)."""
+    global _overrides
+    saved = _overrides
+    _overrides = {**saved, **fields}
+    try:
+        yield
+    finally:
+        _overrides = saved
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    num_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def attention(*, tile: RowTile, num_tiles: int, num_kv_heads: int, head_dim: int, topk: int, max_blocks: int,
+              sparse: bool, interpret: bool) -> AttentionConfig:
+    """Splits, block size, warps and stages of one paged-attention launch (H200: batch 64, 32k)."""
+    # blocks one tile visits: about topk (its tokens mostly agree) or every block
+    num_entries = topk if sparse else max_blocks
+    work = max(num_tiles * num_kv_heads, 1)
+    t = targets(interpret)
+    target = t.sparse_target_programs if sparse else t.target_programs
+    splits = max(1, min(cdiv(target, work), cdiv(num_entries, 1 if sparse else MIN_BLOCKS_PER_SPLIT)))
+    block_n = 64 if sparse or head_dim > 128 else 128
+    return AttentionConfig(splits, block_n, num_warps=8 if tile.block_m >= 64 else 4, num_stages=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexConfig:
+    num_chunks: int
+    blocks_per_program: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def index_scores(*, tile: RowTile, num_tiles: int, head_dim: int, max_blocks: int, interpret: bool) -> IndexConfig:
+    """The indexer's block chunking: ~target programs over (row tiles x block chunks)."""
+    chunks = max(1, min(cdiv(targets(interpret).target_programs, max(num_tiles, 1)), max_blocks))
+    per_program = max(1, cdiv(max_blocks, chunks))
+    return IndexConfig(num_chunks=max(1, cdiv(max_blocks, per_program)), blocks_per_program=per_program,
+                       block_n=128 if head_dim <= 128 else 64, num_warps=8 if tile.block_m >= 64 else 4,
+                       num_stages=3)
+
+
+def select_blocks(*, num_rows: int, max_blocks: int, topk: int) -> tuple[int, int, int]:
+    """-> (blocks_pad, chunk (0 = one top-k over the row), num_warps) of one selection launch.
+
+    About 1024 warps in all: few rows get 8 warps each, many rows 1 (every
+    compare-exchange then stays inside one warp), but a thread holds at most 64 keys.
+    """
+    topk_pad = next_pow2(topk)
+    blocks_pad = max(next_pow2(max_blocks), topk_pad, 16)
+    two_level = blocks_pad >= max(SELECT_TWO_LEVEL_BLOCKS, 2 * topk_pad * SELECT_CHUNK)
+    warps = max(1, min(8, next_pow2(cdiv(1024, max(num_rows, 1)))), min(8, blocks_pad // 2048))
+    return blocks_pad, SELECT_CHUNK if two_level else 0, warps
+
+
+assert PAGE_SIZE % 128 == 0  # attention/indexer block_n divide the page

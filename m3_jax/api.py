@@ -1,0 +1,314 @@
+"""The public JAX ops (SPEC.md): validate once, pick the maps, run the kernels' launches.
+
+The same launch descriptions as ``m3_torch`` (``m3_kernels.launches``), so
+both frameworks run the same kernel variants with the same arguments
+(bit-identical results). JAX style: no ``out=``; results are returned. K/V
+caches are arrays with ``kv_layout="HND"`` (``[pages, Hk, 128, D]``) or
+``"NHD"`` (``[pages, 128, Hk, D]``), or :class:`~m3_jax.views.PagedView`
+objects (logical HND views into a flat pool; ``kv_layout`` is then ignored);
+the index-K cache is a ``[pages, 128, Di]`` array or a PagedView.
+
+Every op works under ``jax.jit`` with ``decode_query_len``, ``topk``,
+``init_blocks``, ``local_blocks``, ``sm_scale`` and ``kv_layout`` static.
+Prefill ops take host ``cu_seqlens_q`` (read once into a PrefillPlan) or
+``plan=`` (a PrefillPlan, or :class:`~m3_jax.ops.PrefillMaps` whose leaves
+may be traced, so a jitted prefill recompiles per padded shape only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from m3_kernels import launches, planner, validate
+from m3_kernels import maps as _maps
+
+from . import ops
+from .ops import PrefillMaps, operand, prefill_maps, run, strides
+from .views import as_index_k_view, as_kv_view
+
+__all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode", "index_scores_prefill",
+           "select_blocks_prefill", "sparse_prefill", "dense_prefill", "msa_prefill", "msa_attention_step",
+           "StepSpec", "step_inputs"]
+
+
+# -- the launches, shared by decode, prefill and the mixed step -------------------------------
+
+def _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile):
+    shape = (idx_q.shape[1], idx_q.shape[0], block_table.shape[1])
+    return run(launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k),
+                                     block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map,
+                                     tile=tile, out_strides=strides(shape), interpret=not ops.on_gpu()))["scores"]
+
+
+def _select_blocks(scores, seq_lens, token_map, topk, init_blocks, local_blocks):
+    shape = (scores.shape[0], scores.shape[1], topk)
+    return run(launches.select_blocks(scores=operand(scores), seq_lens=seq_lens, token_map=token_map, topk=topk,
+                                      init_blocks=init_blocks, local_blocks=local_blocks,
+                                      out_strides=strides(shape)))["block_ids"]
+
+
+def _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, sm_scale):
+    return run(launches.paged_attention(
+        q=operand(q), k=operand(k), v=operand(v), block_ids=None if block_ids is None else operand(block_ids),
+        block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map, tile=tile, sm_scale=sm_scale,
+        out_dtype=str(q.dtype), out_strides=strides(q.shape), interpret=not ops.on_gpu()))["out"]
+
+
+def _kv(k_cache, v_cache, kv_layout):
+    return as_kv_view(k_cache, kv_layout, "k_cache"), as_kv_view(v_cache, kv_layout, "v_cache")
+
+
+# -- decode ---------------------------------------------------------------------------------
+
+def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_len):
+    """Per-block causal max of ``idx_q . index_k`` -> scores ``[Hi, T, max_blocks]`` float32.
+
+    idx_q [T, Hi, Di]; index_k_cache [pages, 128, Di] (array or PagedView);
+    block_table [R, max_blocks] int32; seq_lens [R] int32. ``-inf`` past each
+    token's visible blocks.
+    """
+    index_k = as_index_k_view(index_k_cache)
+    call = validate.check_index_call(idx_q, index_k, block_table, seq_lens, decode_query_len=decode_query_len)
+    tile = _maps.row_tile(call.num_index_heads, int(decode_query_len))
+    tile_map, _ = ops.decode_maps(call.num_requests, int(decode_query_len), tile.tokens_per_tile)
+    return _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile)
+
+
+def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0, local_blocks=1):
+    """Top-``topk`` blocks per (index head, token) -> ``[Hi, T, topk]`` int32.
+
+    Forced: the first ``init_blocks`` and last ``local_blocks`` visible blocks;
+    the rest by score (ties: lower id; NaN loses). Ids ascending, then -1.
+    """
+    call = validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks,
+                                      local_blocks=local_blocks, decode_query_len=decode_query_len)
+    _, token_map = ops.decode_maps(call.num_requests, int(decode_query_len), 1)
+    return _select_blocks(scores, seq_lens, token_map, int(topk), int(init_blocks), int(local_blocks))
+
+
+def _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, kv_layout):
+    k, v = _kv(k_cache, v_cache, kv_layout)
+    call = validate.check_attention_call(q, k, v, block_table, seq_lens, block_ids=block_ids, sm_scale=sm_scale,
+                                         decode_query_len=decode_query_len)
+    n = int(decode_query_len)
+    tile = _maps.decode_tile(call.group, n, block_ids is not None, max_blocks=call.max_blocks,
+                            topk=0 if block_ids is None else block_ids.shape[2])
+    tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
+    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale)
+
+
+def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, decode_query_len, sm_scale=None,
+                  kv_layout="HND"):
+    """Block-sparse GQA decode attention -> ``[T, Hq, D]`` in q's dtype.
+
+    q [T, Hq, D]; k_cache/v_cache: arrays in ``kv_layout`` or PagedViews;
+    block_ids [Hk, T, topk] int32 (-1 skipped, distinct per row); block_table
+    [R, max_blocks] int32; seq_lens [R] int32.
+    """
+    return _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale,
+                             kv_layout)
+
+
+def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len, sm_scale=None, kv_layout="HND"):
+    """Paged GQA decode attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
+    return _decode_attention(q, k_cache, v_cache, None, block_table, seq_lens, decode_query_len, sm_scale,
+                             kv_layout)
+
+
+def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, decode_query_len, topk=16,
+               init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND"):
+    """``index_scores`` -> ``select_blocks`` -> ``sparse_decode``; returns ``(out, block_ids)``.
+
+    out [T, Hq, D] in q's dtype; block_ids [Hk, T, topk] int32. The scores are
+    an intermediate of the jitted computation (XLA reuses its buffer).
+    """
+    k, v = _kv(k_cache, v_cache, kv_layout)
+    index_k = as_index_k_view(index_k_cache)
+    call = validate.check_msa_call(q, idx_q, k, v, index_k, block_table, seq_lens, topk=topk,
+                                   init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
+                                   decode_query_len=decode_query_len)
+    n, topk = int(decode_query_len), int(topk)
+    tile = _maps.row_tile(call.num_index_heads, n)
+    tile_map, token_map = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
+    scores = _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile)
+    block_ids = _select_blocks(scores, seq_lens, token_map, topk, int(init_blocks), int(local_blocks))
+    tile = _maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk)
+    tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
+    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale), block_ids
+
+
+# -- prefill --------------------------------------------------------------------------------
+
+def _prefill_maps(cu_seqlens_q, plan, heads) -> PrefillMaps:
+    if isinstance(plan, PrefillMaps):
+        return plan
+    if plan is None and cu_seqlens_q is None:
+        raise ValueError("cu_seqlens_q: required unless plan= is given")
+    return prefill_maps(plan if plan is not None else cu_seqlens_q, heads)
+
+
+def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seqlens_q=None, plan=None):
+    """Per-block causal max of ``idx_q . index_k`` for every query token -> ``[Hi, T, max_blocks]`` float32.
+
+    As ``index_scores`` with host ``cu_seqlens_q`` [R + 1] (or ``plan``) instead of ``decode_query_len``.
+    """
+    index_k = as_index_k_view(index_k_cache)
+    maps_ = _prefill_maps(cu_seqlens_q, plan, (int(idx_q.shape[1]),) if len(idx_q.shape) == 3 else ())
+    call = validate.check_index_call(idx_q, index_k, block_table, seq_lens, prefill=maps_, cu_seqlens_q=cu_seqlens_q)
+    tile, tile_map = maps_.tile(call.num_index_heads)
+    return _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile)
+
+
+def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q=None, topk=16, init_blocks=0, local_blocks=1, plan=None):
+    """Top-``topk`` blocks per (index head, token) -> ``[Hi, T, topk]`` int32; decode's rules per token."""
+    maps_ = _prefill_maps(cu_seqlens_q, plan, ())
+    validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                               prefill=maps_, cu_seqlens_q=cu_seqlens_q)
+    return _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
+
+
+def _group(q, k):
+    return (int(q.shape[1]) // int(k.shape[1]),) if len(q.shape) == 3 and len(k.shape) == 4 and k.shape[1] else ()
+
+
+def _prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
+                       kv_layout):
+    k, v = _kv(k_cache, v_cache, kv_layout)
+    maps_ = _prefill_maps(cu_seqlens_q, plan, _group(q, k))
+    call = validate.check_attention_call(q, k, v, block_table, seq_lens, block_ids=block_ids, sm_scale=sm_scale,
+                                         prefill=maps_, cu_seqlens_q=cu_seqlens_q)
+    tile, tile_map = maps_.tile(call.group)
+    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale)
+
+
+def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None,
+                   plan=None, kv_layout="HND"):
+    """Block-sparse GQA attention, each token over its own blocks -> ``[T, Hq, D]`` in q's dtype.
+
+    Causal inside every block (the diagonal one included). Arguments as in
+    ``m3_torch.sparse_prefill``; K/V arrays in ``kv_layout`` or PagedViews.
+    """
+    return _prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
+                              kv_layout)
+
+
+def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None, plan=None,
+                  kv_layout="HND"):
+    """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
+    return _prefill_attention(q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
+                              kv_layout)
+
+
+def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q=None, topk=16,
+                init_blocks=0, local_blocks=1, sm_scale=None, plan=None, kv_layout="HND"):
+    """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``."""
+    k, v = _kv(k_cache, v_cache, kv_layout)
+    index_k = as_index_k_view(index_k_cache)
+    heads = _group(q, k) + ((int(idx_q.shape[1]),) if len(idx_q.shape) == 3 else ())
+    maps_ = _prefill_maps(cu_seqlens_q, plan, heads)
+    call = validate.check_msa_call(q, idx_q, k, v, index_k, block_table, seq_lens, topk=topk,
+                                   init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
+                                   prefill=maps_, cu_seqlens_q=cu_seqlens_q)
+    tile, tile_map = maps_.tile(call.num_index_heads)
+    scores = _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile)
+    block_ids = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
+    tile, tile_map = maps_.tile(call.group)
+    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale), block_ids
+
+
+# -- mixed step -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What of a :class:`~m3_kernels.planner.StepPlan` shapes the launches, hashable by value.
+
+    No lengths: two steps with the same spans and block bounds share one spec
+    (and one compiled step). Context rows ``[0, context_rows)``, tokens
+    ``[0, context_tokens)``; the generation span follows them.
+    """
+    config: planner.StepConfig
+    context_rows: int
+    context_tokens: int
+    context_max_blocks: int
+    generation_rows: int        # padding rows included
+    decode_query_len: int
+    generation_max_blocks: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.context_rows + self.generation_rows
+
+    @property
+    def num_tokens(self) -> int:
+        return self.context_tokens + self.generation_rows * self.decode_query_len
+
+    @property
+    def block_bound(self) -> int:
+        return max((b for rows, b in ((self.context_rows, self.context_max_blocks),
+                                      (self.generation_rows, self.generation_max_blocks)) if rows), default=0)
+
+
+def step_inputs(plan: planner.StepPlan):
+    """-> ``(StepSpec, PrefillMaps | None)``: the plan's static part and its context maps (cached on the plan)."""
+    ctx, gen, cfg = plan.context, plan.generation, plan.config
+    spec = StepSpec(cfg, ctx.num_rows, ctx.num_tokens, ctx.max_blocks, gen.num_rows, gen.decode_query_len,
+                    gen.max_blocks)
+    maps_ = prefill_maps(ctx.prefill, (cfg.group, cfg.num_kv_heads)) if ctx.num_tokens else None
+    return spec, maps_
+
+
+def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, plan, maps=None,
+                       sparse=True, init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND"):
+    """Attention of one layer for a whole mixed step -> ``(out [T, Hq, D], block_ids [Hk, T, topk] | None)``.
+
+    Arguments as in ``m3_torch.msa_attention_step`` (no ``out``/``arena``); K/V
+    arrays in ``kv_layout`` or PagedViews, index-K an array or a PagedView.
+    plan: a StepPlan, or a StepSpec together with ``maps`` (see :func:`step_inputs`).
+    """
+    if isinstance(plan, planner.StepPlan):
+        spec, plan_maps = step_inputs(plan)
+        maps = plan_maps if maps is None else maps
+    else:
+        spec = plan
+    cfg = spec.config
+    k, v = _kv(k_cache, v_cache, kv_layout)
+    index_k = as_index_k_view(index_k_cache) if sparse and index_k_cache is not None else None
+    call = validate.check_step_call(q, idx_q, k, v, index_k, block_table, seq_lens, config=cfg,
+                                    num_rows=spec.num_rows, num_tokens=spec.num_tokens, block_bound=spec.block_bound,
+                                    sparse=sparse, init_blocks=init_blocks, local_blocks=local_blocks,
+                                    sm_scale=sm_scale)
+    if spec.context_tokens and (not isinstance(maps, PrefillMaps) or (maps.num_rows, maps.num_tokens)
+                                != (spec.context_rows, spec.context_tokens)):
+        raise ValueError("maps: a step with context tokens needs the PrefillMaps of its context span "
+                         f"({spec.context_rows} rows / {spec.context_tokens} tokens, from step_inputs(plan))")
+    spans = []  # (rows, tokens, max_blocks, index (tile, tile_map, token_map), attention (tile, tile_map))
+    if spec.context_tokens:
+        spans.append((slice(0, spec.context_rows), slice(0, spec.context_tokens), spec.context_max_blocks,
+                      (*maps.tile(cfg.num_kv_heads), maps.token_map), maps.tile(cfg.group)))
+    if spec.generation_rows:
+        rows, n, bound = spec.generation_rows, spec.decode_query_len, spec.generation_max_blocks
+        index_tile = _maps.row_tile(cfg.num_kv_heads, n)
+        attention_tile = _maps.decode_tile(cfg.group, n, sparse, max_blocks=bound, topk=cfg.topk)
+        spans.append((slice(spec.context_rows, spec.num_rows), slice(spec.context_tokens, spec.num_tokens), bound,
+                      (index_tile, *ops.decode_maps(rows, n, index_tile.tokens_per_tile)),
+                      (attention_tile, ops.decode_maps(rows, n, attention_tile.tokens_per_tile)[0])))
+    outs, ids = [], []
+    for rows, toks, bound, index_maps, attention_maps in spans:
+        table, lens = block_table[rows, :bound], seq_lens[rows]
+        block_ids = None
+        if sparse:
+            tile, tile_map, token_map = index_maps
+            scores = _index_scores(idx_q[toks], index_k, table, lens, tile_map, tile)
+            block_ids = _select_blocks(scores, lens, token_map, cfg.topk, int(init_blocks), int(local_blocks))
+            ids.append(block_ids)
+        tile, tile_map = attention_maps
+        outs.append(_attention(q[toks], k, v, block_ids, table, lens, tile_map, tile, call.sm_scale))
+    out = jnp.concatenate(outs, axis=0) if outs else jnp.zeros(q.shape, q.dtype)
+    if not sparse:
+        return out, None
+    block_ids = jnp.concatenate(ids, axis=1) if ids else jnp.full((cfg.num_kv_heads, q.shape[0], cfg.topk), -1,
+                                                                  jnp.int32)
+    return out, block_ids
+

@@ -1,0 +1,278 @@
+"""The public torch ops (SPEC.md): validate once, pick the maps, call the kernels' custom ops.
+
+Decode, prefill and the mixed step are siblings over the same four custom ops
+(``m3_torch.ops``); they differ only in the tile/token maps they hand them:
+decode maps from ``(R, decode_query_len)``, prefill maps from a
+:class:`~m3_kernels.planner.PrefillPlan` (``cu_seqlens_q`` read on the host
+once; pass ``plan=`` to share one read across layers), and a step's spans from
+its :class:`~m3_kernels.planner.StepPlan`. Every op takes ``out=`` (any
+strides) and, for caches, any strides whose offsets are multiples of 16
+elements (an NHD store is ``cache.permute(0, 2, 1, 3)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from m3_kernels import maps, planner, validate
+
+from . import ops
+
+__all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode", "index_scores_prefill",
+           "select_blocks_prefill", "sparse_prefill", "dense_prefill", "msa_prefill", "msa_attention_step",
+           "prefill_plan"]
+
+
+def _check_devices(**tensors) -> torch.device:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    first = next(iter(devices.values()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(f"{name}: expected device {first} (as {next(iter(devices))}), got {device}")
+    return first
+
+
+def _empty(shape, dtype, device, out):
+    return out if out is not None else torch.empty(shape, dtype=dtype, device=device)
+
+
+def prefill_plan(cu_seqlens_q=None, plan=None) -> planner.PrefillPlan:
+    """``plan`` if given, else the plan of ``cu_seqlens_q`` (one host read: syncs a CUDA tensor)."""
+    if plan is not None:
+        return plan
+    if cu_seqlens_q is None:
+        raise ValueError("cu_seqlens_q: required unless plan= is given")
+    return planner.prefill_plan(cu_seqlens_q.tolist())
+
+
+# -- decode ---------------------------------------------------------------------------------
+
+def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_len, out=None):
+    """Per-block causal max of ``idx_q . index_k`` -> scores ``[Hi, T, max_blocks]`` float32.
+
+    idx_q [T, Hi, Di]; index_k_cache [pages, 128, Di]; block_table [R, max_blocks]
+    int32; seq_lens [R] int32. ``-inf`` past each token's visible blocks.
+    ``out`` may be any strided view of the output shape.
+    """
+    call = validate.check_index_call(idx_q, index_k_cache, block_table, seq_lens, decode_query_len=decode_query_len,
+                                     out=out)
+    device = _check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
+                            out=out)
+    out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
+    tile = maps.row_tile(call.num_index_heads, int(decode_query_len))
+    tile_map, _ = ops.decode_maps(device, call.num_requests, int(decode_query_len), tile.tokens_per_tile)
+    ops.index_scores(idx_q, index_k_cache, block_table, seq_lens, tile_map, out, tile.tokens_per_tile)
+    return out
+
+
+def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0, local_blocks=1, out=None):
+    """Top-``topk`` blocks per (index head, token) -> ``[Hi, T, topk]`` int32.
+
+    Forced: the first ``init_blocks`` and last ``local_blocks`` visible blocks;
+    the rest by score (ties: lower id; NaN loses). Ids ascending, then -1.
+    """
+    call = validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks,
+                                      local_blocks=local_blocks, decode_query_len=decode_query_len, out=out)
+    device = _check_devices(scores=scores, seq_lens=seq_lens, out=out)
+    out = _empty((call.num_index_heads, call.num_tokens, int(topk)), torch.int32, device, out)
+    _, token_map = ops.decode_maps(device, call.num_requests, int(decode_query_len), 1)
+    ops.select_blocks(scores, seq_lens, token_map, out, int(topk), int(init_blocks), int(local_blocks))
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, out):
+    call = validate.check_attention_call(q, k_cache, v_cache, block_table, seq_lens, block_ids=block_ids,
+                                         sm_scale=sm_scale, decode_query_len=decode_query_len, out=out)
+    device = _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
+                            seq_lens=seq_lens, out=out)
+    out = _empty(q.shape, q.dtype, device, out)
+    n = int(decode_query_len)
+    tile = maps.decode_tile(call.group, n, block_ids is not None, max_blocks=call.max_blocks,
+                            topk=0 if block_ids is None else block_ids.shape[2])
+    tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
+    ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
+                        tile.tokens_per_tile, call.sm_scale)
+    return out
+
+
+def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, decode_query_len, sm_scale=None,
+                  out=None):
+    """Block-sparse GQA decode attention -> ``[T, Hq, D]`` in q's dtype.
+
+    q [T, Hq, D]; k_cache/v_cache [pages, Hk, 128, D]; block_ids [Hk, T, topk]
+    int32 (-1 skipped; the ids of one row distinct, as ``select_blocks`` writes
+    them); block_table [R, max_blocks] int32; seq_lens [R] int32.
+    """
+    return _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, out)
+
+
+def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len, sm_scale=None, out=None):
+    """Paged GQA decode attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
+    return _decode_attention(q, k_cache, v_cache, None, block_table, seq_lens, decode_query_len, sm_scale, out)
+
+
+def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, decode_query_len, topk=16,
+               init_blocks=0, local_blocks=1, sm_scale=None, out=None):
+    """``index_scores`` -> ``select_blocks`` -> ``sparse_decode``; returns ``(out, block_ids)``.
+
+    The scores live in a persistent per-device workspace, reused across calls.
+    """
+    call = validate.check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, topk=topk,
+                                   init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
+                                   decode_query_len=decode_query_len, out=out)
+    device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
+                            block_table=block_table, seq_lens=seq_lens, out=out)
+    n, topk = int(decode_query_len), int(topk)
+    out = _empty(q.shape, q.dtype, device, out)
+    scores = ops.workspace(device, "index_scores", (call.num_kv_heads, call.num_tokens, call.max_blocks))
+    block_ids = torch.empty((call.num_kv_heads, call.num_tokens, topk), dtype=torch.int32, device=device)
+    tile = maps.row_tile(call.num_index_heads, n)
+    tile_map, token_map = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
+    ops.index_scores(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
+    ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
+    tile = maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk)
+    tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
+    ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
+                        tile.tokens_per_tile, call.sm_scale)
+    return out, block_ids
+
+
+# -- prefill --------------------------------------------------------------------------------
+
+def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seqlens_q, plan=None, out=None):
+    """Per-block causal max of ``idx_q . index_k`` for every query token -> ``[Hi, T, max_blocks]`` float32.
+
+    As ``index_scores`` with cu_seqlens_q [R + 1] int32 (read on the host once,
+    or not at all with ``plan``) instead of ``decode_query_len``.
+    """
+    plan = prefill_plan(cu_seqlens_q, plan)
+    call = validate.check_index_call(idx_q, index_k_cache, block_table, seq_lens, prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
+    device = _check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
+                            out=out)
+    out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
+    tile, tile_map, _ = ops.prefill_maps(plan, device, call.num_index_heads)
+    ops.index_scores(idx_q, index_k_cache, block_table, seq_lens, tile_map, out, tile.tokens_per_tile)
+    return out
+
+
+def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q, topk=16, init_blocks=0, local_blocks=1, plan=None,
+                          out=None):
+    """Top-``topk`` blocks per (index head, token) -> ``[Hi, T, topk]`` int32; decode's rules per token."""
+    plan = prefill_plan(cu_seqlens_q, plan)
+    call = validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks,
+                                      local_blocks=local_blocks, prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
+    device = _check_devices(scores=scores, seq_lens=seq_lens, out=out)
+    out = _empty((call.num_index_heads, call.num_tokens, int(topk)), torch.int32, device, out)
+    token_map = ops.prefill_token_map(plan, device)
+    ops.select_blocks(scores, seq_lens, token_map, out, int(topk), int(init_blocks), int(local_blocks))
+    return out
+
+
+def _prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out):
+    plan = prefill_plan(cu_seqlens_q, plan)
+    call = validate.check_attention_call(q, k_cache, v_cache, block_table, seq_lens, block_ids=block_ids,
+                                         sm_scale=sm_scale, prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
+    device = _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
+                            seq_lens=seq_lens, out=out)
+    out = _empty(q.shape, q.dtype, device, out)
+    tile, tile_map, _ = ops.prefill_maps(plan, device, call.group)
+    ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
+                        tile.tokens_per_tile, call.sm_scale)
+    return out
+
+
+def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None,
+                   out=None):
+    """Block-sparse GQA attention, each token over its own blocks -> ``[T, Hq, D]`` in q's dtype.
+
+    Causal inside every block (the diagonal one included): the token at position
+    p sees positions <= p. Arguments as in ``sparse_decode``, with cu_seqlens_q.
+    """
+    return _prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
+                              out)
+
+
+def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None, out=None):
+    """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
+    return _prefill_attention(q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out)
+
+
+def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q, topk=16,
+                init_blocks=0, local_blocks=1, sm_scale=None, plan=None, out=None):
+    """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``."""
+    plan = prefill_plan(cu_seqlens_q, plan)
+    call = validate.check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, topk=topk,
+                                   init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
+                                   prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
+    device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
+                            block_table=block_table, seq_lens=seq_lens, out=out)
+    topk = int(topk)
+    out = _empty(q.shape, q.dtype, device, out)
+    scores = torch.empty((call.num_kv_heads, call.num_tokens, call.max_blocks), dtype=torch.float32, device=device)
+    block_ids = torch.empty((call.num_kv_heads, call.num_tokens, topk), dtype=torch.int32, device=device)
+    tile, tile_map, token_map = ops.prefill_maps(plan, device, call.num_index_heads)
+    ops.index_scores(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
+    ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
+    tile, tile_map, _ = ops.prefill_maps(plan, device, call.group)
+    ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
+                        tile.tokens_per_tile, call.sm_scale)
+    return out, block_ids
+
+
+# -- mixed step -----------------------------------------------------------------------------
+
+def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, plan, sparse=True,
+                       init_blocks=0, local_blocks=1, sm_scale=None, out=None, arena=None):
+    """Attention of one layer for a whole mixed step -> ``(out, block_ids)``.
+
+    q [T, Hq, D]; idx_q [T, Hi, Di] and index_k_cache [pages, 128, Di] (sparse
+    layers; ``None`` for dense ones); k_cache/v_cache [pages, Hk, 128, D];
+    block_table [R, max_blocks] int32; seq_lens [R] int32 (device). R and T are
+    the plan's (``plan.num_rows``, ``plan.num_tokens``: context rows first, then
+    generation rows, padding rows last with ``seq_len = 0``).
+
+    plan:   the step's :class:`m3_kernels.planner.StepPlan` (``topk`` from its config).
+    sparse: True for MSA layers (indexer + top-k + block-sparse attention),
+            False for dense layers 0-2 (``block_ids`` is then None).
+    arena:  optional :class:`m3_torch.ops.StepArena` (default: one per layout and device).
+
+    Context rows run over the plan's prefill maps, generation rows over decode
+    maps with the span's ``decode_query_len``, each span bounded by its own
+    rows' longest KV length. ``block_ids`` ``[Hk, T, topk]`` int32 is a view
+    into the arena, valid until the next call that uses it.
+    """
+    cfg = plan.config
+    call = validate.check_step_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, config=cfg,
+                                    num_rows=plan.num_rows, num_tokens=plan.num_tokens, block_bound=plan.block_bound,
+                                    sparse=sparse, init_blocks=init_blocks, local_blocks=local_blocks,
+                                    sm_scale=sm_scale, out=out)
+    device = _check_devices(q=q, idx_q=idx_q if sparse else None, k_cache=k_cache, v_cache=v_cache,
+                            index_k_cache=index_k_cache if sparse else None, block_table=block_table,
+                            seq_lens=seq_lens, out=out)
+    out = _empty(q.shape, q.dtype, device, out)
+    arena = arena if arena is not None else ops.step_arena(plan.layout, device)
+    partials = (arena.region("partial_out"), arena.region("partial_lse"))
+    block_ids = arena.region("block_ids", (cfg.num_kv_heads, plan.num_tokens, cfg.topk)) if sparse else None
+    for span in plan.spans:
+        rows, toks = span.rows, span.tokens
+        table, lens = block_table[rows, :span.max_blocks], seq_lens[rows]
+        if span.prefill is not None:
+            index_maps = ops.prefill_maps(span.prefill, device, cfg.num_kv_heads)
+            attention_maps = ops.prefill_maps(span.prefill, device, cfg.group)
+        else:
+            n = span.decode_query_len
+            tile = maps.row_tile(cfg.num_kv_heads, n)
+            index_maps = (tile, *ops.decode_maps(device, span.num_rows, n, tile.tokens_per_tile))
+            tile = maps.decode_tile(cfg.group, n, sparse, max_blocks=span.max_blocks, topk=cfg.topk)
+            attention_maps = (tile, *ops.decode_maps(device, span.num_rows, n, tile.tokens_per_tile))
+        ids = None
+        if sparse:
+            ids = block_ids[:, toks]
+            scores = arena.region("scores", (cfg.num_kv_heads, span.num_tokens, span.max_blocks))
+            tile, tile_map, token_map = index_maps
+            ops.index_scores(idx_q[toks], index_k_cache, table, lens, tile_map, scores, tile.tokens_per_tile)
+            ops.select_blocks(scores, lens, token_map, ids, cfg.topk, int(init_blocks), int(local_blocks))
+        tile, tile_map, _ = attention_maps
+        ops.paged_attention(q[toks], k_cache, v_cache, ids, table, lens, tile_map, out[toks], *partials,
+                            tile.tokens_per_tile, call.sm_scale)
+    return out, block_ids

@@ -1,0 +1,189 @@
+"""The torch side of the launch layer: ``run`` and one custom op per kernel.
+
+``run(launch, outputs)`` executes an ``m3_kernels.launches.Launch`` (and the
+launch chained after it) with the given output tensors. The custom ops
+``torch.ops.m3.{index_scores, select_blocks, paged_attention, write_cache}``
+are internal (their signatures may change): each builds its Launch from the
+tensors' shapes and strides and runs it. They take tile/token maps, so the
+decode, prefill and mixed-step paths of ``m3_torch.api`` share them. CUDA
+tensors run the compiled kernels, CPU tensors the same source in Triton's
+interpreter. Every op is inference-only and graph-capturable (no host sync).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from m3_kernels import kernel_module, launches, maps
+from m3_kernels.launches import Operand, Prev
+
+_lock = threading.Lock()
+_workspaces: dict = {}
+_device_maps: dict = {}
+_arenas: dict = {}
+
+
+def operand(t: torch.Tensor) -> Operand:
+    return Operand(t, 0, tuple(t.shape), tuple(t.stride()))
+
+
+def run(launch: launches.Launch, outputs: dict) -> None:
+    """Launch ``launch`` (then its ``then``) writing the named ``outputs`` tensors.
+
+    Scratch outputs are flat float32 buffers (viewed to the launch's shape) or,
+    when absent, the device's persistent workspace; an unused output gets any tensor.
+    """
+    device = next(iter(outputs.values())).device
+    interpret = device.type != "cuda"
+    prev = ()
+    while launch is not None and not launch.empty:
+        outs = [_output(o, outputs, device) for o in launch.outputs]
+        args = [prev[a.index] if isinstance(a, Prev) else a for a in launch.args]
+        module, fn = launch.kernel.split(".")
+        kernel = getattr(kernel_module(module, interpret), fn)
+        kernel[launch.grid](*args, *outs, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                            **launch.constexprs)
+        prev, launch = outs, launch.then
+
+
+def _output(o: launches.Output, outputs: dict, device) -> torch.Tensor:
+    t = outputs.get(o.name)
+    if o.unused:
+        return t if t is not None else next(iter(outputs.values()))
+    if o.scratch:
+        t = t if t is not None else workspace(device, o.name, (o.numel,))
+        return t[:o.numel].view(o.shape)
+    return t
+
+
+def workspace(device, tag: str, shape, dtype=torch.float32) -> torch.Tensor:
+    """A persistent buffer per (device, tag), grown on demand and never freed.
+
+    Decode steps reuse the same addresses call after call, so a CUDA graph
+    captured after one eager warm-up call replays against valid memory. Calls
+    on one device share it: run them on one stream (as a decode step does).
+    """
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    key = (str(device), tag, dtype)
+    with _lock:
+        buf = _workspaces.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = _workspaces[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+    return buf[:numel].view(shape)
+
+
+def decode_maps(device, num_requests: int, decode_query_len: int, tokens_per_tile: int):
+    """(tile_map, token_map) of a decode batch on ``device``, uploaded once per shape."""
+    key = (str(device), num_requests, decode_query_len, tokens_per_tile)
+    found = _device_maps.get(key)
+    if found is None:
+        tile_map, token_map = maps.decode_maps(num_requests, decode_query_len, tokens_per_tile)
+        found = (torch.tensor(tile_map, device=device), torch.tensor(token_map, device=device))
+        with _lock:
+            found = _device_maps.setdefault(key, found)
+    return found
+
+
+def prefill_maps(plan, device, heads: int):
+    """(RowTile, tile_map, token_map) of a PrefillPlan on ``device``, uploaded once per plan."""
+    tile, tile_map = plan.tiles(heads)
+    tile_map = plan.memo(("torch", str(device), heads), lambda: torch.tensor(tile_map, device=device))
+    return tile, tile_map, prefill_token_map(plan, device)
+
+
+def prefill_token_map(plan, device):
+    return plan.memo(("torch", str(device), "token_map"), lambda: torch.tensor(plan.token_map, device=device))
+
+
+class StepArena:
+    """One byte buffer laid out by a :class:`~m3_kernels.planner.WorkspaceLayout` (a step's workspaces)."""
+
+    def __init__(self, layout, device):
+        self.layout = layout
+        self.buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+
+    def region(self, name: str, shape=None) -> torch.Tensor:
+        """Region ``name`` as a flat tensor of its dtype, or its first elements viewed as ``shape``."""
+        r = self.layout[name]
+        flat = self.buffer[r.offset:r.offset + r.nbytes].view(getattr(torch, r.dtype))
+        if shape is None:
+            return flat
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        if numel > r.numel:
+            raise ValueError(f"workspace {name}: {tuple(shape)} needs {numel} elements, the arena holds {r.numel}")
+        return flat[:numel].view(tuple(shape))
+
+
+def step_arena(layout, device) -> StepArena:
+    """The arena for ``layout`` on ``device``, allocated on first use and kept (stable addresses)."""
+    key = (layout, str(torch.device(device)))
+    with _lock:
+        arena = _arenas.get(key)
+        if arena is None:
+            arena = _arenas[key] = StepArena(layout, device)
+    return arena
+
+
+# -- one custom op per kernel --------------------------------------------------------------
+
+@torch.library.custom_op("m3::index_scores", mutates_args=("out",))
+def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor, tokens_per_tile: int) -> None:
+    tile = maps.row_tile(idx_q.shape[1], tokens_per_tile)
+    run(launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k_cache),
+                              block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map, tile=tile,
+                              out_strides=out.stride(), interpret=out.device.type != "cuda"),
+        {"scores": out})
+
+
+@torch.library.custom_op("m3::select_blocks", mutates_args=("out",))
+def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, token_map: torch.Tensor, out: torch.Tensor,
+                  topk: int, init_blocks: int, local_blocks: int) -> None:
+    run(launches.select_blocks(scores=operand(scores), seq_lens=seq_lens, token_map=token_map, topk=topk,
+                               init_blocks=init_blocks, local_blocks=local_blocks, out_strides=out.stride()),
+        {"block_ids": out})
+
+
+@torch.library.custom_op("m3::paged_attention", mutates_args=("out", "partial_out", "partial_lse"))
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_ids: Optional[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    tile_map: torch.Tensor, out: torch.Tensor, partial_out: Optional[torch.Tensor],
+                    partial_lse: Optional[torch.Tensor], tokens_per_tile: int, sm_scale: float) -> None:
+    """Sparse with ``block_ids``, dense without; ``partial_*``: flat float32 split-K buffers, or None
+    for the device's workspaces."""
+    tile = maps.row_tile(q.shape[1] // k_cache.shape[1], tokens_per_tile)
+    launch = launches.paged_attention(
+        q=operand(q), k=operand(k_cache), v=operand(v_cache),
+        block_ids=None if block_ids is None else operand(block_ids), block_table=operand(block_table),
+        seq_lens=seq_lens, tile_map=tile_map, tile=tile, sm_scale=sm_scale, out_dtype=str(q.dtype),
+        out_strides=out.stride(), interpret=out.device.type != "cuda")
+    outputs = {"out": out}
+    if partial_out is not None:
+        outputs.update(partial_out=partial_out, partial_lse=partial_lse)
+    run(launch, outputs)
+
+
+@torch.library.custom_op("m3::write_cache", mutates_args=("pool",))
+def write_cache(k: torch.Tensor, v: torch.Tensor, index_k: Optional[torch.Tensor], slot_mapping: torch.Tensor,
+                pool: torch.Tensor, offsets: list[int], k_cache_strides: list[int], v_cache_strides: list[int],
+                index_k_cache_strides: list[int]) -> None:
+    """Write into the flat buffer ``pool``; a cache is absent (not in this buffer) when its strides are []."""
+    def cache(i, strides):
+        return Operand(None, offsets[i], (), tuple(strides)) if strides else None
+
+    run(launches.write_cache(k=operand(k), v=operand(v), index_k=None if index_k is None else operand(index_k),
+                             slot_mapping=slot_mapping, pool=pool, pool_shape=pool.shape, pool_dtype=str(pool.dtype),
+                             k_cache=cache(0, k_cache_strides), v_cache=cache(1, v_cache_strides),
+                             index_k_cache=cache(2, index_k_cache_strides)),
+        {"pool": pool})
+
+
+for _op in (index_scores, select_blocks, paged_attention, write_cache):
+    _op.register_fake(lambda *args, **kwargs: None)
