@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 
 import m3_torch
-from m3_kernels import geometry
-from m3_torch._launch import decode_maps
-from m3_torch.decode import launch_attention
+from m3_kernels import maps, tuning
+from m3_torch import ops
 
 PAGE = 128
 L2_BYTES = 60 << 20
@@ -155,15 +154,18 @@ def torch_baseline_bytes(batch, context, n, cfg):
 def prefill_shaped(x, pool, ids, n, cfg):
     """(b) one decode token per 128-row query tile, no split-K."""
     group = cfg["hq"] // cfg["hk"]
-    tile = geometry.RowTile(group, geometry.next_pow2(group), max(1, 128 // geometry.next_pow2(group)), 128)
+    tokens_per_tile = maps.row_tile(group, 128).tokens_per_tile
     T = x["q"].shape[0]
     key = ("prefill_shaped", T, n)
     if key not in _maps:
         _maps[key] = torch.tensor([(t // n, t, t % n - n, 1) for t in range(T)], dtype=torch.int32, device="cuda")
     out = torch.empty_like(x["q"])
-    return lambda: launch_attention(x["q"], pool.k, pool.v, ids, x["block_table"], x["seq_lens"], out,
-                                    tile_map=_maps[key], tile=tile, sm_scale=cfg["d"] ** -0.5, sparse=True,
-                                    allow_split=False)
+
+    def step():
+        with tuning.override(sparse_target_programs=1):  # no split-K
+            ops.paged_attention(x["q"], pool.k, pool.v, ids, x["block_table"], x["seq_lens"], _maps[key], out,
+                                None, None, tokens_per_tile, cfg["d"] ** -0.5)
+    return step
 
 
 _maps: dict = {}
@@ -237,22 +239,22 @@ def run_case(pool, cfg_name, cfg, batch, context, n, bw, full):
         ops["baseline_prefill_shaped"] = [prefill_shaped(s, pool, i, n, cfg) for s, i in zip(sets, idss)]
         if torch_baseline_bytes(batch, context, n, cfg) < 8e9:
             ops["baseline_torch"] = [lambda s=s: torch_baseline(pool, s, n, cfg) for s in sets[:2]]
-    if full and n > 1:  # the other MTP layout for sparse decode (geometry.packs_sparse_decode)
+    if full and n > 1:  # the other MTP layout for sparse decode (maps.packs_sparse_decode)
         ops["sparse_decode_other_mtp_layout"] = ops["sparse_decode"]
-    packs = geometry.packs_sparse_decode(n, probe["block_table"].shape[1], TOPK)
+    packs = maps.packs_sparse_decode(n, probe["block_table"].shape[1], TOPK)
     rows = []
     for op, steps in ops.items():
         other = op == "sparse_decode_other_mtp_layout"
-        ratio = geometry.SPARSE_PACK_RATIO
+        ratio = maps.SPARSE_PACK_RATIO
         if other:  # ratio 0: always pack; a huge ratio: never
-            geometry.SPARSE_PACK_RATIO = 1 << 30 if packs else 0
+            maps.SPARSE_PACK_RATIO = 1 << 30 if packs else 0
         try:
             us = time_graph(steps)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             continue
         finally:
-            geometry.SPARSE_PACK_RATIO = ratio
+            maps.SPARSE_PACK_RATIO = ratio
         floor_key = {"baseline_prefill_shaped": "sparse_decode", "baseline_torch": "msa_decode",
                      "sparse_decode_other_mtp_layout": "sparse_decode"}.get(op, op)
         nbytes = need[floor_key]
@@ -283,7 +285,7 @@ def prefill_rows(bw, matmul_flops):
     measured bf16 matmul rate (dense: causal T^2/2 pairs; sparse: each token's
     visible part of its 16 chosen blocks); the indexer's floor counts FLOPs too.
     """
-    from m3_torch.prefill import prefill_plan
+    from m3_torch import prefill_plan
     cfg = CONFIGS["M3"]
     rows = []
     for T in (8192, 32768):
@@ -338,7 +340,7 @@ def write_outputs(out_dir, meta, rows):
              "Times: CUDA-graph replay medians (us); % floor = (bytes / copy bandwidth) / time. "
              "jax_msa_decode: the jitted JAX step, steady-state throughput (back-to-back calls); "
              "torch_eager_msa_decode: one eager call. sparse_decode_other_mtp_layout: n = 8 with the row-tile "
-             "layout the default did not pick (geometry.packs_sparse_decode: packed tiles at contexts <= 4k here, "
+             "layout the default did not pick (maps.packs_sparse_decode: packed tiles at contexts <= 4k here, "
              "one tile per token above).", ""]
     for cfg in CONFIGS:
         sel = [r for r in rows if r["config"] == cfg and not r["op"].endswith("_prefill")]

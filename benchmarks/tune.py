@@ -8,7 +8,7 @@
 
 Prints one line per variant (median microseconds over a graph of rotated input
 sets; % of the copy-bandwidth floor where it has one). The winners go into
-kernels/geometry.py by hand; docs/PERF.md records the runs.
+kernels/tuning.py by hand; docs/PERF.md records the runs.
 """
 import argparse
 import dataclasses
@@ -19,7 +19,7 @@ import torch
 import m3_kernels
 import m3_torch
 from benchmarks.run import copy_bandwidth, time_graph
-from m3_kernels import geometry
+from m3_kernels import maps, tuning
 
 PAGE, HQ, HK, D, TOPK = 128, 64, 4, 128, 16
 
@@ -57,10 +57,10 @@ def kv_floor_us(batch, bw):
 
 
 def with_plan(**changes):
-    """Patch geometry.attention_plan to return its plan with ``changes``; returns the undo."""
-    orig = geometry.attention_plan
-    geometry.attention_plan = lambda **kw: dataclasses.replace(orig(**kw), **changes)
-    return lambda: setattr(geometry, "attention_plan", orig)
+    """Patch tuning.attention to return its config with ``changes``; returns the undo."""
+    orig = tuning.attention
+    tuning.attention = lambda **kw: dataclasses.replace(orig(**kw), **changes)
+    return lambda: setattr(tuning, "attention", orig)
 
 
 def sweep_sparse(bw):
@@ -89,15 +89,15 @@ def sweep_small(bw):
                 line.append(f"{splits} splits {cache.sparse_us(sets):6.1f}")
             finally:
                 undo()
-        default = geometry.attention_plan(tile=geometry.decode_tile(HQ // HK, 1, True, max_blocks=1, topk=TOPK),
-                                          num_tiles=batch, num_kv_heads=HK, head_dim=D, topk=TOPK, max_blocks=1,
-                                          sparse=True).num_splits
+        default = tuning.attention(tile=maps.decode_tile(HQ // HK, 1, True, max_blocks=1, topk=TOPK),
+                                   num_tiles=batch, num_kv_heads=HK, head_dim=D, topk=TOPK, max_blocks=1,
+                                   sparse=True, interpret=False).num_splits
         print(f"batch {batch} {context // 1024}k n=1 (floor {kv_floor_us(batch, bw):.1f} us, default {default} "
               f"splits): " + "  ".join(line), flush=True)
 
 
 def sweep_select(bw):
-    orig_warps, orig_two_level = geometry.select_num_warps, geometry.SELECT_TWO_LEVEL_BLOCKS
+    orig_select, orig_two_level = tuning.select_blocks, tuning.SELECT_TWO_LEVEL_BLOCKS
     for batch, context, n in ((8, 16384, 1), (64, 16384, 1), (8, 131072, 1), (128, 131072, 1), (32, 131072, 8),
                               (128, 65536, 8)):
         sets = []
@@ -109,35 +109,35 @@ def sweep_select(bw):
                          torch.empty(HK, batch * n, TOPK, dtype=torch.int32, device="cuda")))
         line, first = [], None
         for two_level, warps in itertools.product((False, True), (1, 2, 4, 8)):
-            geometry.SELECT_TWO_LEVEL_BLOCKS = 0 if two_level else 1 << 30
-            geometry.select_num_warps = lambda rows, mb, w=warps: w
+            tuning.SELECT_TWO_LEVEL_BLOCKS = 0 if two_level else 1 << 30
+            tuning.select_blocks = lambda w=warps, **kw: (*orig_select(**kw)[:2], w)
             try:
                 us = time_graph([lambda x=x: m3_torch.select_blocks(x[0], x[1], decode_query_len=n, out=x[2])
                                  for x in sets])
             finally:
-                geometry.select_num_warps, geometry.SELECT_TWO_LEVEL_BLOCKS = orig_warps, orig_two_level
+                tuning.select_blocks, tuning.SELECT_TWO_LEVEL_BLOCKS = orig_select, orig_two_level
             ids = sets[0][2].clone()
             first = ids if first is None else first
             same = "" if torch.equal(ids, first) else " MISMATCH"
             line.append(f"{'two' if two_level else 'one'}-level {warps}w {us:5.1f}{same}")
-        print(f"select batch {batch} {context // 1024}k n={n} (default {orig_warps(batch * n * HK, mb)} warps): "
+        print(f"select batch {batch} {context // 1024}k n={n} (default {orig_select(num_rows=batch * n * HK, max_blocks=mb, topk=TOPK)[2]} warps): "
               + "  ".join(line), flush=True)
 
 
 def sweep_mtp(bw):
     cache = Cache(128 * 100)
-    orig = geometry.SPARSE_PACK_RATIO
+    orig = maps.SPARSE_PACK_RATIO
     for batch, context in ((8, 4096), (32, 4096), (128, 4096), (32, 8192), (32, 16384)):
         sets = [cache.step(batch, context, n=8, seed=s) for s in range(3)]
         line = []
         for name, ratio in (("packed", 0), ("per-token", 1 << 30)):
-            geometry.SPARSE_PACK_RATIO = ratio
+            maps.SPARSE_PACK_RATIO = ratio
             try:
                 line.append(f"{name} {cache.sparse_us(sets):7.1f}")
             finally:
-                geometry.SPARSE_PACK_RATIO = orig
+                maps.SPARSE_PACK_RATIO = orig
         mb = sets[0]["bt"].shape[1]
-        chosen = "packed" if geometry.packs_sparse_decode(8, mb, TOPK) else "per-token"
+        chosen = "packed" if maps.packs_sparse_decode(8, mb, TOPK) else "per-token"
         print(f"mtp batch {batch} {context // 1024}k n=8 (max_blocks {mb}, default {chosen}): " + "  ".join(line),
               flush=True)
 
@@ -159,12 +159,12 @@ def sweep_index(bw):
     batch, context = 64, 32768
     cache = Cache(64 * 290)
     x = cache.step(batch, context)
-    orig_index = geometry.index_plan
+    orig_index = tuning.index_scores
     print(f"{'warps':>5} {'stages':>6} {'bn':>5} {'index us':>9} {'dense us':>9}"
           "  regs/spills/smem of the last-compiled index, attention kernels")
     for warps, stages, block_n in itertools.product([4, 8], [3, 4], [32, 64, 128]):
-        geometry.index_plan = lambda **kw: dataclasses.replace(orig_index(**kw), num_warps=warps, num_stages=stages,
-                                                               block_n=block_n)
+        tuning.index_scores = lambda **kw: dataclasses.replace(orig_index(**kw), num_warps=warps,
+                                                               num_stages=stages, block_n=block_n)
         undo = with_plan(num_warps=warps, num_stages=stages, block_n=block_n)
         try:
             t_idx = time_graph([lambda: m3_torch.index_scores(x["iq"], cache.ik, x["bt"], x["sl"], decode_query_len=1,
@@ -175,7 +175,7 @@ def sweep_index(bw):
             print(f"{warps:5d} {stages:6d} {block_n:5d}  failed: {type(exc).__name__}: {str(exc)[:80]}")
             continue
         finally:
-            geometry.index_plan = orig_index
+            tuning.index_scores = orig_index
             undo()
         print(f"{warps:5d} {stages:6d} {block_n:5d} {t_idx:9.1f} {t_de:9.1f}  {resources()}", flush=True)
 

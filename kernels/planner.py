@@ -36,7 +36,7 @@ from .maps import PAGE_SIZE, cdiv, decode_tile, max_row_tiles, next_pow2, row_ti
 ARENA_ALIGN = 256  # bytes; every arena region starts on this boundary
 
 __all__ = ["StepConfig", "StepPlanner", "StepPlan", "Span", "PrefillPlan",
-           "WorkspaceLayout", "Region", "prefill_plan", "max_row_tiles", "block_bound"]
+           "WorkspaceLayout", "Region", "prefill_plan", "block_bound"]
 
 
 # -- helpers -------------------------------------------------------------------------
@@ -221,7 +221,7 @@ class StepConfig:
         return self.max_blocks * PAGE_SIZE
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class Span:
     """Rows ``[row_start, row_start + num_rows)`` and tokens ``[token_start, token_start + num_tokens)`` of a step.
 

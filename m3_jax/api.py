@@ -33,27 +33,26 @@ __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "ms
            "StepSpec", "step_inputs"]
 
 
-# -- the launches, shared by decode, prefill and the mixed step -------------------------------
+# -- the launches, shared by decode, prefill and the mixed step (each public op runs them) ----
 
-def _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile):
+def _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile) -> launches.Launch:
     shape = (idx_q.shape[1], idx_q.shape[0], block_table.shape[1])
-    return run(launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k),
-                                     block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map,
-                                     tile=tile, out_strides=strides(shape), interpret=not ops.on_gpu()))["scores"]
+    return launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k), block_table=operand(block_table),
+                                 seq_lens=seq_lens, tile_map=tile_map, tile=tile, out_strides=strides(shape),
+                                 interpret=not ops.on_gpu())
 
 
-def _select_blocks(scores, seq_lens, token_map, topk, init_blocks, local_blocks):
-    shape = (scores.shape[0], scores.shape[1], topk)
-    return run(launches.select_blocks(scores=operand(scores), seq_lens=seq_lens, token_map=token_map, topk=topk,
-                                      init_blocks=init_blocks, local_blocks=local_blocks,
-                                      out_strides=strides(shape)))["block_ids"]
+def _select_blocks(scores, seq_lens, token_map, topk, init_blocks, local_blocks) -> launches.Launch:
+    return launches.select_blocks(scores=operand(scores), seq_lens=seq_lens, token_map=token_map, topk=topk,
+                                  init_blocks=init_blocks, local_blocks=local_blocks,
+                                  out_strides=strides((scores.shape[0], scores.shape[1], topk)))
 
 
-def _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, sm_scale):
-    return run(launches.paged_attention(
+def _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, sm_scale) -> launches.Launch:
+    return launches.paged_attention(
         q=operand(q), k=operand(k), v=operand(v), block_ids=None if block_ids is None else operand(block_ids),
         block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map, tile=tile, sm_scale=sm_scale,
-        out_dtype=str(q.dtype), out_strides=strides(q.shape), interpret=not ops.on_gpu()))["out"]
+        out_dtype=str(q.dtype), out_strides=strides(q.shape), interpret=not ops.on_gpu())
 
 
 def _kv(k_cache, v_cache, kv_layout):
@@ -73,7 +72,7 @@ def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_le
     call = validate.check_index_call(idx_q, index_k, block_table, seq_lens, decode_query_len=decode_query_len)
     tile = _maps.row_tile(call.num_index_heads, int(decode_query_len))
     tile_map, _ = ops.decode_maps(call.num_requests, int(decode_query_len), tile.tokens_per_tile)
-    return _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile)
+    return run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
 
 
 def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0, local_blocks=1):
@@ -85,10 +84,11 @@ def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0,
     call = validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks,
                                       local_blocks=local_blocks, decode_query_len=decode_query_len)
     _, token_map = ops.decode_maps(call.num_requests, int(decode_query_len), 1)
-    return _select_blocks(scores, seq_lens, token_map, int(topk), int(init_blocks), int(local_blocks))
+    return run(_select_blocks(scores, seq_lens, token_map, int(topk), int(init_blocks), int(local_blocks)))["block_ids"]
 
 
 def _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, kv_layout):
+    """Validate a decode attention call -> its launch."""
     k, v = _kv(k_cache, v_cache, kv_layout)
     call = validate.check_attention_call(q, k, v, block_table, seq_lens, block_ids=block_ids, sm_scale=sm_scale,
                                          decode_query_len=decode_query_len)
@@ -96,7 +96,7 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, dec
     tile = _maps.decode_tile(call.group, n, block_ids is not None, max_blocks=call.max_blocks,
                             topk=0 if block_ids is None else block_ids.shape[2])
     tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
-    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale)
+    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale)  # the launch
 
 
 def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, decode_query_len, sm_scale=None,
@@ -107,14 +107,14 @@ def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, deco
     block_ids [Hk, T, topk] int32 (-1 skipped, distinct per row); block_table
     [R, max_blocks] int32; seq_lens [R] int32.
     """
-    return _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale,
-                             kv_layout)
+    return run(_decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale,
+                                 kv_layout))["out"]
 
 
 def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len, sm_scale=None, kv_layout="HND"):
     """Paged GQA decode attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
-    return _decode_attention(q, k_cache, v_cache, None, block_table, seq_lens, decode_query_len, sm_scale,
-                             kv_layout)
+    return run(_decode_attention(q, k_cache, v_cache, None, block_table, seq_lens, decode_query_len, sm_scale,
+                                 kv_layout))["out"]
 
 
 def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, decode_query_len, topk=16,
@@ -132,11 +132,11 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     n, topk = int(decode_query_len), int(topk)
     tile = _maps.row_tile(call.num_index_heads, n)
     tile_map, token_map = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
-    scores = _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile)
-    block_ids = _select_blocks(scores, seq_lens, token_map, topk, int(init_blocks), int(local_blocks))
+    scores = run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
+    block_ids = run(_select_blocks(scores, seq_lens, token_map, topk, int(init_blocks), int(local_blocks)))["block_ids"]
     tile = _maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk)
     tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
-    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale), block_ids
+    return run(_attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale))["out"], block_ids
 
 
 # -- prefill --------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
     maps_ = _prefill_maps(cu_seqlens_q, plan, (int(idx_q.shape[1]),) if len(idx_q.shape) == 3 else ())
     call = validate.check_index_call(idx_q, index_k, block_table, seq_lens, prefill=maps_, cu_seqlens_q=cu_seqlens_q)
     tile, tile_map = maps_.tile(call.num_index_heads)
-    return _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile)
+    return run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
 
 
 def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q=None, topk=16, init_blocks=0, local_blocks=1, plan=None):
@@ -166,7 +166,8 @@ def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q=None, topk=16, init_
     maps_ = _prefill_maps(cu_seqlens_q, plan, ())
     validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
                                prefill=maps_, cu_seqlens_q=cu_seqlens_q)
-    return _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
+    launch = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
+    return run(launch)["block_ids"]
 
 
 def _group(q, k):
@@ -175,12 +176,13 @@ def _group(q, k):
 
 def _prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
                        kv_layout):
+    """Validate a prefill attention call -> its launch."""
     k, v = _kv(k_cache, v_cache, kv_layout)
     maps_ = _prefill_maps(cu_seqlens_q, plan, _group(q, k))
     call = validate.check_attention_call(q, k, v, block_table, seq_lens, block_ids=block_ids, sm_scale=sm_scale,
                                          prefill=maps_, cu_seqlens_q=cu_seqlens_q)
     tile, tile_map = maps_.tile(call.group)
-    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale)
+    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale)  # the launch
 
 
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None,
@@ -190,15 +192,15 @@ def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_
     Causal inside every block (the diagonal one included). Arguments as in
     ``m3_torch.sparse_prefill``; K/V arrays in ``kv_layout`` or PagedViews.
     """
-    return _prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
-                              kv_layout)
+    return run(_prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan,
+                                  sm_scale, kv_layout))["out"]
 
 
 def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None, plan=None,
                   kv_layout="HND"):
     """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
-    return _prefill_attention(q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
-                              kv_layout)
+    return run(_prefill_attention(q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
+                                  kv_layout))["out"]
 
 
 def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q=None, topk=16,
@@ -212,10 +214,11 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
                                    prefill=maps_, cu_seqlens_q=cu_seqlens_q)
     tile, tile_map = maps_.tile(call.num_index_heads)
-    scores = _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile)
-    block_ids = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
+    scores = run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
+    launch = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
+    block_ids = run(launch)["block_ids"]
     tile, tile_map = maps_.tile(call.group)
-    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale), block_ids
+    return run(_attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale))["out"], block_ids
 
 
 # -- mixed step -----------------------------------------------------------------------------
@@ -300,11 +303,12 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
         block_ids = None
         if sparse:
             tile, tile_map, token_map = index_maps
-            scores = _index_scores(idx_q[toks], index_k, table, lens, tile_map, tile)
-            block_ids = _select_blocks(scores, lens, token_map, cfg.topk, int(init_blocks), int(local_blocks))
+            scores = run(_index_scores(idx_q[toks], index_k, table, lens, tile_map, tile))["scores"]
+            launch = _select_blocks(scores, lens, token_map, cfg.topk, int(init_blocks), int(local_blocks))
+            block_ids = run(launch)["block_ids"]
             ids.append(block_ids)
         tile, tile_map = attention_maps
-        outs.append(_attention(q[toks], k, v, block_ids, table, lens, tile_map, tile, call.sm_scale))
+        outs.append(run(_attention(q[toks], k, v, block_ids, table, lens, tile_map, tile, call.sm_scale))["out"])
     out = jnp.concatenate(outs, axis=0) if outs else jnp.zeros(q.shape, q.dtype)
     if not sparse:
         return out, None

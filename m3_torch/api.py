@@ -81,6 +81,7 @@ def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0,
 
 
 def _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, out):
+    """Validate a decode attention call -> (out, tile_map, tokens_per_tile, sm_scale)."""
     call = validate.check_attention_call(q, k_cache, v_cache, block_table, seq_lens, block_ids=block_ids,
                                          sm_scale=sm_scale, decode_query_len=decode_query_len, out=out)
     device = _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
@@ -90,9 +91,7 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, dec
     tile = maps.decode_tile(call.group, n, block_ids is not None, max_blocks=call.max_blocks,
                             topk=0 if block_ids is None else block_ids.shape[2])
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
-    ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
-                        tile.tokens_per_tile, call.sm_scale)
-    return out
+    return out, tile_map, tile.tokens_per_tile, call.sm_scale
 
 
 def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, decode_query_len, sm_scale=None,
@@ -103,12 +102,20 @@ def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, deco
     int32 (-1 skipped; the ids of one row distinct, as ``select_blocks`` writes
     them); block_table [R, max_blocks] int32; seq_lens [R] int32.
     """
-    return _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, out)
+    out, tile_map, tokens_per_tile, scale = _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens,
+                                                              decode_query_len, sm_scale, out)
+    ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
+                        tokens_per_tile, scale)
+    return out
 
 
 def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len, sm_scale=None, out=None):
     """Paged GQA decode attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
-    return _decode_attention(q, k_cache, v_cache, None, block_table, seq_lens, decode_query_len, sm_scale, out)
+    out, tile_map, tokens_per_tile, scale = _decode_attention(q, k_cache, v_cache, None, block_table, seq_lens,
+                                                              decode_query_len, sm_scale, out)
+    ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None, tokens_per_tile,
+                        scale)
+    return out
 
 
 def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, decode_query_len, topk=16,
@@ -146,7 +153,8 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
     or not at all with ``plan``) instead of ``decode_query_len``.
     """
     plan = prefill_plan(cu_seqlens_q, plan)
-    call = validate.check_index_call(idx_q, index_k_cache, block_table, seq_lens, prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
+    call = validate.check_index_call(idx_q, index_k_cache, block_table, seq_lens, prefill=plan,
+                                     cu_seqlens_q=cu_seqlens_q, out=out)
     device = _check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
                             out=out)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
@@ -169,6 +177,7 @@ def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q, topk=16, init_block
 
 
 def _prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out):
+    """Validate a prefill attention call -> (out, tile_map, tokens_per_tile, sm_scale)."""
     plan = prefill_plan(cu_seqlens_q, plan)
     call = validate.check_attention_call(q, k_cache, v_cache, block_table, seq_lens, block_ids=block_ids,
                                          sm_scale=sm_scale, prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
@@ -176,9 +185,7 @@ def _prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu
                             seq_lens=seq_lens, out=out)
     out = _empty(q.shape, q.dtype, device, out)
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.group)
-    ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
-                        tile.tokens_per_tile, call.sm_scale)
-    return out
+    return out, tile_map, tile.tokens_per_tile, call.sm_scale
 
 
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None,
@@ -188,13 +195,20 @@ def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_
     Causal inside every block (the diagonal one included): the token at position
     p sees positions <= p. Arguments as in ``sparse_decode``, with cu_seqlens_q.
     """
-    return _prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
-                              out)
+    out, tile_map, tokens_per_tile, scale = _prefill_attention(q, k_cache, v_cache, block_ids, block_table,
+                                                               seq_lens, cu_seqlens_q, plan, sm_scale, out)
+    ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
+                        tokens_per_tile, scale)
+    return out
 
 
 def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None, out=None):
     """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
-    return _prefill_attention(q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out)
+    out, tile_map, tokens_per_tile, scale = _prefill_attention(q, k_cache, v_cache, None, block_table, seq_lens,
+                                                               cu_seqlens_q, plan, sm_scale, out)
+    ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None, tokens_per_tile,
+                        scale)
+    return out
 
 
 def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q, topk=16,

@@ -7,13 +7,15 @@ kernel ran about 2x slower on an H200 (benchmarks/results/*jax-vs-torch*).
 These tests compile for Hopper on the CPU (Triton ships ptxas), no GPU needed.
 """
 
+import numpy as np
 import pytest
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import m3_kernels
-from m3_kernels import geometry
+from m3_kernels import launches, maps
+from m3_kernels.launches import Operand
 
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32",
@@ -38,19 +40,28 @@ def compile_for_hopper(fn, constexprs, num_warps, num_stages, scalars_divisible)
     return triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def attention_case(n, sparse):
-    tile = geometry.decode_tile(16, n, sparse, max_blocks=141, topk=16)
-    plan = geometry.attention_plan(tile=tile, num_tiles=64, num_kv_heads=4, head_dim=128, topk=16, max_blocks=141,
-                                   sparse=sparse)
-    consts = dict(plan.constexprs(num_q_heads=64, head_dim=128, topk=16, sparse=sparse),
-                  stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_is=1, stride_bb=1)
-    return m3_kernels.kernel_module("attention", False).paged_attention_kernel, consts, plan
+def operand(*shape):
+    return Operand(None, 0, shape, maps.contiguous_strides(shape))
+
+
+def attention_case(sparse):
+    """The launch of M3 decode at batch 64, 18k context (141 blocks), as both frameworks build it."""
+    tile = maps.decode_tile(16, 1, sparse, max_blocks=141, topk=16)
+    launch = launches.paged_attention(
+        q=operand(64, 64, 128), k=operand(9000, 4, 128, 128), v=operand(9000, 4, 128, 128),
+        block_ids=operand(4, 64, 16) if sparse else None, block_table=operand(64, 141), seq_lens=None,
+        tile_map=np.zeros((64, 4), np.int32), tile=tile, sm_scale=1.0, out_dtype="bfloat16",
+        out_strides=(64 * 128, 128, 1), interpret=False)
+    consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_is=1, stride_bb=1)
+    return m3_kernels.kernel_module("attention", False).paged_attention_kernel, consts, launch
 
 
 def index_case():
-    plan = geometry.index_plan(tile=geometry.row_tile(4, 1), num_tiles=64, head_dim=128, max_blocks=141)
-    consts = dict(plan.constexprs(num_heads=4, head_dim=128), stride_qd=1, stride_kd=1, stride_bb=1, stride_sb=1)
-    return m3_kernels.kernel_module("index", False).index_scores_kernel, consts, plan
+    launch = launches.index_scores(idx_q=operand(64, 4, 128), index_k=operand(9000, 128, 128),
+                                   block_table=operand(64, 141), seq_lens=None, tile_map=np.zeros((64, 4), np.int32),
+                                   tile=maps.row_tile(4, 1), out_strides=(64 * 141, 141, 1), interpret=False)
+    consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_bb=1, stride_sb=1)
+    return m3_kernels.kernel_module("index", False).index_scores_kernel, consts, launch
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -68,8 +79,9 @@ def fresh_compile_after_an_interpreted_op(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["sparse_n1", "dense_n1", "index"])
 def test_loads_pipeline_without_divisibility_facts(case):
-    fn, consts, plan = index_case() if case == "index" else attention_case(1, case == "sparse_n1")
-    kernels = [compile_for_hopper(fn, consts, plan.num_warps, plan.num_stages, divisible) for divisible in (True, False)]
+    fn, consts, launch = index_case() if case == "index" else attention_case(case == "sparse_n1")
+    kernels = [compile_for_hopper(fn, consts, launch.num_warps, launch.num_stages, divisible)
+               for divisible in (True, False)]
     as_torch, as_jax = (k.asm["ptx"] for k in kernels)
     async_copies = [ptx.count("cp.async.cg") + ptx.count("cp.async.ca") for ptx in (as_torch, as_jax)]
     assert async_copies[0] > 0, "the torch-style build lost its pipelined loads"

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from m3_kernels import geometry, planner
+from m3_kernels import maps, planner
 
 CFG = dict(num_q_heads=16, num_kv_heads=2, head_dim=64, max_batch=64, max_num_tokens=2048, max_blocks=64, topk=8)
 
@@ -24,7 +24,7 @@ def test_mixed_batch_spans_and_bounds():
     ctx, gen = plan.context, plan.generation
     assert (ctx.num_rows, ctx.num_tokens, ctx.max_kv_len) == (2, 337, 5000)
     assert ctx.max_blocks == 64                      # ceil(5000/128)=40 -> 64
-    assert (gen.row_start, gen.num_rows, gen.token_start, gen.query_len) == (2, 3, 337, 2)
+    assert (gen.row_start, gen.num_rows, gen.token_start, gen.decode_query_len) == (2, 3, 337, 2)
     assert (gen.num_tokens, gen.max_kv_len, gen.max_blocks, gen.num_padding_rows) == (6, 300, 4, 0)
     assert (plan.num_rows, plan.num_tokens) == (5, 343)
     assert not plan.cuda_graph
@@ -39,7 +39,7 @@ def test_generation_only_padded_for_graphs():
     p = make(graph_batch_sizes=(1, 2, 4, 8, 16))
     plan = p.plan([700, 9, 1], q_lens=[1, 1, 1], num_context=0)
     gen = plan.generation
-    assert (gen.num_rows, gen.num_padding_rows, gen.query_len, gen.num_tokens) == (4, 1, 1, 4)
+    assert (gen.num_rows, gen.num_padding_rows, gen.decode_query_len, gen.num_tokens) == (4, 1, 1, 4)
     assert plan.padded_batch_size == 4 and plan.cuda_graph
     assert gen.max_kv_len == 700 and gen.max_blocks == 8
     assert plan.context.num_rows == 0 and plan.context.num_tokens == 0
@@ -58,7 +58,7 @@ def test_generation_only_padded_for_graphs():
 def test_context_only_and_empty():
     p = make()
     plan = p.plan([1000, 5, 0], cu_seqlens_q=cu([300, 5, 0]), num_context=3)
-    assert plan.generation.num_rows == 0 and plan.generation.query_len == 0 and plan.generation.num_tokens == 0
+    assert plan.generation.num_rows == 0 and plan.generation.decode_query_len == 0 and plan.generation.num_tokens == 0
     assert plan.generation.token_start == 305
     assert plan.context.num_tokens == 305 and plan.context.max_blocks == 8
     plan = p.plan([], q_lens=[], num_context=0)
@@ -73,10 +73,10 @@ def test_prefill_maps_are_varlen_maps():
     pre = plan.context.prefill
     for heads in (CFG["num_q_heads"] // CFG["num_kv_heads"], CFG["num_kv_heads"]):
         tile, tile_map = pre.tiles(heads)
-        assert tile == geometry.row_tile(heads, 300)
-        exact, token_map = geometry.varlen_maps(q_lens, tile.tokens_per_tile)
+        assert tile == maps.row_tile(heads, 300)
+        exact, token_map = maps.varlen_maps(q_lens, tile.tokens_per_tile)
         # padded to the bound with empty tiles that read nothing
-        assert tile_map.shape[0] == pre.max_tiles(heads) == planner.max_row_tiles(318, 4, tile.tokens_per_tile)
+        assert tile_map.shape[0] == pre.max_tiles(heads) == maps.max_row_tiles(318, 4, tile.tokens_per_tile)
         np.testing.assert_array_equal(tile_map[:len(exact)], exact)
         assert (tile_map[len(exact):, 3] == 0).all() and (tile_map[len(exact):, 2] < -(1 << 20)).all()
         np.testing.assert_array_equal(pre.token_map, token_map)
@@ -92,9 +92,9 @@ def test_max_row_tiles_is_an_upper_bound():
         R = int(rng.integers(1, 9))
         q_lens = rng.integers(0, 300, R)
         for tpt in (1, 2, 8, 64, 128):
-            tiles, _ = geometry.varlen_maps(q_lens, tpt)
-            assert tiles.shape[0] <= planner.max_row_tiles(int(q_lens.sum()), R, tpt)
-    assert planner.max_row_tiles(300, 1, 64) == 5
+            tiles, _ = maps.varlen_maps(q_lens, tpt)
+            assert tiles.shape[0] <= maps.max_row_tiles(int(q_lens.sum()), R, tpt)
+    assert maps.max_row_tiles(300, 1, 64) == 5
 
 
 def test_workspace_layout_fits_every_step():
