@@ -18,8 +18,18 @@ A program owns one (row tile, KV head, split):
   tile reads each distinct chosen block once.
 
 Each program writes its softmax-normalised partial output and log-sum-exp
-(base 2); ``merge_splits_kernel`` combines the splits. With one split the
-program writes the final output itself. Rows that see nothing get zeros.
+(base 2); ``merge.merge_splits_kernel`` combines the splits. With one split the
+program writes the final output itself.
+
+Values (SPEC.md, "Values the kernels must survive"):
+
+* ``seq_lens`` is clamped to ``[0, max_blocks * 128]`` on the device: no tile
+  reads past its request's row of ``block_table``; negative lengths are padding.
+* K/V rows past the tile's last visible position (stale rows of the last page,
+  which may hold NaN/Inf) are never loaded: the loads are masked by the tile's
+  KV length, the scores by each row's own position (exact causality).
+* Rows that see nothing get zeros (lse -inf). A row with NaN or Inf in q is
+  all NaN (its lse too, which the merge keeps), on every split count.
 """
 
 import triton
@@ -28,7 +38,7 @@ import triton.language as tl
 from .common import PAGE_SIZE, mma
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def paged_attention_kernel(
     q_ptr,            # [T, Hq, D]                        q dtype
     k_ptr,            # [pages, Hk, PAGE_SIZE, D] @ k_off  cache dtype
@@ -39,15 +49,16 @@ def paged_attention_kernel(
     tile_map_ptr,     # [num_tiles, 4] int32, see the module docstring
     qk_scale,         # sm_scale * log2(e)
     k_off, v_off,     # element offsets of the caches inside their buffers
+    max_blocks,       # columns of block_table: no request reads past its row
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_kh, stride_kn, stride_kd,
     stride_vp, stride_vh, stride_vn, stride_vd,
     stride_ih, stride_it, stride_is,
     stride_br, stride_bb,
     stride_ot, stride_oh, stride_os, stride_od,
+    stride_lt, stride_lh, stride_ls,
     o_ptr,            # NUM_SPLITS == 1: out [T, Hq, D]; else partial out [T, Hq, NUM_SPLITS, D] fp32
-    lse_ptr,          # [T, Hq, NUM_SPLITS] fp32, contiguous; unused when NUM_SPLITS == 1
-    NUM_Q_HEADS: tl.constexpr,
+    lse_ptr,          # [T, Hq, NUM_SPLITS] fp32 (base-2 log-sum-exp); unused when NUM_SPLITS == 1
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -79,11 +90,16 @@ def paged_attention_kernel(
     tok0 = tl.load(tile_map_ptr + tile * 4 + 1)
     pos0_minus_len = tl.load(tile_map_ptr + tile * 4 + 2)
     ntok = tl.load(tile_map_ptr + tile * 4 + 3)
-    seq_len = tl.load(seq_lens_ptr + req)
+    # A length past the table behaves as the table's width, so no request reads
+    # past its row of block_table; a negative one as 0 (padding).
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + req), 0), max_blocks * PAGE_SIZE)
     # A block past the request's last written block is never read: its page
     # table entry may hold garbage.
     req_blocks = tl.cdiv(seq_len, PAGE_SIZE)
-    tile_blocks = tl.cdiv(tl.maximum(seq_len + pos0_minus_len + ntok, 0), PAGE_SIZE)
+    # KV rows the tile's last token sees: rows past it (stale rows of the last
+    # page, which may hold NaN/Inf) are never loaded, not only masked in the scores.
+    tile_kv_len = tl.maximum(seq_len + pos0_minus_len + ntok, 0)
+    tile_blocks = tl.cdiv(tile_kv_len, PAGE_SIZE)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -97,6 +113,10 @@ def paged_attention_kernel(
     # [BLOCK_M, D]
     q = tl.load(q_ptr + m_t[:, None] * stride_qt + m_head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_valid[:, None], other=0.0)
+    # A row with NaN or Inf in q becomes all NaN, so every score it computes is
+    # NaN and its output is NaN (an Inf alone could give -inf scores: an empty row).
+    q_bad = tl.max(((q != q) | (tl.abs(q) == float("inf"))).to(tl.int32), axis=1) > 0
+    q = tl.where(q_bad[:, None], float("nan"), q.to(tl.float32)).to(q_ptr.dtype.element_ty)
 
     if SPARSE:
         if TOKENS_PER_TILE == 1:
@@ -171,14 +191,16 @@ def paged_attention_kernel(
                     m_member = tl.max((m_ids == block).to(tl.int32), axis=1) > 0
             else:
                 m_member = m_valid
+            kv_pos = block * PAGE_SIZE + kv_tok
+            # [BLOCK_N]: rows some token of the tile sees (0 x NaN would be NaN)
+            kv_ok = block_ok & (kv_pos < tile_kv_len)
             # [BLOCK_N, D]
             k = tl.load(k_base + page * stride_kp + kv_tok[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                        mask=block_ok, other=0.0)
+                        mask=kv_ok[:, None], other=0.0)
             v = tl.load(v_base + page * stride_vp + kv_tok[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                        mask=block_ok, other=0.0)
+                        mask=kv_ok[:, None], other=0.0)
             # [BLOCK_M, BLOCK_N]
             s = mma(q, tl.trans(k)) * qk_scale
-            kv_pos = block * PAGE_SIZE + kv_tok
             visible = m_member[:, None] & (kv_pos[None, :] <= m_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
             # -- online softmax; a row with nothing visible yet keeps m = -inf
@@ -190,8 +212,8 @@ def paged_attention_kernel(
             acc = acc * alpha[:, None] + mma(p.to(v.dtype), v)
             m_i = m_new
 
-    # -- write: rows that saw nothing get zeros (and lse = -inf)
-    seen = l_i > 0.0
+    # -- write: rows that saw nothing get zeros (and lse = -inf); a NaN row stays NaN
+    seen = l_i != 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     o_rows = o_ptr + m_t * stride_ot + m_head * stride_oh
     if NUM_SPLITS == 1:
@@ -199,33 +221,4 @@ def paged_attention_kernel(
     else:
         tl.store(o_rows[:, None] + split * stride_os + offs_d[None, :] * stride_od, out, mask=m_valid[:, None])
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + (m_t * NUM_Q_HEADS + m_head) * NUM_SPLITS + split, lse, mask=m_valid)
-
-
-@triton.jit
-def merge_splits_kernel(
-    part_o_ptr,       # [T, Hq, NUM_SPLITS, D] fp32, contiguous
-    part_lse_ptr,     # [T, Hq, NUM_SPLITS] fp32, contiguous (base 2)
-    stride_ot, stride_oh, stride_od,
-    o_ptr,            # [T, Hq, D] out dtype
-    NUM_Q_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row = t * NUM_Q_HEADS + h
-    # [SPLITS_PAD]
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    used = lse > float("-inf")
-    m = tl.max(lse, axis=0)
-    w = tl.where(used, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)), 0.0)
-    # [SPLITS_PAD, D]: empty splits are never read
-    o = tl.load(part_o_ptr + (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
-                mask=used[:, None], other=0.0)
-    den = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0)
-    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od, out.to(o_ptr.dtype.element_ty))
+        tl.store(lse_ptr + m_t * stride_lt + m_head * stride_lh + split * stride_ls, lse, mask=m_valid)

@@ -10,7 +10,9 @@ The pool is the kernel's only output and is updated in place (JAX aliases it to
 its input; torch passes the same tensor as ``pool_in_ptr`` and ``pool_ptr``).
 
 Addresses are int64: pools exceed 2**31 elements. Slot values are not checked
-(that would need the host): a slot outside the pool writes out of bounds.
+here (that would need the host): a slot outside the pool is undefined
+behaviour (it writes out of bounds). ``M3_VALIDATE=1`` checks them on the host
+before the launch (``validate.check_slot_mapping_values``).
 """
 
 import triton

@@ -5,14 +5,16 @@ query tokens of one request times all index heads, packed as MMA rows) and a
 contiguous chunk of logical blocks. Each index-K page is read once for all
 heads and tokens of the tile: for decode with ``TOKENS_PER_TILE >= n`` that is
 once per request. ``tile_map`` rows: ``[request, first token, first token's
-position - seq_len, tokens]`` (see attention.py).
+position - seq_len, tokens]`` (see attention.py). Lengths are clamped and
+index-K rows past the tile's last visible position never loaded, as in
+attention.py; a NaN/Inf query row scores NaN on the blocks it sees.
 
 ``select_blocks_kernel``: one program per (token, index head). The row's
 visible scores sit in registers as 64-bit keys (score, then lower id; forced
 init/local blocks rank +inf, NaN ranks -inf but still beats nothing); a
 bitonic top-k picks the best ``TOPK`` in log-depth rounds (long rows: first
-the best chunks, then the best blocks inside them), and a 16-wide sort writes
-the chosen ids ascending, then -1.
+the best chunks, then the best blocks inside them), and a sort writes the
+chosen ids ascending, then -1.
 """
 
 import triton
@@ -53,8 +55,11 @@ def index_scores_kernel(
     tok0 = tl.load(tile_map_ptr + tile * 4 + 1)
     pos0_minus_len = tl.load(tile_map_ptr + tile * 4 + 2)
     ntok = tl.load(tile_map_ptr + tile * 4 + 3)
-    seq_len = tl.load(seq_lens_ptr + req)
-    tile_blocks = tl.cdiv(tl.maximum(seq_len + pos0_minus_len + ntok, 0), PAGE_SIZE)
+    # lengths past the table behave as its width, negative ones as 0 (see attention.py)
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + req), 0), max_blocks * PAGE_SIZE)
+    # KV rows the tile's last token sees: later rows (stale, maybe NaN) are never loaded
+    tile_kv_len = tl.maximum(seq_len + pos0_minus_len + ntok, 0)
+    tile_blocks = tl.cdiv(tile_kv_len, PAGE_SIZE)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -68,6 +73,8 @@ def index_scores_kernel(
     # [BLOCK_M, Di]
     q = tl.load(q_ptr + m_t[:, None] * stride_qt + m_head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_valid[:, None], other=0.0)
+    # [BLOCK_M]: NaN or Inf in a row's query makes its visible blocks' scores NaN
+    q_bad = tl.max(((q != q) | (tl.abs(q) == float("inf"))).to(tl.int32), axis=1) > 0
 
     b_begin = chunk * blocks_per_program
     b_end = tl.minimum(b_begin + blocks_per_program, max_blocks)
@@ -86,13 +93,15 @@ def index_scores_kernel(
             best = tl.full([BLOCK_M], float("-inf"), tl.float32)
             for n0 in tl.static_range(0, PAGE_SIZE, BLOCK_N):
                 kv_tok = n0 + offs_n
+                kv_pos = block * PAGE_SIZE + kv_tok
                 # [BLOCK_N, Di]
                 k = tl.load(k_ptr + k_off + page * stride_kp + kv_tok[:, None] * stride_kn
-                            + offs_d[None, :] * stride_kd)
+                            + offs_d[None, :] * stride_kd, mask=(kv_pos < tile_kv_len)[:, None], other=0.0)
                 # [BLOCK_M, BLOCK_N]
                 s = mma(q, tl.trans(k))
-                s = tl.where(block * PAGE_SIZE + kv_tok[None, :] <= m_pos[:, None], s, float("-inf"))
+                s = tl.where(kv_pos[None, :] <= m_pos[:, None], s, float("-inf"))
                 best = tl.maximum(best, tl.max(s, axis=1))
+            best = tl.where(q_bad & (block * PAGE_SIZE <= m_pos), float("nan"), best)
             tl.store(score_rows + block * stride_sb, best, mask=m_valid)
     # blocks no token of the tile sees
     for block in range(tl.maximum(b_begin, tile_blocks), b_end):
@@ -120,6 +129,16 @@ def _rank_keys(row_ptr, stride_sb, blocks, visible_blocks, INIT_BLOCKS: tl.const
     return (ordered.to(tl.int64) << 32) | (BLOCKS_PAD - 1 - blocks).to(tl.int64)
 
 
+@triton.jit
+def _top(keys, K: tl.constexpr):
+    """The ``K`` largest of ``keys``, largest first (``tl.topk`` cannot take K = 1)."""
+    if K == 1:
+        top = tl.max(keys, axis=0, keep_dims=True)
+    else:
+        top = tl.topk(keys, K)
+    return top
+
+
 @triton.jit(do_not_specialize=["max_blocks"])
 def select_blocks_kernel(
     scores_ptr,       # [Hi, T, max_blocks] fp32, any strides
@@ -140,9 +159,10 @@ def select_blocks_kernel(
     head = tl.program_id(1)
     req = tl.load(token_map_ptr + t * 2)
     pos_minus_len = tl.load(token_map_ptr + t * 2 + 1)
-    seq_len = tl.load(seq_lens_ptr + req)
+    # lengths past the table behave as its width, negative ones as 0 (see attention.py)
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + req), 0), max_blocks * PAGE_SIZE)
     kv_len = tl.maximum(seq_len + pos_minus_len + 1, 0)
-    visible_blocks = tl.minimum(tl.cdiv(kv_len, PAGE_SIZE), max_blocks)
+    visible_blocks = tl.cdiv(kv_len, PAGE_SIZE)
     num_chosen = tl.minimum(visible_blocks, TOPK)
     row = scores_ptr + head * stride_si + t * stride_st
 
@@ -154,7 +174,7 @@ def select_blocks_kernel(
         # blocks with the best maxima (a block outside them has TOPK_PAD better
         # chunk maxima above it). Keep only those chunks' blocks as candidates.
         chunk_best = tl.max(tl.reshape(key, [BLOCKS_PAD // CHUNK, CHUNK]), axis=1)
-        top_chunks = tl.topk(chunk_best, TOPK_PAD)
+        top_chunks = _top(chunk_best, TOPK_PAD)
         chunk = (BLOCKS_PAD - 1 - (top_chunks & 0xFFFFFFFF).to(tl.int32)) // CHUNK
         # [TOPK_PAD, CHUNK] -> [TOPK_PAD * CHUNK]
         candidates = chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
@@ -162,11 +182,12 @@ def select_blocks_kernel(
                                     BLOCKS_PAD), [TOPK_PAD * CHUNK])
     # [TOPK_PAD], best first (bitonic top-k: log-depth compare-exchange rounds);
     # the first num_chosen are the chosen blocks
-    best = tl.topk(key, TOPK_PAD)
+    best = _top(key, TOPK_PAD)
     offs_k = tl.arange(0, TOPK_PAD)
     ids = tl.where(offs_k < num_chosen, BLOCKS_PAD - 1 - (best & 0xFFFFFFFF).to(tl.int32), BLOCKS_PAD)
     # -- ascending ids, then -1
-    ids = tl.sort(ids)
+    if TOPK_PAD > 1:
+        ids = tl.sort(ids)
     ids = tl.where(ids < BLOCKS_PAD, ids, -1)
     out_row = ids_ptr + head * stride_oi + t * stride_ot
     tl.store(out_row + offs_k * stride_ok, ids, mask=offs_k < TOPK)

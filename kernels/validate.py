@@ -48,6 +48,8 @@ def _shape(x):
 
 
 def check_rank(name, x, rank, layout):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: expected an array of rank {rank} {layout}, got {type(x).__name__}")
     if len(x.shape) != rank:
         raise ValueError(f"{name}: expected rank {rank} {layout}, got shape {_shape(x)}")
 

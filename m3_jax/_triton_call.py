@@ -8,7 +8,9 @@ One entry point, two lowerings, the same kernel source:
   (``kernel_module(module, interpret=True)``), run inside ``jax.pure_callback``
   on torch CPU tensors made from the numpy arrays (bf16 arrays are
   reinterpreted through uint16, since ``torch.from_numpy`` rejects
-  ``ml_dtypes.bfloat16``).
+  ``ml_dtypes.bfloat16``). XLA runs independent callbacks concurrently; the
+  interpreted launches serialize themselves (``m3_kernels.interpreter``), so
+  any number of ops may share one jitted function.
 
 Both work under ``jax.jit``. The calling convention is jax-triton's: ``args``
 are the kernel's non-constexpr parameters in signature order (jax arrays or

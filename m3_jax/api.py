@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from m3_kernels import launches, planner, validate
 from m3_kernels import maps as _maps
 
-from . import ops
+from . import guards, ops
 from .ops import PrefillMaps, operand, prefill_maps, run, strides
 from .views import as_index_k_view, as_kv_view
 
@@ -70,6 +70,8 @@ def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_le
     """
     index_k = as_index_k_view(index_k_cache)
     call = validate.check_index_call(idx_q, index_k, block_table, seq_lens, decode_query_len=decode_query_len)
+    seq_lens = guards.check_call("index_scores", idx_q=idx_q, index_k_cache=index_k, block_table=block_table,
+                                 seq_lens=seq_lens)
     tile = _maps.row_tile(call.num_index_heads, int(decode_query_len))
     tile_map, _ = ops.decode_maps(call.num_requests, int(decode_query_len), tile.tokens_per_tile)
     return run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
@@ -83,15 +85,18 @@ def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0,
     """
     call = validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks,
                                       local_blocks=local_blocks, decode_query_len=decode_query_len)
+    seq_lens = guards.check_call("select_blocks", scores=scores, seq_lens=seq_lens)
     _, token_map = ops.decode_maps(call.num_requests, int(decode_query_len), 1)
     return run(_select_blocks(scores, seq_lens, token_map, int(topk), int(init_blocks), int(local_blocks)))["block_ids"]
 
 
-def _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, kv_layout):
+def _decode_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, kv_layout):
     """Validate a decode attention call -> its launch."""
     k, v = _kv(k_cache, v_cache, kv_layout)
     call = validate.check_attention_call(q, k, v, block_table, seq_lens, block_ids=block_ids, sm_scale=sm_scale,
                                          decode_query_len=decode_query_len)
+    seq_lens = guards.check_call(op, q=q, k_cache=k, v_cache=v, block_ids=block_ids, block_table=block_table,
+                                 seq_lens=seq_lens)
     n = int(decode_query_len)
     tile = _maps.decode_tile(call.group, n, block_ids is not None, max_blocks=call.max_blocks,
                             topk=0 if block_ids is None else block_ids.shape[2])
@@ -107,14 +112,14 @@ def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, deco
     block_ids [Hk, T, topk] int32 (-1 skipped, distinct per row); block_table
     [R, max_blocks] int32; seq_lens [R] int32.
     """
-    return run(_decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale,
-                                 kv_layout))["out"]
+    return run(_decode_attention("sparse_decode", q, k_cache, v_cache, block_ids, block_table, seq_lens,
+                                 decode_query_len, sm_scale, kv_layout))["out"]
 
 
 def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len, sm_scale=None, kv_layout="HND"):
     """Paged GQA decode attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
-    return run(_decode_attention(q, k_cache, v_cache, None, block_table, seq_lens, decode_query_len, sm_scale,
-                                 kv_layout))["out"]
+    return run(_decode_attention("dense_decode", q, k_cache, v_cache, None, block_table, seq_lens, decode_query_len,
+                                 sm_scale, kv_layout))["out"]
 
 
 def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, decode_query_len, topk=16,
@@ -129,6 +134,8 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     call = validate.check_msa_call(q, idx_q, k, v, index_k, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
                                    decode_query_len=decode_query_len)
+    seq_lens = guards.check_call("msa_decode", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
+                                 block_table=block_table, seq_lens=seq_lens)
     n, topk = int(decode_query_len), int(topk)
     tile = _maps.row_tile(call.num_index_heads, n)
     tile_map, token_map = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
@@ -157,6 +164,8 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
     index_k = as_index_k_view(index_k_cache)
     maps_ = _prefill_maps(cu_seqlens_q, plan, (int(idx_q.shape[1]),) if len(idx_q.shape) == 3 else ())
     call = validate.check_index_call(idx_q, index_k, block_table, seq_lens, prefill=maps_, cu_seqlens_q=cu_seqlens_q)
+    seq_lens = guards.check_call("index_scores_prefill", idx_q=idx_q, index_k_cache=index_k, block_table=block_table,
+                                 seq_lens=seq_lens)
     tile, tile_map = maps_.tile(call.num_index_heads)
     return run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
 
@@ -166,6 +175,7 @@ def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q=None, topk=16, init_
     maps_ = _prefill_maps(cu_seqlens_q, plan, ())
     validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
                                prefill=maps_, cu_seqlens_q=cu_seqlens_q)
+    seq_lens = guards.check_call("select_blocks_prefill", scores=scores, seq_lens=seq_lens)
     launch = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
     return run(launch)["block_ids"]
 
@@ -174,13 +184,15 @@ def _group(q, k):
     return (int(q.shape[1]) // int(k.shape[1]),) if len(q.shape) == 3 and len(k.shape) == 4 and k.shape[1] else ()
 
 
-def _prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
+def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
                        kv_layout):
     """Validate a prefill attention call -> its launch."""
     k, v = _kv(k_cache, v_cache, kv_layout)
     maps_ = _prefill_maps(cu_seqlens_q, plan, _group(q, k))
     call = validate.check_attention_call(q, k, v, block_table, seq_lens, block_ids=block_ids, sm_scale=sm_scale,
                                          prefill=maps_, cu_seqlens_q=cu_seqlens_q)
+    seq_lens = guards.check_call(op, q=q, k_cache=k, v_cache=v, block_ids=block_ids, block_table=block_table,
+                                 seq_lens=seq_lens)
     tile, tile_map = maps_.tile(call.group)
     return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale)  # the launch
 
@@ -192,15 +204,15 @@ def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_
     Causal inside every block (the diagonal one included). Arguments as in
     ``m3_torch.sparse_prefill``; K/V arrays in ``kv_layout`` or PagedViews.
     """
-    return run(_prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan,
-                                  sm_scale, kv_layout))["out"]
+    return run(_prefill_attention("sparse_prefill", q, k_cache, v_cache, block_ids, block_table, seq_lens,
+                                  cu_seqlens_q, plan, sm_scale, kv_layout))["out"]
 
 
 def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None, plan=None,
                   kv_layout="HND"):
     """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
-    return run(_prefill_attention(q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
-                                  kv_layout))["out"]
+    return run(_prefill_attention("dense_prefill", q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q,
+                                  plan, sm_scale, kv_layout))["out"]
 
 
 def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q=None, topk=16,
@@ -213,6 +225,8 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     call = validate.check_msa_call(q, idx_q, k, v, index_k, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
                                    prefill=maps_, cu_seqlens_q=cu_seqlens_q)
+    seq_lens = guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
+                                 block_table=block_table, seq_lens=seq_lens)
     tile, tile_map = maps_.tile(call.num_index_heads)
     scores = run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
     launch = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
@@ -282,6 +296,8 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                     num_rows=spec.num_rows, num_tokens=spec.num_tokens, block_bound=spec.block_bound,
                                     sparse=sparse, init_blocks=init_blocks, local_blocks=local_blocks,
                                     sm_scale=sm_scale)
+    seq_lens = guards.check_call("msa_attention_step", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
+                                 block_table=block_table, seq_lens=seq_lens)
     if spec.context_tokens and (not isinstance(maps, PrefillMaps) or (maps.num_rows, maps.num_tokens)
                                 != (spec.context_rows, spec.context_tokens)):
         raise ValueError("maps: a step with context tokens needs the PrefillMaps of its context span "

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from m3_kernels import launches, validate
 from m3_kernels.pool import PoolLayout, SubPageView
 
+from . import guards
 from .ops import operand, run
 from .views import PagedView, as_index_k_view, as_kv_view
 
@@ -92,6 +93,8 @@ def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, *,
         views["index"] = as_index_k_view(index_k_cache)
     num_tokens = validate.check_cache_write(k, v, index_k, views["k"], views["v"], views.get("index"),
                                             slot_mapping)
+    slot_mapping = guards.check_call("write_cache", k=k, v=v, index_k=index_k, k_cache=views["k"], v_cache=views["v"],
+                                     index_k_cache=views.get("index"), slot_mapping=slot_mapping)
     if num_tokens == 0:
         return k_cache, v_cache, index_k_cache
     groups: list = []   # [(buffer, {name: view})], one per distinct buffer object

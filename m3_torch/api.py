@@ -16,7 +16,7 @@ import torch
 
 from m3_kernels import maps, planner, validate
 
-from . import ops
+from . import guards, ops
 
 __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode", "index_scores_prefill",
            "select_blocks_prefill", "sparse_prefill", "dense_prefill", "msa_prefill", "msa_attention_step",
@@ -56,6 +56,8 @@ def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_le
     """
     call = validate.check_index_call(idx_q, index_k_cache, block_table, seq_lens, decode_query_len=decode_query_len,
                                      out=out)
+    guards.check_call("index_scores", idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table,
+                      seq_lens=seq_lens)
     device = _check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
                             out=out)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
@@ -73,6 +75,7 @@ def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0,
     """
     call = validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks,
                                       local_blocks=local_blocks, decode_query_len=decode_query_len, out=out)
+    guards.check_call("select_blocks", scores=scores, seq_lens=seq_lens)
     device = _check_devices(scores=scores, seq_lens=seq_lens, out=out)
     out = _empty((call.num_index_heads, call.num_tokens, int(topk)), torch.int32, device, out)
     _, token_map = ops.decode_maps(device, call.num_requests, int(decode_query_len), 1)
@@ -80,10 +83,12 @@ def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0,
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, out):
+def _decode_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, out):
     """Validate a decode attention call -> (out, tile_map, tokens_per_tile, sm_scale)."""
     call = validate.check_attention_call(q, k_cache, v_cache, block_table, seq_lens, block_ids=block_ids,
                                          sm_scale=sm_scale, decode_query_len=decode_query_len, out=out)
+    guards.check_call(op, q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
+                      seq_lens=seq_lens)
     device = _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
                             seq_lens=seq_lens, out=out)
     out = _empty(q.shape, q.dtype, device, out)
@@ -102,8 +107,8 @@ def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, deco
     int32 (-1 skipped; the ids of one row distinct, as ``select_blocks`` writes
     them); block_table [R, max_blocks] int32; seq_lens [R] int32.
     """
-    out, tile_map, tokens_per_tile, scale = _decode_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens,
-                                                              decode_query_len, sm_scale, out)
+    out, tile_map, tokens_per_tile, scale = _decode_attention("sparse_decode", q, k_cache, v_cache, block_ids,
+                                                              block_table, seq_lens, decode_query_len, sm_scale, out)
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
                         tokens_per_tile, scale)
     return out
@@ -111,8 +116,8 @@ def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, deco
 
 def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len, sm_scale=None, out=None):
     """Paged GQA decode attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
-    out, tile_map, tokens_per_tile, scale = _decode_attention(q, k_cache, v_cache, None, block_table, seq_lens,
-                                                              decode_query_len, sm_scale, out)
+    out, tile_map, tokens_per_tile, scale = _decode_attention("dense_decode", q, k_cache, v_cache, None, block_table,
+                                                              seq_lens, decode_query_len, sm_scale, out)
     ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None, tokens_per_tile,
                         scale)
     return out
@@ -127,6 +132,8 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     call = validate.check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
                                    decode_query_len=decode_query_len, out=out)
+    guards.check_call("msa_decode", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
+                      block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                             block_table=block_table, seq_lens=seq_lens, out=out)
     n, topk = int(decode_query_len), int(topk)
@@ -155,6 +162,8 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
     plan = prefill_plan(cu_seqlens_q, plan)
     call = validate.check_index_call(idx_q, index_k_cache, block_table, seq_lens, prefill=plan,
                                      cu_seqlens_q=cu_seqlens_q, out=out)
+    guards.check_call("index_scores_prefill", idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table,
+                      seq_lens=seq_lens)
     device = _check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
                             out=out)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
@@ -169,6 +178,7 @@ def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q, topk=16, init_block
     plan = prefill_plan(cu_seqlens_q, plan)
     call = validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks,
                                       local_blocks=local_blocks, prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
+    guards.check_call("select_blocks_prefill", scores=scores, seq_lens=seq_lens)
     device = _check_devices(scores=scores, seq_lens=seq_lens, out=out)
     out = _empty((call.num_index_heads, call.num_tokens, int(topk)), torch.int32, device, out)
     token_map = ops.prefill_token_map(plan, device)
@@ -176,11 +186,13 @@ def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q, topk=16, init_block
     return out
 
 
-def _prefill_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out):
+def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out):
     """Validate a prefill attention call -> (out, tile_map, tokens_per_tile, sm_scale)."""
     plan = prefill_plan(cu_seqlens_q, plan)
     call = validate.check_attention_call(q, k_cache, v_cache, block_table, seq_lens, block_ids=block_ids,
                                          sm_scale=sm_scale, prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
+    guards.check_call(op, q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
+                      seq_lens=seq_lens)
     device = _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
                             seq_lens=seq_lens, out=out)
     out = _empty(q.shape, q.dtype, device, out)
@@ -195,8 +207,9 @@ def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_
     Causal inside every block (the diagonal one included): the token at position
     p sees positions <= p. Arguments as in ``sparse_decode``, with cu_seqlens_q.
     """
-    out, tile_map, tokens_per_tile, scale = _prefill_attention(q, k_cache, v_cache, block_ids, block_table,
-                                                               seq_lens, cu_seqlens_q, plan, sm_scale, out)
+    out, tile_map, tokens_per_tile, scale = _prefill_attention("sparse_prefill", q, k_cache, v_cache, block_ids,
+                                                               block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
+                                                               out)
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
                         tokens_per_tile, scale)
     return out
@@ -204,8 +217,8 @@ def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_
 
 def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None, out=None):
     """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
-    out, tile_map, tokens_per_tile, scale = _prefill_attention(q, k_cache, v_cache, None, block_table, seq_lens,
-                                                               cu_seqlens_q, plan, sm_scale, out)
+    out, tile_map, tokens_per_tile, scale = _prefill_attention("dense_prefill", q, k_cache, v_cache, None, block_table,
+                                                               seq_lens, cu_seqlens_q, plan, sm_scale, out)
     ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None, tokens_per_tile,
                         scale)
     return out
@@ -218,6 +231,8 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     call = validate.check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
                                    prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
+    guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
+                      block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                             block_table=block_table, seq_lens=seq_lens, out=out)
     topk = int(topk)
@@ -260,6 +275,8 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                     num_rows=plan.num_rows, num_tokens=plan.num_tokens, block_bound=plan.block_bound,
                                     sparse=sparse, init_blocks=init_blocks, local_blocks=local_blocks,
                                     sm_scale=sm_scale, out=out)
+    guards.check_call("msa_attention_step", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache,
+                      index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q if sparse else None, k_cache=k_cache, v_cache=v_cache,
                             index_k_cache=index_k_cache if sparse else None, block_table=block_table,
                             seq_lens=seq_lens, out=out)

@@ -16,7 +16,7 @@ import torch
 from m3_kernels import validate
 from m3_kernels.pool import PoolLayout, SubPageView
 
-from . import ops
+from . import guards, ops
 from .api import _check_devices
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -29,8 +29,8 @@ class LayerCaches(NamedTuple):
 
 
 def allocate_pool(layout: PoolLayout, device="cpu") -> torch.Tensor:
-    """An uninitialised pool: 1-D ``[layout.numel]`` of ``layout.dtype`` on ``device``."""
-    return torch.empty(layout.numel, dtype=TORCH_DTYPES[layout.dtype], device=device)
+    """A zero-filled pool (as JAX's): 1-D ``[layout.numel]`` of ``layout.dtype`` on ``device``."""
+    return torch.zeros(layout.numel, dtype=TORCH_DTYPES[layout.dtype], device=device)
 
 
 def check_pool(pool: torch.Tensor, layout: PoolLayout):
@@ -74,6 +74,8 @@ def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping):
     a pool). Nothing else in the caches' buffers is touched.
     """
     num_tokens = validate.check_cache_write(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping)
+    guards.check_call("write_cache", k=k, v=v, index_k=index_k, k_cache=k_cache, v_cache=v_cache,
+                      index_k_cache=index_k_cache, slot_mapping=slot_mapping)
     _check_devices(k=k, v=v, index_k=index_k, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                    slot_mapping=slot_mapping)
     if num_tokens == 0:

@@ -64,17 +64,24 @@ def workspace(device, tag: str, shape, dtype=torch.float32) -> torch.Tensor:
 
     Decode steps reuse the same addresses call after call, so a CUDA graph
     captured after one eager warm-up call replays against valid memory. Calls
-    on one device share it: run them on one stream (as a decode step does).
+    on one GPU share it: run them on one stream (as a decode step does). CPU
+    calls may come from several threads: each thread has its own.
     """
     numel = 1
     for s in shape:
         numel *= int(s)
-    key = (str(device), tag, dtype)
+    key = (_owner(device), tag, dtype)
     with _lock:
         buf = _workspaces.get(key)
         if buf is None or buf.numel() < numel:
             buf = _workspaces[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
     return buf[:numel].view(shape)
+
+
+def _owner(device):
+    """Whose workspaces: the device (one stream per GPU), or the device and thread (CPU)."""
+    device = torch.device(device)
+    return (str(device), threading.get_ident()) if device.type == "cpu" else (str(device),)
 
 
 def decode_maps(device, num_requests: int, decode_query_len: int, tokens_per_tile: int):
@@ -123,7 +130,7 @@ class StepArena:
 
 def step_arena(layout, device) -> StepArena:
     """The arena for ``layout`` on ``device``, allocated on first use and kept (stable addresses)."""
-    key = (layout, str(torch.device(device)))
+    key = (layout, _owner(device))
     with _lock:
         arena = _arenas.get(key)
         if arena is None:

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device-tool call's worth of GPU checks, run from the repo root on the GPU machine:
+#   bash benchmarks/device_check.sh tests        # pytest -m gpu (kernels, launch layer, model engines)
+#   bash benchmarks/device_check.sh e2e          # benchmarks/e2e.py: model decode step, torch graph vs JAX jit
+#   bash benchmarks/device_check.sh grid OLD     # quick grid of checkout OLD, then of this one (same call)
+# Logs and results go under $OUT (the device tool brings them back).
+set -uo pipefail
+OUT=${OUT:-/tmp/m3-out}; mkdir -p "$OUT"
+here=$PWD
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+case "${1:-tests}" in
+  tests)
+    source benchmarks/device_env.sh
+    python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25 ;;
+  e2e)
+    source benchmarks/device_env.sh
+    python3 -m benchmarks.e2e --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
+  grid)
+    for tree in "$2" "$here"; do
+      (cd "$tree" && source benchmarks/device_env.sh && \
+       python3 -m benchmarks.run --quick --budget-s "${BUDGET_S:-200}" --out "$OUT/grid-$(basename "$tree")" \
+         2>&1 | tee "$OUT/grid-$(basename "$tree").log" | grep -E "msa|copy bandwidth|FAILED")
+    done ;;
+esac

@@ -1,0 +1,47 @@
+"""The entry guard every public torch op calls once, before it launches anything.
+
+* Inference only: the ops have no backward. An input that requires grad
+  while grad mode is on raises (rather than returning an output silently cut
+  off from the graph); so does a call under a ``torch.func`` transform
+  (``vmap``, ``grad``, ...), which the custom ops do not support.
+* ``M3_VALIDATE=1``: the metadata (``seq_lens``, ``block_table``,
+  ``block_ids``, ``slot_mapping``) is copied to the host and checked by
+  ``m3_kernels.validate.check_values`` (a device sync, so it refuses under
+  CUDA-graph capture). Off by default, and then the guard reads no values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from m3_kernels import validate
+
+__all__ = ["check_call"]
+
+
+def check_call(op: str, **tensors) -> None:
+    """Guard one call of ``m3_torch.<op>``; ``tensors``: its tensor arguments by name (None allowed)."""
+    given = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    for name, t in given.items():
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            raise TypeError(f"m3_torch.{op}: {name} comes from a torch.func transform (vmap, grad, ...), "
+                               f"which m3 ops do not support; call the op on plain tensors")
+    if torch.is_grad_enabled():
+        for name, t in given.items():
+            if t.requires_grad:
+                raise RuntimeError(f"m3_torch.{op} is inference-only (no backward), but {name} requires grad; "
+                                   f"call it under torch.no_grad() or torch.inference_mode(), or pass "
+                                   f"{name}.detach()")
+    if validate.values_enabled():
+        _check_values(op, given)
+
+
+def _check_values(op, tensors):
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"m3_torch.{op}: M3_VALIDATE=1 reads metadata on the host, which a CUDA-graph capture "
+                           f"cannot do; capture with M3_VALIDATE unset (validate the eager warm-up call instead)")
+    host = {name: tensors[name].detach().cpu().numpy() for name in validate.VALUE_CHECKED if name in tensors}
+    try:
+        validate.check_values(host, **validate.value_check_bounds(tensors))
+    except ValueError as e:
+        raise ValueError(f"m3_torch.{op}: {e}") from None
