@@ -35,7 +35,29 @@ Values (SPEC.md, "Values the kernels must survive"):
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, mma
+from .common import PAGE_SIZE, mma, multiple_of_16, pick, tile_row, visible_len
+
+
+@triton.jit
+def distinct_blocks(ids_ptr, stride_it, stride_is, ntok, req_blocks, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                    ENTRIES_PAD: tl.constexpr):
+    """The distinct valid blocks chosen by a tile's ``ntok`` tokens (``ids_ptr``: its first token's row).
+
+    Entry ``e`` is slot ``e % TOPK_PAD`` of tile token ``e // TOPK_PAD``. Returns
+    ``(e_block, e_ok, e_rank)`` over the entries: the block id, whether the entry
+    is a valid first occurrence (-1, out-of-range and repeated ids are not),
+    and its rank among those (the order the tile visits the blocks in).
+    """
+    offs_e = tl.arange(0, ENTRIES_PAD)
+    e_tok = offs_e // TOPK_PAD
+    e_ok = (e_tok < ntok) & (offs_e % TOPK_PAD < TOPK)
+    # [ENTRIES_PAD]
+    e_block = tl.load(ids_ptr + e_tok * stride_it + (offs_e % TOPK_PAD) * stride_is, mask=e_ok, other=-1)
+    e_ok = e_ok & (e_block >= 0) & (e_block < req_blocks)
+    # [ENTRIES_PAD, ENTRIES_PAD]: entry e repeats an earlier entry
+    repeat = (e_block[:, None] == e_block[None, :]) & (offs_e[None, :] < offs_e[:, None]) & e_ok[None, :]
+    e_ok = e_ok & (tl.max(repeat.to(tl.int32), axis=1) == 0)
+    return e_block, e_ok, tl.cumsum(e_ok.to(tl.int32), axis=0) - 1
 
 
 @triton.jit(do_not_specialize=["max_blocks"])
@@ -76,23 +98,13 @@ def paged_attention_kernel(
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
     qk_scale = tl.full([], qk_scale, tl.float32)  # jax-triton passes Python floats as fp64
-    # Cache offsets and strides are multiples of 16 elements (geometry.check_cache_layout
-    # enforces it). Triton learns that from torch's ints, but jax-triton passes integer
-    # scalars without it, and then no K/V load vectorizes or pipelines (~2x slower steps).
-    # `(x // 16) * 16` is exact here and states the fact in a form the compiler can
-    # see (tl.multiple_of cannot annotate a kernel argument).
-    k_off, v_off = (k_off // 16) * 16, (v_off // 16) * 16
-    stride_kp, stride_kh, stride_kn = (stride_kp // 16) * 16, (stride_kh // 16) * 16, (stride_kn // 16) * 16
-    stride_vp, stride_vh, stride_vn = (stride_vp // 16) * 16, (stride_vh // 16) * 16, (stride_vn // 16) * 16
+    k_off, v_off = multiple_of_16(k_off), multiple_of_16(v_off)
+    stride_kp, stride_kh, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kh), multiple_of_16(stride_kn)
+    stride_vp, stride_vh, stride_vn = multiple_of_16(stride_vp), multiple_of_16(stride_vh), multiple_of_16(stride_vn)
 
     # -- the tile's request, tokens and positions
-    req = tl.load(tile_map_ptr + tile * 4)
-    tok0 = tl.load(tile_map_ptr + tile * 4 + 1)
-    pos0_minus_len = tl.load(tile_map_ptr + tile * 4 + 2)
-    ntok = tl.load(tile_map_ptr + tile * 4 + 3)
-    # A length past the table behaves as the table's width, so no request reads
-    # past its row of block_table; a negative one as 0 (padding).
-    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + req), 0), max_blocks * PAGE_SIZE)
+    req, tok0, pos0_minus_len, ntok = tile_row(tile_map_ptr, tile)
+    seq_len = visible_len(seq_lens_ptr, req, max_blocks)
     # A block past the request's last written block is never read: its page
     # table entry may hold garbage.
     req_blocks = tl.cdiv(seq_len, PAGE_SIZE)
@@ -123,20 +135,10 @@ def paged_attention_kernel(
             # one token: walk its TOPK slots; -1 or out-of-range ids are masked
             num_steps = TOPK
         else:
-            # -- several tokens: the tile's distinct chosen blocks, in entry
-            # order (entry e = slot e % TOPK_PAD of tile token e // TOPK_PAD);
-            # a block chosen by several tokens is done once, for all of them.
-            offs_e = tl.arange(0, ENTRIES_PAD)
-            e_tok = offs_e // TOPK_PAD
-            e_ok = (e_tok < ntok) & (offs_e % TOPK_PAD < TOPK)
-            # [ENTRIES_PAD]
-            e_block = tl.load(block_ids_ptr + kv_head * stride_ih + (tok0 + e_tok) * stride_it
-                              + (offs_e % TOPK_PAD) * stride_is, mask=e_ok, other=-1)
-            e_ok = e_ok & (e_block >= 0) & (e_block < req_blocks)
-            # [ENTRIES_PAD, ENTRIES_PAD]: entry e repeats an earlier entry
-            repeat = (e_block[:, None] == e_block[None, :]) & (offs_e[None, :] < offs_e[:, None]) & e_ok[None, :]
-            e_ok = e_ok & (tl.max(repeat.to(tl.int32), axis=1) == 0)
-            e_rank = tl.cumsum(e_ok.to(tl.int32), axis=0) - 1
+            # several tokens: the tile's distinct chosen blocks, each done once for all of them
+            e_block, e_ok, e_rank = distinct_blocks(block_ids_ptr + kv_head * stride_ih + tok0 * stride_it,
+                                                    stride_it, stride_is, ntok, req_blocks, TOPK, TOPK_PAD,
+                                                    ENTRIES_PAD)
             num_steps = tl.sum(e_ok.to(tl.int32), axis=0)
             # [BLOCK_M, TOPK_PAD]: each row's chosen blocks
             offs_s = tl.arange(0, TOPK_PAD)
@@ -171,8 +173,8 @@ def paged_attention_kernel(
                 g_ok = g_in & (g_block >= 0) & (g_block < req_blocks)
             else:
                 # [STEP_GROUP, ENTRIES_PAD] -> the g_step-th distinct block
-                pick = e_ok[None, :] & (e_rank[None, :] == g_step[:, None])
-                g_block = tl.max(tl.where(pick, e_block[None, :], -1), axis=1)
+                nth = e_ok[None, :] & (e_rank[None, :] == g_step[:, None])
+                g_block = tl.max(tl.where(nth, e_block[None, :], -1), axis=1)
                 g_ok = g_in & (g_block >= 0)
         else:
             g_block = g_step
@@ -181,9 +183,9 @@ def paged_attention_kernel(
         for it in range(0, tl.minimum(hi - g0, STEP_GROUP) * SUBTILES):
             j = it // SUBTILES
             kv_tok = (it - j * SUBTILES) * BLOCK_N + offs_n
-            block = tl.sum(tl.where(offs_g == j, g_block, 0), axis=0)
-            page = tl.sum(tl.where(offs_g == j, g_page, 0), axis=0).to(tl.int64)
-            block_ok = tl.sum(tl.where(offs_g == j, g_ok.to(tl.int32), 0), axis=0) > 0
+            block = pick(g_block, offs_g, j)
+            page = pick(g_page, offs_g, j).to(tl.int64)
+            block_ok = pick(g_ok.to(tl.int32), offs_g, j) > 0
             if SPARSE:
                 if TOKENS_PER_TILE == 1:
                     m_member = m_valid & block_ok

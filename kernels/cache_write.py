@@ -1,6 +1,7 @@
 """Append a step's new K, V and index-K rows to one layer's paged caches.
 
-One program per new token ``t``: ``slot_mapping[t] = slot * PAGE_SIZE + offset``
+A program writes ``BLOCK_T`` new tokens (one on a GPU, many in the interpreter, whose
+cost is per program); token ``t``'s ``slot_mapping[t] = slot * PAGE_SIZE + offset``
 names the page (a pool slot) and the row inside it; ``-1`` skips the token
 (padding). The program copies the token's ``[Hk, D]`` K and V rows and its
 ``[Di]`` index-K row into the caches, which are strided views of ONE buffer
@@ -21,13 +22,13 @@ import triton.language as tl
 from .common import PAGE_SIZE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def cache_write_kernel(
     k_ptr,             # [T, Hk, D]   new K rows, pool dtype (read if WRITE_K)
     v_ptr,             # [T, Hk, D]   new V rows (read if WRITE_V)
     index_k_ptr,       # [T, Di]      new index-K rows (read if WRITE_INDEX)
     slot_mapping_ptr,  # [T] int32/int64: slot * PAGE_SIZE + offset in page, -1 = skip
-    pool_in_ptr,       # the pool again (JAX passes the aliased input too); unused
+    pool_in_ptr,       # the pool as the aliased input (jax-triton passes it; torch passes the pool twice)
     k_off, v_off, index_k_off,   # element offsets of the layer's caches in the pool
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -35,6 +36,7 @@ def cache_write_kernel(
     stride_ckp, stride_ckh, stride_ckn, stride_ckd,  # k_cache [slots, Hk, PAGE_SIZE, D] @ k_off
     stride_cvp, stride_cvh, stride_cvn, stride_cvd,  # v_cache [slots, Hk, PAGE_SIZE, D] @ v_off
     stride_cip, stride_cin, stride_cid,              # index_k_cache [slots, PAGE_SIZE, Di] @ index_k_off
+    num_tokens,
     pool_ptr,          # flat pool buffer, written in place
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
@@ -43,32 +45,31 @@ def cache_write_kernel(
     WRITE_K: tl.constexpr,
     WRITE_V: tl.constexpr,
     WRITE_INDEX: tl.constexpr,
+    BLOCK_T: tl.constexpr,             # tokens per program
 ):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    if slot >= 0:
-        page = slot // PAGE_SIZE
-        row = slot % PAGE_SIZE
-        offs_h = tl.arange(0, HEADS_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
-        m_hd = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
-        if WRITE_K:
-            # [HEADS_PAD, D]
-            k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
-                        mask=m_hd)
-            p_k = (pool_ptr + k_off + page * stride_ckp + row * stride_ckn
-                   + offs_h[:, None] * stride_ckh + offs_d[None, :] * stride_ckd)
-            tl.store(p_k, k.to(pool_ptr.dtype.element_ty), mask=m_hd)
-        if WRITE_V:
-            # [HEADS_PAD, D]
-            v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
-                        mask=m_hd)
-            p_v = (pool_ptr + v_off + page * stride_cvp + row * stride_cvn
-                   + offs_h[:, None] * stride_cvh + offs_d[None, :] * stride_cvd)
-            tl.store(p_v, v.to(pool_ptr.dtype.element_ty), mask=m_hd)
-        if WRITE_INDEX:
-            offs_i = tl.arange(0, INDEX_HEAD_DIM)
-            # [Di]
-            ik = tl.load(index_k_ptr + t * stride_it + offs_i * stride_id)
-            p_i = pool_ptr + index_k_off + page * stride_cip + row * stride_cin + offs_i * stride_cid
-            tl.store(p_i, ik.to(pool_ptr.dtype.element_ty))
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_mapping_ptr + offs_t, mask=offs_t < num_tokens, other=-1).to(tl.int64)
+    t_ok = slot >= 0
+    # [BLOCK_T]: each token's page and row in it
+    page = tl.where(t_ok, slot, 0) // PAGE_SIZE
+    row = tl.where(t_ok, slot, 0) % PAGE_SIZE
+    # [BLOCK_T, 1, 1] for the [BLOCK_T, HEADS_PAD, D] K/V rows
+    t3, page3, row3 = offs_t[:, None, None], page[:, None, None], row[:, None, None]
+    offs_h = tl.arange(0, HEADS_PAD)[None, :, None]
+    offs_d = tl.arange(0, HEAD_DIM)[None, None, :]
+    # [BLOCK_T, HEADS_PAD, 1], broadcast over D by the loads and stores
+    m = t_ok[:, None, None] & (offs_h < NUM_KV_HEADS)
+    if WRITE_K:
+        k = tl.load(k_ptr + t3 * stride_kt + offs_h * stride_kh + offs_d * stride_kd, mask=m)
+        dst = pool_ptr + k_off + page3 * stride_ckp + row3 * stride_ckn + offs_h * stride_ckh + offs_d * stride_ckd
+        tl.store(dst, k.to(pool_ptr.dtype.element_ty), mask=m)
+    if WRITE_V:
+        v = tl.load(v_ptr + t3 * stride_vt + offs_h * stride_vh + offs_d * stride_vd, mask=m)
+        dst = pool_ptr + v_off + page3 * stride_cvp + row3 * stride_cvn + offs_h * stride_cvh + offs_d * stride_cvd
+        tl.store(dst, v.to(pool_ptr.dtype.element_ty), mask=m)
+    if WRITE_INDEX:
+        offs_i = tl.arange(0, INDEX_HEAD_DIM)[None, :]
+        # [BLOCK_T, Di]
+        ik = tl.load(index_k_ptr + offs_t[:, None] * stride_it + offs_i * stride_id, mask=t_ok[:, None])
+        dst = pool_ptr + index_k_off + page[:, None] * stride_cip + row[:, None] * stride_cin + offs_i * stride_cid
+        tl.store(dst, ik.to(pool_ptr.dtype.element_ty), mask=t_ok[:, None])

@@ -3,8 +3,10 @@
 import triton
 import triton.language as tl
 
-# Tokens per sparse block and per KV page. Fixed by the model; see SPEC.md.
-PAGE_SIZE = tl.constexpr(128)
+from .maps import PAGE_SIZE as _PAGE_SIZE
+
+# Tokens per sparse block and per KV page (maps.PAGE_SIZE, as a kernel constant).
+PAGE_SIZE = tl.constexpr(_PAGE_SIZE)
 
 # Triton 3.6-3.9's interpreter computes tl.dot on two bf16 operands wrongly on
 # CPU. This module is loaded once per mode (see __init__.py), so the flag is
@@ -27,3 +29,35 @@ def mma(a, b):
     else:
         out = tl.dot(a, b)
     return out
+
+
+@triton.jit
+def multiple_of_16(x):
+    """``x``, a multiple of 16 (``validate.check_cache_layout``), stated so the compiler sees it.
+
+    Triton learns divisibility from the ints torch passes, but jax-triton passes
+    integer scalars without it, and then no K/V load vectorizes or pipelines
+    (~2x slower steps). ``(x // 16) * 16`` is exact here and visible to the
+    compiler (``tl.multiple_of`` cannot annotate a kernel argument).
+    """
+    return (x // 16) * 16
+
+
+@triton.jit
+def tile_row(tile_map_ptr, tile):
+    """Row ``tile`` of a tile map -> (request, first token, first token's position - seq_len, tokens)."""
+    row = tile_map_ptr + tile * 4
+    return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+
+
+@triton.jit
+def visible_len(seq_lens_ptr, req, max_blocks):
+    """``seq_lens[req]`` clamped to ``[0, max_blocks * PAGE_SIZE]``: a length past the table
+    behaves as its width (no request reads past its row of block_table), a negative one as 0."""
+    return tl.minimum(tl.maximum(tl.load(seq_lens_ptr + req), 0), max_blocks * PAGE_SIZE)
+
+
+@triton.jit
+def pick(vec, offs, j):
+    """Element ``j`` of the register vector ``vec`` (indexed by ``offs``), as a scalar."""
+    return tl.sum(tl.where(offs == j, vec, 0), axis=0)

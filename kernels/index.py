@@ -9,7 +9,8 @@ position - seq_len, tokens]`` (see attention.py). Lengths are clamped and
 index-K rows past the tile's last visible position never loaded, as in
 attention.py; a NaN/Inf query row scores NaN on the blocks it sees.
 
-``select_blocks_kernel``: one program per (token, index head). The row's
+``select_blocks_kernel``: one program per index head and ``BLOCK_T`` tokens (one
+on a GPU, many in the interpreter, whose cost is per program). A row's
 visible scores sit in registers as 64-bit keys (score, then lower id; forced
 init/local blocks rank +inf, NaN ranks -inf but still beats nothing); a
 bitonic top-k picks the best ``TOPK`` in log-depth rounds (long rows: first
@@ -20,7 +21,7 @@ chosen ids ascending, then -1.
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, mma
+from .common import PAGE_SIZE, mma, multiple_of_16, pick, tile_row, visible_len
 
 
 @triton.jit(do_not_specialize=["max_blocks", "blocks_per_program"])
@@ -47,16 +48,11 @@ def index_scores_kernel(
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)
-    # multiples of 16, stated so the compiler sees it under jax-triton too (see attention.py)
-    k_off = (k_off // 16) * 16
-    stride_kp, stride_kn = (stride_kp // 16) * 16, (stride_kn // 16) * 16
+    k_off = multiple_of_16(k_off)
+    stride_kp, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kn)
 
-    req = tl.load(tile_map_ptr + tile * 4)
-    tok0 = tl.load(tile_map_ptr + tile * 4 + 1)
-    pos0_minus_len = tl.load(tile_map_ptr + tile * 4 + 2)
-    ntok = tl.load(tile_map_ptr + tile * 4 + 3)
-    # lengths past the table behave as its width, negative ones as 0 (see attention.py)
-    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + req), 0), max_blocks * PAGE_SIZE)
+    req, tok0, pos0_minus_len, ntok = tile_row(tile_map_ptr, tile)
+    seq_len = visible_len(seq_lens_ptr, req, max_blocks)
     # KV rows the tile's last token sees: later rows (stale, maybe NaN) are never loaded
     tile_kv_len = tl.maximum(seq_len + pos0_minus_len + ntok, 0)
     tile_blocks = tl.cdiv(tile_kv_len, PAGE_SIZE)
@@ -89,7 +85,7 @@ def index_scores_kernel(
                          other=0)
         for j in range(0, tl.minimum(seen_end - g0, STEP_GROUP)):
             block = g0 + j
-            page = tl.sum(tl.where(offs_g == j, g_page, 0), axis=0).to(tl.int64)
+            page = pick(g_page, offs_g, j).to(tl.int64)
             best = tl.full([BLOCK_M], float("-inf"), tl.float32)
             for n0 in tl.static_range(0, PAGE_SIZE, BLOCK_N):
                 kv_tok = n0 + offs_n
@@ -131,21 +127,22 @@ def _rank_keys(row_ptr, stride_sb, blocks, visible_blocks, INIT_BLOCKS: tl.const
 
 @triton.jit
 def _top(keys, K: tl.constexpr):
-    """The ``K`` largest of ``keys``, largest first (``tl.topk`` cannot take K = 1)."""
+    """The ``K`` largest of each row of ``keys`` [rows, n], largest first (``tl.topk`` cannot take K = 1)."""
     if K == 1:
-        top = tl.max(keys, axis=0, keep_dims=True)
+        top = tl.max(keys, axis=1, keep_dims=True)
     else:
         top = tl.topk(keys, K)
     return top
 
 
-@triton.jit(do_not_specialize=["max_blocks"])
+@triton.jit(do_not_specialize=["num_tokens", "max_blocks"])
 def select_blocks_kernel(
     scores_ptr,       # [Hi, T, max_blocks] fp32, any strides
     seq_lens_ptr,     # [R] int32
     token_map_ptr,    # [T, 2] int32: request, position - seq_len
     stride_si, stride_st, stride_sb,
     stride_oi, stride_ot, stride_ok,
+    num_tokens,
     max_blocks,
     ids_ptr,          # [Hi, T, TOPK] int32, any strides
     TOPK: tl.constexpr,
@@ -154,40 +151,41 @@ def select_blocks_kernel(
     LOCAL_BLOCKS: tl.constexpr,
     BLOCKS_PAD: tl.constexpr,
     CHUNK: tl.constexpr,              # 0: one top-k over the row; else two levels, see below
+    BLOCK_T: tl.constexpr,            # tokens per program (rows of every tensor below)
 ):
-    t = tl.program_id(0)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
-    req = tl.load(token_map_ptr + t * 2)
-    pos_minus_len = tl.load(token_map_ptr + t * 2 + 1)
-    # lengths past the table behave as its width, negative ones as 0 (see attention.py)
-    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + req), 0), max_blocks * PAGE_SIZE)
-    kv_len = tl.maximum(seq_len + pos_minus_len + 1, 0)
-    visible_blocks = tl.cdiv(kv_len, PAGE_SIZE)
+    t_ok = offs_t < num_tokens
+    req = tl.load(token_map_ptr + offs_t * 2, mask=t_ok, other=0)
+    pos_minus_len = tl.load(token_map_ptr + offs_t * 2 + 1, mask=t_ok, other=-(1 << 30))
+    kv_len = tl.maximum(visible_len(seq_lens_ptr, req, max_blocks) + pos_minus_len + 1, 0)
+    # [BLOCK_T, 1]
+    visible_blocks = tl.cdiv(kv_len, PAGE_SIZE)[:, None]
     num_chosen = tl.minimum(visible_blocks, TOPK)
-    row = scores_ptr + head * stride_si + t * stride_st
+    rows = scores_ptr + head * stride_si + offs_t[:, None] * stride_st
 
-    # [BLOCKS_PAD]
-    key = _rank_keys(row, stride_sb, tl.arange(0, BLOCKS_PAD), visible_blocks, INIT_BLOCKS, LOCAL_BLOCKS,
+    # [BLOCK_T, BLOCKS_PAD]
+    key = _rank_keys(rows, stride_sb, tl.arange(0, BLOCKS_PAD)[None, :], visible_blocks, INIT_BLOCKS, LOCAL_BLOCKS,
                      BLOCKS_PAD)
     if CHUNK > 0:
         # Long rows: the TOPK_PAD best blocks lie in the TOPK_PAD chunks of CHUNK
         # blocks with the best maxima (a block outside them has TOPK_PAD better
         # chunk maxima above it). Keep only those chunks' blocks as candidates.
-        chunk_best = tl.max(tl.reshape(key, [BLOCKS_PAD // CHUNK, CHUNK]), axis=1)
+        chunk_best = tl.max(tl.reshape(key, [BLOCK_T, BLOCKS_PAD // CHUNK, CHUNK]), axis=2)
         top_chunks = _top(chunk_best, TOPK_PAD)
         chunk = (BLOCKS_PAD - 1 - (top_chunks & 0xFFFFFFFF).to(tl.int32)) // CHUNK
-        # [TOPK_PAD, CHUNK] -> [TOPK_PAD * CHUNK]
-        candidates = chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-        key = tl.reshape(_rank_keys(row, stride_sb, candidates, visible_blocks, INIT_BLOCKS, LOCAL_BLOCKS,
-                                    BLOCKS_PAD), [TOPK_PAD * CHUNK])
-    # [TOPK_PAD], best first (bitonic top-k: log-depth compare-exchange rounds);
-    # the first num_chosen are the chosen blocks
+        # [BLOCK_T, TOPK_PAD, CHUNK] -> [BLOCK_T, TOPK_PAD * CHUNK]
+        candidates = chunk[:, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
+        key = tl.reshape(_rank_keys(rows[:, :, None], stride_sb, candidates, visible_blocks[:, :, None],
+                                    INIT_BLOCKS, LOCAL_BLOCKS, BLOCKS_PAD), [BLOCK_T, TOPK_PAD * CHUNK])
+    # [BLOCK_T, TOPK_PAD], best first (bitonic top-k: log-depth compare-exchange
+    # rounds); the first num_chosen of a row are its chosen blocks
     best = _top(key, TOPK_PAD)
-    offs_k = tl.arange(0, TOPK_PAD)
+    offs_k = tl.arange(0, TOPK_PAD)[None, :]
     ids = tl.where(offs_k < num_chosen, BLOCKS_PAD - 1 - (best & 0xFFFFFFFF).to(tl.int32), BLOCKS_PAD)
     # -- ascending ids, then -1
     if TOPK_PAD > 1:
         ids = tl.sort(ids)
     ids = tl.where(ids < BLOCKS_PAD, ids, -1)
-    out_row = ids_ptr + head * stride_oi + t * stride_ot
-    tl.store(out_row + offs_k * stride_ok, ids, mask=offs_k < TOPK)
+    out = ids_ptr + head * stride_oi + offs_t[:, None] * stride_ot + offs_k * stride_ok
+    tl.store(out, ids, mask=t_ok[:, None] & (offs_k < TOPK))

@@ -20,7 +20,7 @@ import math
 from typing import Any, Optional
 
 from . import tuning
-from .maps import RowTile, contiguous_strides, next_pow2
+from .maps import RowTile, cdiv, contiguous_strides, next_pow2
 from .validate import check_cache_layout
 
 LOG2E = math.log2(math.e)
@@ -105,17 +105,17 @@ def index_scores(*, idx_q: Operand, index_k: Operand, block_table: Operand, seq_
 
 
 def select_blocks(*, scores: Operand, seq_lens, token_map, topk: int, init_blocks: int, local_blocks: int,
-                  out_strides) -> Launch:
-    """Top-``topk`` blocks, one program per (token, index head) -> ``block_ids [Hi, T, topk]`` int32."""
+                  out_strides, interpret: bool) -> Launch:
+    """Top-``topk`` blocks per (token, index head) -> ``block_ids [Hi, T, topk]`` int32."""
     num_heads, num_tokens, max_blocks = scores.shape
-    blocks_pad, chunk, num_warps = tuning.select_blocks(num_rows=num_tokens * num_heads, max_blocks=max_blocks,
-                                                        topk=topk)
-    args = (scores.ref, seq_lens, token_map, *scores.strides, *out_strides, max_blocks)
+    cfg = tuning.select_blocks(num_tokens=num_tokens, num_heads=num_heads, max_blocks=max_blocks, topk=topk,
+                               interpret=interpret)
+    args = (scores.ref, seq_lens, token_map, *scores.strides, *out_strides, num_tokens, max_blocks)
     out = Output("block_ids", (num_heads, num_tokens, topk), "int32", tuple(out_strides))
-    return Launch("index.select_blocks_kernel", (num_tokens, num_heads), args, (out,),
+    return Launch("index.select_blocks_kernel", (cdiv(num_tokens, cfg.tokens_per_program), num_heads), args, (out,),
                   dict(TOPK=topk, TOPK_PAD=next_pow2(topk), INIT_BLOCKS=init_blocks, LOCAL_BLOCKS=local_blocks,
-                       BLOCKS_PAD=blocks_pad, CHUNK=chunk),
-                  num_warps, 1)
+                       BLOCKS_PAD=cfg.blocks_pad, CHUNK=cfg.chunk, BLOCK_T=cfg.tokens_per_program),
+                  cfg.num_warps, 1)
 
 
 # -- paged attention ----------------------------------------------------------------------
@@ -179,7 +179,8 @@ def partial_numels(launch: Launch) -> dict:
 # -- cache writes -------------------------------------------------------------------------
 
 def write_cache(*, k: Operand, v: Operand, index_k: Optional[Operand], slot_mapping, pool, pool_shape, pool_dtype,
-                k_cache: Optional[Operand], v_cache: Optional[Operand], index_k_cache: Optional[Operand]) -> Launch:
+                k_cache: Optional[Operand], v_cache: Optional[Operand], index_k_cache: Optional[Operand],
+                interpret: bool) -> Launch:
     """Append a step's rows to the caches that live in ``pool`` (one flat buffer; None = not in it).
 
     The pool is the kernel's only output, aliased to its input ``pool_in``:
@@ -191,11 +192,12 @@ def write_cache(*, k: Operand, v: Operand, index_k: Optional[Operand], slot_mapp
                                                         (index_k_cache, absent3)))
     ik = index_k if index_k is not None else Operand(k.ref, 0, (0, 0), (0, 0))  # never read without an index cache
     args = (k.ref, v.ref, ik.ref, slot_mapping, pool, kc.offset, vc.offset, ic.offset, *k.strides, *v.strides,
-            *ik.strides, *kc.strides, *vc.strides, *ic.strides)
+            *ik.strides, *kc.strides, *vc.strides, *ic.strides, num_tokens)
     out = Output("pool", tuple(pool_shape), pool_dtype, contiguous_strides(pool_shape))
-    return Launch("cache_write.cache_write_kernel", (num_tokens,), args, (out,),
+    tokens = tuning.CACHE_WRITE_INTERPRETER_TOKENS if interpret else 1
+    return Launch("cache_write.cache_write_kernel", (cdiv(num_tokens, tokens),), args, (out,),
                   dict(NUM_KV_HEADS=num_kv_heads, HEADS_PAD=next_pow2(num_kv_heads), HEAD_DIM=head_dim,
                        INDEX_HEAD_DIM=index_k.shape[1] if index_k is not None else 16,
                        WRITE_K=k_cache is not None, WRITE_V=v_cache is not None,
-                       WRITE_INDEX=index_k_cache is not None),
+                       WRITE_INDEX=index_k_cache is not None, BLOCK_T=tokens),
                   tuning.CACHE_WRITE_NUM_WARPS, 1, aliases=((4, 0),))

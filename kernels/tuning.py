@@ -49,6 +49,9 @@ STEP_GROUP = 16
 # pick the best chunks of SELECT_CHUNK blocks, then the best blocks inside them.
 SELECT_CHUNK = 16
 SELECT_TWO_LEVEL_BLOCKS = 512
+# The interpreter's cost is per program: there selection and cache writes take many tokens each.
+SELECT_INTERPRETER_TOKENS = 32
+CACHE_WRITE_INTERPRETER_TOKENS = 64
 MERGE_NUM_WARPS = 4
 CACHE_WRITE_NUM_WARPS = 4
 
@@ -114,17 +117,25 @@ def index_scores(*, tile: RowTile, num_tiles: int, head_dim: int, max_blocks: in
                        num_stages=3)
 
 
-def select_blocks(*, num_rows: int, max_blocks: int, topk: int) -> tuple[int, int, int]:
-    """-> (blocks_pad, chunk (0 = one top-k over the row), num_warps) of one selection launch.
+@dataclasses.dataclass(frozen=True)
+class SelectConfig:
+    blocks_pad: int       # the row's blocks, padded to a power of two
+    chunk: int            # 0: one top-k over the row; else the chunk size of the two-level top-k
+    tokens_per_program: int
+    num_warps: int
 
-    About 1024 warps in all: few rows get 8 warps each, many rows 1 (every
-    compare-exchange then stays inside one warp), but a thread holds at most 64 keys.
-    """
+
+def select_blocks(*, num_tokens: int, num_heads: int, max_blocks: int, topk: int, interpret: bool) -> SelectConfig:
+    """One selection launch. GPU: one token per program and about 1024 warps in all: few rows
+    get 8 warps each, many rows 1 (every compare-exchange then stays inside one warp), but a
+    thread holds at most 64 keys. Interpreter: many tokens per program (its cost is per program)."""
     topk_pad = next_pow2(topk)
     blocks_pad = max(next_pow2(max_blocks), topk_pad, 16)
     two_level = blocks_pad >= max(SELECT_TWO_LEVEL_BLOCKS, 2 * topk_pad * SELECT_CHUNK)
-    warps = max(1, min(8, next_pow2(cdiv(1024, max(num_rows, 1)))), min(8, blocks_pad // 2048))
-    return blocks_pad, SELECT_CHUNK if two_level else 0, warps
+    tokens = SELECT_INTERPRETER_TOKENS if interpret else 1
+    rows = cdiv(num_tokens, tokens) * num_heads
+    warps = max(1, min(8, next_pow2(cdiv(1024, max(rows, 1)))), min(8, blocks_pad // 2048))
+    return SelectConfig(blocks_pad, SELECT_CHUNK if two_level else 0, tokens, warps)
 
 
 assert PAGE_SIZE % 128 == 0  # attention/indexer block_n divide the page

@@ -120,8 +120,8 @@ def check_rows(name, x, num_requests, *, decode_query_len=None, prefill=None, cu
         check_cu_seqlens(cu_seqlens_q, num_requests)
     if prefill is not None:
         if prefill.num_rows != num_requests:
-            raise ValueError(f"cu_seqlens_q: {prefill.num_rows} requests, but block_table/seq_lens have "
-                             f"{num_requests}")
+            source = "cu_seqlens_q" if cu_seqlens_q is not None else "plan"
+            raise ValueError(f"{source}: {prefill.num_rows} requests, but block_table/seq_lens have {num_requests}")
         check_dim(name, x, axis, prefill.num_tokens, "T = cu_seqlens_q[-1]")
         return prefill.num_tokens
     n = check_int("decode_query_len", decode_query_len, 1)

@@ -45,7 +45,8 @@ def _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile) -> laun
 def _select_blocks(scores, seq_lens, token_map, topk, init_blocks, local_blocks) -> launches.Launch:
     return launches.select_blocks(scores=operand(scores), seq_lens=seq_lens, token_map=token_map, topk=topk,
                                   init_blocks=init_blocks, local_blocks=local_blocks,
-                                  out_strides=strides((scores.shape[0], scores.shape[1], topk)))
+                                  out_strides=strides((scores.shape[0], scores.shape[1], topk)),
+                                  interpret=not ops.on_gpu())
 
 
 def _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, sm_scale) -> launches.Launch:

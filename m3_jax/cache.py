@@ -27,6 +27,7 @@ from m3_kernels import launches, validate
 from m3_kernels.pool import PoolLayout, SubPageView
 
 from . import guards
+from ._triton_call import on_gpu
 from .ops import operand, run
 from .views import PagedView, as_index_k_view, as_kv_view
 
@@ -70,7 +71,7 @@ def _launch(k, v, index_k, slot_mapping, buffer, views):
         k=operand(k), v=operand(v), index_k=None if index_k is None else operand(index_k),
         slot_mapping=slot_mapping, pool=buffer, pool_shape=buffer.shape, pool_dtype=str(buffer.dtype),
         **{f"{name}_cache": operand(views[key]) if key in views else None
-           for name, key in (("k", "k"), ("v", "v"), ("index_k", "index"))})
+           for name, key in (("k", "k"), ("v", "v"), ("index_k", "index"))}, interpret=not on_gpu())
     return run(launch)["pool"]
 
 

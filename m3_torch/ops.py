@@ -154,7 +154,8 @@ def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: 
 def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, token_map: torch.Tensor, out: torch.Tensor,
                   topk: int, init_blocks: int, local_blocks: int) -> None:
     run(launches.select_blocks(scores=operand(scores), seq_lens=seq_lens, token_map=token_map, topk=topk,
-                               init_blocks=init_blocks, local_blocks=local_blocks, out_strides=out.stride()),
+                               init_blocks=init_blocks, local_blocks=local_blocks, out_strides=out.stride(),
+                               interpret=out.device.type != "cuda"),
         {"block_ids": out})
 
 
@@ -188,7 +189,7 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, index_k: Optional[torch.Tensor
     run(launches.write_cache(k=operand(k), v=operand(v), index_k=None if index_k is None else operand(index_k),
                              slot_mapping=slot_mapping, pool=pool, pool_shape=pool.shape, pool_dtype=str(pool.dtype),
                              k_cache=cache(0, k_cache_strides), v_cache=cache(1, v_cache_strides),
-                             index_k_cache=cache(2, index_k_cache_strides)),
+                             index_k_cache=cache(2, index_k_cache_strides), interpret=pool.device.type != "cuda"),
         {"pool": pool})
 
 

@@ -19,7 +19,7 @@ from m3_kernels.launches import Operand
 
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32",
-                 "scores_ptr": "*fp32"}
+                 "scores_ptr": "*fp32", "index_k_ptr": "*bf16", "pool_in_ptr": "*bf16", "pool_ptr": "*bf16"}
 
 
 def compile_for_hopper(fn, constexprs, num_warps, num_stages, scalars_divisible):
@@ -88,3 +88,20 @@ def test_loads_pipeline_without_divisibility_facts(case):
     assert async_copies[1] == async_copies[0], f"jax-triton-style build: {async_copies[1]} async copies, " \
                                                f"torch-style: {async_copies[0]}"
     assert kernels[0].metadata.shared == kernels[1].metadata.shared
+
+
+@pytest.mark.parametrize("max_blocks", [141, 1024])   # one-level and two-level top-k
+def test_select_and_cache_write_compile_for_hopper(max_blocks):
+    """The GPU variants (one token per program) of the kernels the CPU tests run with many."""
+    select = launches.select_blocks(scores=operand(4, 64, max_blocks), seq_lens=None, token_map=None, topk=16,
+                                    init_blocks=0, local_blocks=1, out_strides=(64 * 16, 16, 1), interpret=False)
+    assert select.constexprs["BLOCK_T"] == 1 and select.constexprs["CHUNK"] == (16 if max_blocks == 1024 else 0)
+    fn = m3_kernels.kernel_module("index", False).select_blocks_kernel
+    compile_for_hopper(fn, dict(select.constexprs, stride_sb=1, stride_ok=1), select.num_warps, 1, True)
+    write = launches.write_cache(k=operand(8, 4, 128), v=operand(8, 4, 128), index_k=operand(8, 128),
+                                 slot_mapping=None, pool=None, pool_shape=(1 << 20,), pool_dtype="bfloat16",
+                                 k_cache=operand(16, 4, 128, 128), v_cache=operand(16, 4, 128, 128),
+                                 index_k_cache=operand(16, 128, 128), interpret=False)
+    assert write.constexprs["BLOCK_T"] == 1
+    fn = m3_kernels.kernel_module("cache_write", False).cache_write_kernel
+    compile_for_hopper(fn, dict(write.constexprs, stride_kd=1, stride_vd=1, stride_id=1), write.num_warps, 1, True)

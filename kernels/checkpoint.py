@@ -1,0 +1,352 @@
+"""MiniMax-M3 text weights from safetensors, under one canonical naming.
+
+Canonical names and shapes are those of transformers'
+``MiniMaxM3VLForCausalLM.state_dict()`` (see :func:`expected_shapes`)::
+
+    model.embed_tokens.weight                             [V, H]
+    model.norm.weight                                     [H]
+    lm_head.weight                                        [V, H]     (the embedding when tied)
+    model.layers.{i}.input_layernorm.weight               [H]
+    model.layers.{i}.post_attention_layernorm.weight      [H]
+    model.layers.{i}.self_attn.q_proj.weight              [Hq * D, H]
+    model.layers.{i}.self_attn.k_proj.weight              [Hk * D, H]
+    model.layers.{i}.self_attn.v_proj.weight              [Hk * D, H]
+    model.layers.{i}.self_attn.o_proj.weight              [H, Hq * D]
+    model.layers.{i}.self_attn.q_norm.weight              [D]
+    model.layers.{i}.self_attn.k_norm.weight              [D]
+  sparse layers:
+    model.layers.{i}.self_attn.indexer.q_proj.weight      [Hi * Di, H]
+    model.layers.{i}.self_attn.indexer.k_proj.weight      [Di, H]
+    model.layers.{i}.self_attn.indexer.q_norm.weight      [Di]
+    model.layers.{i}.self_attn.indexer.k_norm.weight      [Di]
+  dense MLP layers (gate rows first, then up rows):
+    model.layers.{i}.mlp.gate_up_proj.weight              [2 * I_dense, H]
+    model.layers.{i}.mlp.down_proj.weight                 [H, I_dense]
+  MoE layers:
+    model.layers.{i}.mlp.gate.weight                      [E, H]
+    model.layers.{i}.mlp.gate.e_score_correction_bias     [E]
+    model.layers.{i}.mlp.experts.gate_up_proj             [E, 2 * I, H]
+    model.layers.{i}.mlp.experts.down_proj                [E, H, I]
+    model.layers.{i}.mlp.shared_experts.gate_up_proj.weight  [2 * I_shared, H]
+    model.layers.{i}.mlp.shared_experts.down_proj.weight     [H, I_shared]
+
+Linear weights are ``[out, in]`` (``y = x @ W.T``). Accepted namings on disk:
+that one (``save_pretrained`` of ``MiniMaxM3VLForCausalLM``), the original
+MiniMax-M3 VL names of transformers' ``conversion_mapping.py`` entry
+"minimax_m3_vl" (``language_model.model.*``, ``language_model.lm_head``,
+``block_sparse_moe.{gate,e_score_correction_bias,shared_experts}``,
+``block_sparse_moe.experts.{e}.w1/w3/w2``, ``self_attn.index_{q,k}_{proj,norm}``,
+separate ``gate_proj``/``up_proj``), and the names of the VL model in
+transformers (``model.language_model.*``). Vision tower, projector and MTP
+tensors are skipped with one log line; any other unknown tensor, a missing
+one or a wrong shape is a ``ValueError`` naming it.
+
+Framework-neutral: tensors are read by ``safetensors`` in the caller's
+framework (``"pt"``: torch tensors, ``"numpy"``: numpy arrays, bfloat16 as
+``ml_dtypes.bfloat16``) and merged with the caller's ``concatenate``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from .model_config import M3TextConfig, load_config
+
+__all__ = ["checkpoint_files", "checkpoint_index", "canonical_name", "expected_shapes", "iter_weights",
+           "load_weights", "SINGLE_FILE", "INDEX_FILE"]
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FRAMEWORKS = ("pt", "numpy")
+
+# Tensors of a full VL checkpoint that the text model does not use.
+_SKIPPED = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.|(^|\.)mtp\.")
+# -> the prefix-free form "model.<rest>" / "lm_head.<rest>"
+_PREFIXES = ((re.compile(r"^language_model\.model\."), "model."),
+             (re.compile(r"^model\.language_model\."), "model."),
+             (re.compile(r"^language_model\.lm_head\."), "lm_head."))
+_RENAMES = ((re.compile(r"\.block_sparse_moe\.(experts|gate|shared_experts)\."), r".mlp.\1."),
+            (re.compile(r"\.block_sparse_moe\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),
+            (re.compile(r"\.self_attn\.index_(q|k)_(proj|norm)\."), r".self_attn.indexer.\1_\2."))
+# pieces merged into one canonical tensor (see canonical_name for their keys)
+_EXPERT = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<w>w1|w2|w3)\.weight$")
+_GATE_UP = re.compile(r"^(?P<base>.*)\.(?P<w>gate_proj|up_proj)\.weight$")
+
+
+# -- files -----------------------------------------------------------------------------
+
+def checkpoint_files(model_dir) -> list[Path]:
+    """The safetensors files of a model directory: the shards listed in
+    ``model.safetensors.index.json``, else ``model.safetensors``, else every
+    ``*.safetensors`` (sorted)."""
+    return sorted(set(checkpoint_index(model_dir).values()))
+
+
+def checkpoint_index(model_dir) -> dict[str, Path]:
+    """Tensor name (as stored) -> the file holding it."""
+    model_dir = Path(model_dir)
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path}: expected a non-empty 'weight_map' object")
+        missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{index_path} lists shards that are not in {model_dir}: {missing}")
+        return {name: model_dir / f for name, f in weight_map.items()}
+    single = model_dir / SINGLE_FILE
+    files = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model_dir: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors in {model_dir}")
+    from safetensors import safe_open
+    index = {}
+    for path in files:
+        with safe_open(path, framework="numpy") as f:
+            for name in f.keys():
+                if name in index:
+                    raise ValueError(f"tensor {name!r} is stored twice: in {index[name].name} and {path.name}")
+                index[name] = path
+    return index
+
+
+# -- names -----------------------------------------------------------------------------
+
+def canonical_name(name: str) -> tuple[str, tuple] | None:
+    """Stored tensor name -> ``(canonical name, piece key)``, or None for a skipped tensor.
+
+    The piece key places a tensor inside a merged canonical tensor: ``()`` for
+    a whole tensor, ``(half,)`` for ``gate_proj`` (0) / ``up_proj`` (1),
+    ``(expert, half)`` for ``w1`` (0) / ``w3`` (1) and ``(expert,)`` for ``w2``.
+    The name is returned as is when it matches no rule (the caller decides
+    whether it is known).
+    """
+    if _SKIPPED.search(name):
+        return None
+    for pattern, repl in _PREFIXES:
+        name = pattern.sub(repl, name)
+    for pattern, repl in _RENAMES:
+        name = pattern.sub(repl, name)
+    if m := _EXPERT.match(name):
+        e = int(m["e"])
+        if m["w"] == "w2":
+            return f"{m['base']}.down_proj", (e,)
+        return f"{m['base']}.gate_up_proj", (e, 0 if m["w"] == "w1" else 1)
+    if m := _GATE_UP.match(name):
+        return f"{m['base']}.gate_up_proj.weight", (0 if m["w"] == "gate_proj" else 1,)
+    return name, ()
+
+
+def expected_shapes(config: M3TextConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape, for every tensor the model needs (``lm_head.weight`` included)."""
+    c = config
+    H, D, Di = c.hidden_size, c.head_dim, c.index_head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,),
+              "lm_head.weight": (c.vocab_size, H)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (c.num_attention_heads * D, H),
+            p + "self_attn.k_proj.weight": (c.num_key_value_heads * D, H),
+            p + "self_attn.v_proj.weight": (c.num_key_value_heads * D, H),
+            p + "self_attn.o_proj.weight": (H, c.num_attention_heads * D),
+            p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
+        })
+        if c.sparse_layers[i]:
+            shapes.update({
+                p + "self_attn.indexer.q_proj.weight": (c.index_n_heads * Di, H),
+                p + "self_attn.indexer.k_proj.weight": (Di, H),
+                p + "self_attn.indexer.q_norm.weight": (Di,), p + "self_attn.indexer.k_norm.weight": (Di,),
+            })
+        if c.moe_layers[i]:
+            E, I, Is = c.num_local_experts, c.intermediate_size, c.shared_intermediate_size
+            shapes.update({
+                p + "mlp.gate.weight": (E, H), p + "mlp.gate.e_score_correction_bias": (E,),
+                p + "mlp.experts.gate_up_proj": (E, 2 * I, H), p + "mlp.experts.down_proj": (E, H, I),
+                p + "mlp.shared_experts.gate_up_proj.weight": (2 * Is, H),
+                p + "mlp.shared_experts.down_proj.weight": (H, Is),
+            })
+        else:
+            I = c.dense_intermediate_size
+            shapes.update({p + "mlp.gate_up_proj.weight": (2 * I, H), p + "mlp.down_proj.weight": (H, I)})
+    return shapes
+
+
+# -- loading ---------------------------------------------------------------------------
+
+def iter_weights(model_dir, config: M3TextConfig | None = None, *, framework: str = "numpy",
+                 concatenate: Callable | None = None, device: str = "cpu") -> Iterator[tuple[str, Any]]:
+    """Yield ``(canonical name, tensor)`` for every tensor of :func:`expected_shapes`.
+
+    model_dir:   a directory with config.json and safetensors (single file or sharded).
+    config:      the model config (default: ``load_config(model_dir)``).
+    framework:   ``"pt"`` (torch tensors) or ``"numpy"`` (numpy arrays; bfloat16
+                 as ``ml_dtypes.bfloat16``: ``jnp.asarray`` takes them as is).
+    concatenate: ``concatenate(list_of_tensors, axis)`` of the framework, used to
+                 merge pieces (experts, gate/up): ``torch.cat`` for ``"pt"``;
+                 ``np.concatenate`` by default for ``"numpy"``.
+    device:      ``"pt"`` only: where safetensors puts the tensors (``"cuda:0"``, ...).
+
+    Tensors keep the checkpoint's dtype. Everything is checked before the first
+    tensor is read: an unknown, missing or duplicated tensor raises
+    ``ValueError`` naming it, skipped ones (vision, projector, ``mtp.*``) are
+    logged once. Shapes are checked as tensors are read.
+    """
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework: expected one of {FRAMEWORKS}, got {framework!r}")
+    if concatenate is None:
+        if framework != "numpy":
+            raise ValueError('concatenate: required for framework="pt" (pass torch.cat)')
+        concatenate = np.concatenate
+    config = load_config(model_dir) if config is None else config
+    shapes = expected_shapes(config)
+    plan = _plan(checkpoint_index(model_dir), shapes, config)
+    reader = _Reader(framework, device)
+    try:
+        for name, pieces in plan.items():
+            tensor = _assemble(name, pieces, reader, concatenate)
+            if tuple(tensor.shape) != shapes[name]:
+                raise ValueError(f"tensor {name!r} (from {_sources(pieces)}): expected shape {shapes[name]}, "
+                                 f"got {tuple(tensor.shape)}")
+            yield name, tensor
+            if name == "model.embed_tokens.weight" and config.tie_word_embeddings:
+                yield "lm_head.weight", tensor
+    finally:
+        reader.close()
+
+
+def load_weights(model_dir, config: M3TextConfig | None = None, *, framework: str = "numpy",
+                 concatenate: Callable | None = None, device: str = "cpu") -> dict[str, Any]:
+    """``dict(iter_weights(...))``: canonical name -> tensor."""
+    return dict(iter_weights(model_dir, config, framework=framework, concatenate=concatenate, device=device))
+
+
+# -- internals -------------------------------------------------------------------------
+
+def _plan(index: dict[str, Path], shapes: dict, config: M3TextConfig) -> dict[str, dict]:
+    """canonical name -> {piece key: (file, stored name)}, validated against ``shapes``."""
+    plan, skipped, unknown = {}, [], []
+    tied = config.tie_word_embeddings
+    for stored in sorted(index):
+        mapped = canonical_name(stored)
+        if mapped is None:
+            skipped.append(stored)
+            continue
+        name, key = mapped
+        if name == "lm_head.weight" and tied:
+            continue  # tied: the embedding is the head (transformers does the same)
+        if name not in shapes:
+            unknown.append(stored)
+            continue
+        pieces = plan.setdefault(name, {})
+        if key in pieces:
+            raise ValueError(f"tensor {name!r} is stored twice: as {pieces[key][1]!r} and {stored!r}")
+        pieces[key] = (index[stored], stored)
+    if skipped:
+        logger.info("checkpoint: skipped %d tensors of the vision tower, projector and MTP head (e.g. %s)",
+                    len(skipped), skipped[0])
+    if unknown:
+        raise ValueError(f"checkpoint has {len(unknown)} unknown tensor(s) for this config, e.g. {unknown[:3]}")
+    wanted = [n for n in shapes if not (n == "lm_head.weight" and tied)]
+    missing = [n for n in wanted if n not in plan]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+    for name in wanted:
+        _check_pieces(name, plan[name], config)
+    return {n: plan[n] for n in wanted}
+
+
+def _check_pieces(name, pieces: dict, config: M3TextConfig):
+    """A merged tensor must have all its pieces and nothing else."""
+    keys = set(pieces)
+    if keys == {()}:
+        return
+    if () in keys:
+        raise ValueError(f"tensor {name!r} is stored both whole ({pieces[()][1]!r}) and in pieces")
+    experts = range(config.num_local_experts)
+    if name.endswith(".mlp.experts.gate_up_proj"):
+        want = {(e, h): f"experts.{e}.{('w1', 'w3')[h]}.weight" for e in experts for h in (0, 1)}
+    elif name.endswith(".mlp.experts.down_proj"):
+        want = {(e,): f"experts.{e}.w2.weight" for e in experts}
+    else:
+        want = {(0,): "gate_proj.weight", (1,): "up_proj.weight"}
+    extra = [pieces[k][1] for k in sorted(keys - set(want))]
+    if extra:
+        raise ValueError(f"tensor {name!r}: unexpected pieces {extra[:3]} (config has "
+                         f"{config.num_local_experts} experts)")
+    missing = [want[k] for k in sorted(set(want) - keys)]
+    if missing:
+        raise ValueError(f"tensor {name!r}: {len(missing)} piece(s) missing, e.g. {missing[:3]}")
+
+
+def _sources(pieces: dict) -> str:
+    names = [stored for _, stored in pieces.values()]
+    return names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+
+
+def _assemble(name, pieces: dict, reader: "_Reader", concatenate):
+    keys = sorted(pieces)
+    if keys == [()]:
+        return reader.get(*pieces[()])
+    if len(keys[0]) == 1 and name.endswith(".down_proj"):   # experts: stack w2
+        return concatenate([reader.get(*pieces[k])[None] for k in keys], 0)
+    if len(keys[0]) == 1:                                   # gate_proj rows, then up_proj rows
+        return concatenate([reader.get(*pieces[k]) for k in keys], 0)
+    experts = sorted({k[0] for k in keys})                  # experts: [w1; w3] per expert, stacked
+    return concatenate([concatenate([reader.get(*pieces[(e, 0)]), reader.get(*pieces[(e, 1)])], 0)[None]
+                        for e in experts], 0)
+
+
+class _Reader:
+    """Open safetensors files once each; read tensors in the caller's framework."""
+
+    def __init__(self, framework, device):
+        self.framework, self.device = framework, device
+        self.files = {}
+
+    def get(self, path: Path, stored: str):
+        if path not in self.files:
+            from safetensors import safe_open
+            kwargs = {"device": self.device} if self.framework == "pt" else {}
+            self.files[path] = safe_open(path, framework=self.framework, **kwargs)
+        f = self.files[path]
+        try:
+            return f.get_tensor(stored)
+        except TypeError:  # numpy cannot name bfloat16 / float8: view the raw bytes through ml_dtypes
+            return _read_raw(path, stored)
+
+    def close(self):
+        for f in self.files.values():
+            exit_ = getattr(f, "__exit__", None)
+            if exit_ is not None:
+                exit_(None, None, None)
+        self.files.clear()
+
+
+_RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _read_raw(path: Path, stored: str) -> np.ndarray:
+    """One tensor of a safetensors file as a numpy array of an ``ml_dtypes`` dtype.
+
+    The format: an 8-byte little-endian header size, a JSON header
+    (``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``), the data.
+    """
+    import ml_dtypes
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(header_size))[stored]
+    dtype = _RAW_DTYPES.get(info["dtype"])
+    if dtype is None:
+        raise TypeError(f"tensor {stored!r} in {path.name}: unsupported dtype {info['dtype']}")
+    begin, end = info["data_offsets"]
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size + begin, shape=(end - begin,))
+    return np.asarray(data).view(getattr(ml_dtypes, dtype)).reshape(info["shape"])

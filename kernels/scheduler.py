@@ -1,0 +1,389 @@
+"""Continuous batching over the flat sub-page pool: which tokens run in each step.
+
+The engines (``m3_torch.LLM``, ``m3_jax.LLM``) drive one loop::
+
+    scheduler = Scheduler(SchedulerConfig(max_batch=8, max_context=4096, num_slots=256), model_config)
+    ids = scheduler.add_requests(prompts, max_new_tokens=16)   # validates everything first
+    while scheduler.has_unfinished():
+        step = scheduler.schedule()                  # numpy metadata of one step
+        logits = model(step)                         # [len(step.logits_indices), vocab]: framework code
+        scheduler.update(step, sample(logits))       # one new token per logits row
+    outputs = [scheduler.output(i) for i in ids]     # the new tokens of each request
+
+Policy (vLLM-like, deterministic):
+
+* **Slots**: a request reserves, when admitted, the pool slots (pages of 128
+  tokens) its KV cache can ever need, ``ceil(min(len(prompt) + max_new_tokens - 1,
+  max_context) / 128)``, and frees them when it finishes; later requests reuse
+  them (lowest free slot first). No preemption: a request waits in FCFS order
+  until its slots are free. A pool that cannot hold ONE request of
+  ``max_context`` tokens is an error at construction.
+* **Steps**: each step has at most ``max_batch`` rows and ``max_num_tokens``
+  query tokens. Generation requests (prompt done) take one token each first,
+  then requests in prefill continue (FCFS), then waiting requests are admitted,
+  each prefill row taking a chunk of at most ``prefill_chunk`` tokens of what
+  the budget leaves. Context rows come first, generation rows last, as
+  ``planner.StepPlanner`` wants.
+* **Padding**: a pure generation step is padded to the smallest of
+  ``graph_batch_sizes`` that fits (rows with ``seq_len = 0``, one token each:
+  token id 0, position 0, ``slot_mapping = -1``; CUDA graphs / a jitted decode
+  step replay at that size). Steps with context rows are never padded here
+  (an engine that compiles them per bucket pads them itself).
+* **Stops**: a request finishes at one of the config's eos ids (kept in its
+  output), after ``max_new_tokens`` tokens, or when its KV cache is full
+  (``len(prompt) + len(output) - 1 == max_context``: the next token would need
+  position ``max_context``).
+
+Bad input (empty prompt, a prompt longer than ``max_context``, a token id
+outside ``[0, vocab_size)``, ``max_new_tokens < 1``) raises ``ValueError``
+in :meth:`Scheduler.add_requests` before any request is queued.
+
+Framework-neutral: pure Python and numpy; every array is int32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from .model_config import M3TextConfig
+from .planner import PAGE_SIZE, StepConfig, StepPlan, StepPlanner
+
+__all__ = ["SchedulerConfig", "Scheduler", "Step", "Request"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Engine limits, fixed at start-up.
+
+    max_batch:         rows per step (padding rows included).
+    max_context:       KV tokens per request (prompt + generated tokens in the cache).
+    num_slots:         pool slots (pages of 128 tokens); >= ceil(max_context / 128).
+    max_num_tokens:    query tokens per step (padding included); default
+                       ``max(2048, max_batch)``.
+    prefill_chunk:     prompt tokens per request per step; default ``max_num_tokens``.
+    graph_batch_sizes: batch sizes pure generation steps are padded to (sorted
+                       on construction; each <= max_batch).
+    """
+    max_batch: int
+    max_context: int
+    num_slots: int
+    max_num_tokens: int | None = None
+    prefill_chunk: int | None = None
+    graph_batch_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_num_tokens is None:
+            object.__setattr__(self, "max_num_tokens", max(2048, _int("max_batch", self.max_batch)))
+        if self.prefill_chunk is None:
+            object.__setattr__(self, "prefill_chunk", self.max_num_tokens)
+        for name in ("max_batch", "max_context", "num_slots", "max_num_tokens", "prefill_chunk"):
+            _int(name, getattr(self, name))
+        sizes = tuple(sorted({_int("graph_batch_sizes entry", v) for v in self.graph_batch_sizes}))
+        object.__setattr__(self, "graph_batch_sizes", sizes)
+        if self.max_blocks > self.num_slots:
+            raise ValueError(f"num_slots={self.num_slots} is too small for one request of max_context="
+                             f"{self.max_context} tokens: it needs {self.max_blocks} slots of {PAGE_SIZE} tokens")
+        if self.graph_batch_sizes and self.graph_batch_sizes[-1] > min(self.max_batch, self.max_num_tokens):
+            raise ValueError(f"graph_batch_sizes: expected sizes <= max_batch={self.max_batch} and <= "
+                             f"max_num_tokens={self.max_num_tokens}, got {self.graph_batch_sizes}")
+
+    @property
+    def max_blocks(self) -> int:
+        """Columns of the block table: ``ceil(max_context / 128)``."""
+        return -(-self.max_context // PAGE_SIZE)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One prompt in flight. ``output`` grows by one token per sampled step."""
+    id: int
+    prompt: np.ndarray                  # [len] int32, read-only
+    max_new_tokens: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0                 # tokens whose K/V are in the cache
+    slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))  # int32, reserved at admission
+    finish_reason: str | None = None    # None (running) | "stop" (eos) | "length"
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def prefilled(self) -> bool:
+        """True once the whole prompt is in the cache (the request then generates one token per step)."""
+        return self.num_cached >= len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Step:
+    """The host metadata of one step: rows ``[0, num_context)`` are context (prefill)
+    rows, the rest generation rows (padding rows last). ``T = plan.num_tokens``,
+    ``R = plan.num_rows`` (padding included).
+
+    input_ids:      [T] int32 token ids (0 for padding tokens).
+    positions:      [T] int32 position of each token in its request (0 for padding).
+    slot_mapping:   [T] int32 ``slot * 128 + offset`` where the token's K/V/index-K
+                    go (``write_cache``); -1 for padding tokens.
+    block_table:    [R, max_blocks] int32 slot ids per row; -1 past a row's slots
+                    and in padding rows.
+    seq_lens:       [R] int32 KV length per row, this step's tokens included (0: padding).
+    cu_seqlens_q:   [R + 1] int32 query-token offsets of the rows.
+    logits_indices: [L] int32 token rows whose logits are sampled, in row order: the
+                    last token of each row that ends its prompt or generates.
+    request_ids:    [L] int32 the request of each logits row.
+    output_index:   [L] int32 how many tokens that request has generated before this
+                    one (with ``request_ids``: a per-token key for seeded sampling
+                    that does not depend on batching).
+    plan:           the ``planner.StepPlan`` of the step (spans, block bounds,
+                    graph padding, prefill maps).
+    """
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_table: np.ndarray
+    seq_lens: np.ndarray
+    cu_seqlens_q: np.ndarray
+    logits_indices: np.ndarray
+    request_ids: np.ndarray
+    output_index: np.ndarray
+    plan: StepPlan
+    rows: tuple = dataclasses.field(repr=False, default=())  # ((request, q_len), ...) of the real rows
+
+    @property
+    def num_context(self) -> int:
+        """Context rows (the row prefix), the padding context row included."""
+        return self.plan.context.num_rows
+
+    @property
+    def num_tokens(self) -> int:
+        return self.plan.num_tokens
+
+    @property
+    def num_rows(self) -> int:
+        return self.plan.num_rows
+
+    @property
+    def is_decode(self) -> bool:
+        """Generation rows only (one token each): the step a CUDA graph / jitted decode replays."""
+        return self.plan.context.num_rows == 0
+
+
+class Scheduler:
+    """Requests, slots and step metadata for one engine (see the module docstring).
+
+    config: the engine limits.
+    model:  the model config (heads, topk, vocabulary, eos ids).
+    planner: a ``planner.StepPlanner``; default: built from ``model`` and
+             ``config`` (all heads on one rank).
+    """
+
+    def __init__(self, config: SchedulerConfig, model: M3TextConfig, *, planner: StepPlanner | None = None):
+        self.config = config
+        self.vocab_size = model.vocab_size
+        self.eos_token_ids = frozenset(model.eos_token_ids)
+        self.planner = planner or StepPlanner(StepConfig(
+            num_q_heads=model.num_attention_heads, num_kv_heads=model.num_key_value_heads,
+            head_dim=model.head_dim, max_batch=config.max_batch, max_num_tokens=config.max_num_tokens,
+            max_blocks=config.max_blocks, topk=model.index_topk_blocks,
+            graph_batch_sizes=config.graph_batch_sizes))
+        self.requests: dict[int, Request] = {}
+        self._waiting: list[Request] = []   # FCFS, not admitted
+        self._running: list[Request] = []   # admitted, in admission order
+        self._free = list(range(config.num_slots))  # kept sorted: the lowest slot is reused first
+        self._next_id = 0
+        self._pending: Step | None = None
+
+    # -- requests ------------------------------------------------------------------
+
+    def add_requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
+        """Queue prompts (lists of token ids); -> their request ids, in order.
+
+        Every prompt is checked before any is queued: ``ValueError`` for an empty
+        prompt, one longer than ``max_context``, a token id outside
+        ``[0, vocab_size)`` or ``max_new_tokens < 1``; ``TypeError`` for a
+        prompt that is not a sequence of ints.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+            raise TypeError(f"max_new_tokens: expected an int, got {type(max_new_tokens).__name__}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
+        checked = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
+        ids = []
+        for prompt in checked:
+            request = Request(self._next_id, prompt, int(max_new_tokens))
+            self._next_id += 1
+            self.requests[request.id] = request
+            self._waiting.append(request)
+            ids.append(request.id)
+        return ids
+
+    def _check_prompt(self, i, prompt) -> np.ndarray:
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, np.ndarray)):
+            raise TypeError(f"prompts[{i}]: expected a list of token ids, got {type(prompt).__name__}")
+        arr = np.asarray(prompt)
+        if arr.ndim != 1:
+            raise ValueError(f"prompts[{i}]: expected a 1-D list of token ids, got shape {arr.shape}")
+        if arr.size == 0:
+            raise ValueError(f"prompts[{i}]: empty prompt (expected at least one token id)")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"prompts[{i}]: expected integer token ids, got {arr.dtype} values")
+        if arr.size > self.config.max_context:
+            raise ValueError(f"prompts[{i}]: {arr.size} tokens, longer than max_context={self.config.max_context}")
+        bad = np.flatnonzero((arr < 0) | (arr >= self.vocab_size))
+        if bad.size:
+            j = int(bad[0])
+            raise ValueError(f"prompts[{i}][{j}]: token id {int(arr[j])} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        arr = arr.astype(np.int32)
+        arr.flags.writeable = False
+        return arr
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def output(self, request_id: int) -> list[int]:
+        """The tokens generated so far for a request (all of them once it finished)."""
+        return list(self.requests[request_id].output)
+
+    def pop_finished(self) -> dict[int, list[int]]:
+        """Finished requests' outputs, forgotten by the scheduler: ``{id: tokens}``."""
+        done = {i: r.output for i, r in self.requests.items() if r.finished}
+        for i in done:
+            del self.requests[i]
+        return done
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    # -- steps ---------------------------------------------------------------------
+
+    def schedule(self) -> Step:
+        """The next step. Call :meth:`update` with its sampled tokens before the next call."""
+        if self._pending is not None:
+            raise RuntimeError("schedule: the previous step has not been given to update() yet")
+        if not self.has_unfinished():
+            raise RuntimeError("schedule: no unfinished requests")
+        cfg = self.config
+        tokens_left = cfg.max_num_tokens
+        rows_left = cfg.max_batch
+        generation, context = [], []  # [(request, q_len)]
+
+        for r in self._running:
+            if r.prefilled and rows_left and tokens_left:
+                generation.append((r, 1))
+                rows_left, tokens_left = rows_left - 1, tokens_left - 1
+        for r in self._running:
+            if not r.prefilled and rows_left and tokens_left:
+                q = min(len(r.prompt) - r.num_cached, cfg.prefill_chunk, tokens_left)
+                context.append((r, q))
+                rows_left, tokens_left = rows_left - 1, tokens_left - q
+        while self._waiting and rows_left and tokens_left and self._slots_needed(self._waiting[0]) <= len(self._free):
+            r = self._waiting.pop(0)
+            r.slots = np.asarray(self._free[:self._slots_needed(r)], np.int32)
+            del self._free[:len(r.slots)]
+            self._running.append(r)
+            q = min(len(r.prompt), cfg.prefill_chunk, tokens_left)
+            context.append((r, q))
+            rows_left, tokens_left = rows_left - 1, tokens_left - q
+        if not generation and not context:  # unreachable: construction guarantees one request fits
+            raise RuntimeError("schedule: nothing fits in a step (this is a bug)")
+        self._pending = self._build(context, generation)
+        return self._pending
+
+    def _slots_needed(self, r: Request) -> int:
+        cache_tokens = min(len(r.prompt) + r.max_new_tokens - 1, self.config.max_context)
+        return -(-cache_tokens // PAGE_SIZE)
+
+    def _build(self, context, generation) -> Step:
+        """The step's arrays for these rows, vectorised over rows (host time of a
+        decode step at batch 64 and 1024 block-table columns: ~1 ms on one core)."""
+        cfg = self.config
+        rows = context + generation
+        q_lens = [q for _, q in rows]
+        seq_lens = [r.num_cached + q for r, q in rows]
+        plan = self.planner.plan(seq_lens, q_lens=q_lens, num_context=len(context))
+        pad_rows = plan.generation.num_padding_rows  # graph padding: generation rows of one token
+        q_lens += [1] * pad_rows
+        seq_lens += [0] * pad_rows
+        T, R = plan.num_tokens, plan.num_rows
+        cu = np.zeros(R + 1, np.int32)
+        cu[1:] = np.cumsum(q_lens)
+
+        # the real rows (rows [0, n); graph padding rows follow): sizes and slots
+        n = len(rows)
+        q = np.array([k for _, k in rows], np.int64)
+        cached = np.array([r.num_cached for r, _ in rows], np.int64)
+        block_table = np.full((R, cfg.max_blocks), -1, np.int32)
+        filled = np.zeros((R, cfg.max_blocks), bool)
+        filled[:n] = np.arange(cfg.max_blocks) < np.array([len(r.slots) for r, _ in rows])[:, None]
+        block_table[filled] = np.concatenate([r.slots for r, _ in rows])
+
+        # every real token: its row, its index in the step, its position
+        row_of = np.repeat(np.arange(n), q)
+        local = np.arange(len(row_of)) - np.repeat(np.cumsum(q) - q, q)
+        token = cu[row_of] + local
+        pos = cached[row_of] + local
+        input_ids = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slot_mapping = np.full(T, -1, np.int32)
+        input_ids[token] = np.concatenate([r.output[-1:] if r.prefilled else r.prompt[r.num_cached:r.num_cached + k]
+                                           for r, k in rows])  # generation rows: the token sampled last
+        positions[token] = pos
+        slot_mapping[token] = block_table[row_of, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+
+        # the last token of each row that ends its prompt or generates samples the next token
+        samples = cached + q >= np.array([len(r.prompt) for r, _ in rows])
+        return Step(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_table=block_table,
+                    seq_lens=np.asarray(seq_lens, np.int32), cu_seqlens_q=cu,
+                    logits_indices=(cu[1:n + 1] - 1)[samples],
+                    request_ids=np.array([r.id for r, _ in rows], np.int32)[samples],
+                    output_index=np.array([len(r.output) for r, _ in rows], np.int32)[samples],
+                    plan=plan, rows=tuple(rows))
+
+    def update(self, step: Step, next_tokens: Sequence[int]) -> list[int]:
+        """Feed back the tokens sampled from ``step``'s logits rows (``[L]`` ints, in
+        ``step.logits_indices`` order). -> ids of the requests that finished (their
+        slots are free again)."""
+        if step is not self._pending:
+            raise ValueError("update: expected the step returned by the last schedule() call")
+        tokens = np.asarray(next_tokens).reshape(-1)
+        if tokens.shape[0] != len(step.logits_indices):
+            raise ValueError(f"next_tokens: expected {len(step.logits_indices)} tokens (one per logits row), "
+                             f"got {tokens.shape[0]}")
+        self._pending = None
+        for r, q in step.rows:
+            r.num_cached += q
+        finished = []
+        for request_id, token in zip(step.request_ids.tolist(), tokens.tolist()):
+            r = self.requests[request_id]
+            r.output.append(int(token))
+            if int(token) in self.eos_token_ids:
+                r.finish_reason = "stop"
+            elif len(r.output) >= r.max_new_tokens or r.num_tokens - 1 >= self.config.max_context:
+                r.finish_reason = "length"
+            if r.finished:
+                self._finish(r)
+                finished.append(r.id)
+        return finished
+
+    def _finish(self, r: Request):
+        self._running.remove(r)
+        self._free = sorted(self._free + r.slots.tolist())
+        r.slots = r.slots[:0]
+
+
+def _int(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    return int(value)
