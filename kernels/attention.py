@@ -108,8 +108,8 @@ def paged_attention_kernel(
     # A block past the request's last written block is never read: its page
     # table entry may hold garbage.
     req_blocks = tl.cdiv(seq_len, PAGE_SIZE)
-    # KV rows the tile's last token sees: rows past it (stale rows of the last
-    # page, which may hold NaN/Inf) are never loaded, not only masked in the scores.
+    # KV rows the tile's last token sees: V rows past it (stale rows of the last
+    # page, which may hold NaN/Inf) are never loaded.
     tile_kv_len = tl.maximum(seq_len + pos0_minus_len + ntok, 0)
     tile_blocks = tl.cdiv(tile_kv_len, PAGE_SIZE)
 
@@ -194,13 +194,13 @@ def paged_attention_kernel(
             else:
                 m_member = m_valid
             kv_pos = block * PAGE_SIZE + kv_tok
-            # [BLOCK_N]: rows some token of the tile sees (0 x NaN would be NaN)
-            kv_ok = block_ok & (kv_pos < tile_kv_len)
-            # [BLOCK_N, D]
+            # [BLOCK_N, D]. K rows no token sees only feed scores that are replaced by
+            # -inf below; V rows are multiplied (0 x NaN = NaN), so only rows some
+            # token of the tile sees are loaded: stale rows may hold NaN/Inf.
             k = tl.load(k_base + page * stride_kp + kv_tok[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                        mask=kv_ok[:, None], other=0.0)
+                        mask=block_ok, other=0.0)
             v = tl.load(v_base + page * stride_vp + kv_tok[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                        mask=kv_ok[:, None], other=0.0)
+                        mask=(block_ok & (kv_pos < tile_kv_len))[:, None], other=0.0)
             # [BLOCK_M, BLOCK_N]
             s = mma(q, tl.trans(k)) * qk_scale
             visible = m_member[:, None] & (kv_pos[None, :] <= m_pos[:, None])

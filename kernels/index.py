@@ -53,7 +53,7 @@ def index_scores_kernel(
 
     req, tok0, pos0_minus_len, ntok = tile_row(tile_map_ptr, tile)
     seq_len = visible_len(seq_lens_ptr, req, max_blocks)
-    # KV rows the tile's last token sees: later rows (stale, maybe NaN) are never loaded
+    # blocks some token of the tile sees
     tile_kv_len = tl.maximum(seq_len + pos0_minus_len + ntok, 0)
     tile_blocks = tl.cdiv(tile_kv_len, PAGE_SIZE)
 
@@ -91,8 +91,9 @@ def index_scores_kernel(
                 kv_tok = n0 + offs_n
                 kv_pos = block * PAGE_SIZE + kv_tok
                 # [BLOCK_N, Di]
+                # stale rows (maybe NaN/Inf) only feed scores that tl.where replaces by -inf
                 k = tl.load(k_ptr + k_off + page * stride_kp + kv_tok[:, None] * stride_kn
-                            + offs_d[None, :] * stride_kd, mask=(kv_pos < tile_kv_len)[:, None], other=0.0)
+                            + offs_d[None, :] * stride_kd)
                 # [BLOCK_M, BLOCK_N]
                 s = mma(q, tl.trans(k))
                 s = tl.where(kv_pos[None, :] <= m_pos[:, None], s, float("-inf"))

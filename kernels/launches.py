@@ -87,13 +87,15 @@ class Launch:
 # -- the indexer ------------------------------------------------------------------------
 
 def index_scores(*, idx_q: Operand, index_k: Operand, block_table: Operand, seq_lens, tile_map, tile: RowTile,
-                 out_strides, interpret: bool) -> Launch:
-    """Per-block causal max scores over ``tile_map``'s row tiles -> ``scores [Hi, T, max_blocks]`` float32."""
+                 out_strides, dtype: str, interpret: bool) -> Launch:
+    """Per-block causal max scores over ``tile_map``'s row tiles -> ``scores [Hi, T, max_blocks]`` float32.
+
+    ``dtype``: of idx_q and the index-K cache."""
     num_tokens, num_heads, head_dim = idx_q.shape
     max_blocks = block_table.shape[1]
     num_tiles = int(tile_map.shape[0])
     cfg = tuning.index_scores(tile=tile, num_tiles=num_tiles, head_dim=head_dim, max_blocks=max_blocks,
-                              interpret=interpret)
+                              interpret=interpret, dtype=dtype)
     check_cache_layout("index_k_cache", index_k.offset, index_k.strides)
     args = (idx_q.ref, index_k.ref, block_table.ref, seq_lens, tile_map, index_k.offset, *idx_q.strides,
             *index_k.strides, *block_table.strides, *out_strides, max_blocks, cfg.blocks_per_program)
@@ -135,7 +137,8 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
     topk = block_ids.shape[2] if sparse else 1
     num_tiles = int(tile_map.shape[0])
     cfg = tuning.attention(tile=tile, num_tiles=num_tiles, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           topk=topk if sparse else 0, max_blocks=max_blocks, sparse=sparse, interpret=interpret)
+                           topk=topk if sparse else 0, max_blocks=max_blocks, sparse=sparse, interpret=interpret,
+                           dtype=out_dtype)
     check_cache_layout("k_cache", k.offset, k.strides)
     check_cache_layout("v_cache", v.offset, v.strides)
     out = Output("out", (num_tokens, num_q_heads, head_dim), out_dtype, tuple(out_strides))
@@ -166,7 +169,7 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
         return launch
     merge = Launch("merge.merge_splits_kernel", (num_tokens, num_q_heads),
                    (Prev(0), Prev(1), *o_strides, *lse_strides, *out_strides), (out,),
-                   dict(HEAD_DIM=head_dim, NUM_SPLITS=cfg.num_splits, SPLITS_PAD=next_pow2(cfg.num_splits)),
+                   dict(HEAD_DIM=head_dim, NUM_SPLITS=cfg.num_splits),
                    tuning.MERGE_NUM_WARPS, 1)
     return dataclasses.replace(launch, then=merge)
 

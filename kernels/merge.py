@@ -21,21 +21,29 @@ def merge_splits_kernel(
     o_ptr,            # [T, Hq, D] out dtype
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    # [SPLITS_PAD]
-    lse = tl.load(part_lse_ptr + t * stride_lt + h * stride_lh + offs_s * stride_ls, mask=offs_s < NUM_SPLITS,
-                  other=float("-inf"))
-    used = lse != float("-inf")   # NaN counts as used
-    m = tl.max(tl.where(used & (lse == lse), lse, float("-inf")), axis=0)
-    w = tl.where(used, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)), 0.0)
-    # [SPLITS_PAD, D]: empty splits are never read
-    o = tl.load(part_o_ptr + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
-                mask=used[:, None], other=0.0)
-    den = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(den != 0.0, den, 1.0)
+    lse_row = part_lse_ptr + t * stride_lt + h * stride_lh
+    o_row = part_o_ptr + t * stride_pt + h * stride_ph + offs_d * stride_pd
+    # Splits are combined one after the other, in split order: the sums do not depend
+    # on how the compiler lays the data out over threads (which differs with what it
+    # knows of the strides: torch and jax-triton tell it different things), so both
+    # frameworks get the same bits.
+    m = float("-inf")
+    for s in range(0, NUM_SPLITS):
+        lse = tl.load(lse_row + s * stride_ls)
+        m = tl.maximum(m, tl.where(lse == lse, lse, float("-inf")))   # NaN does not set the max...
+    m = tl.where(m == float("-inf"), 0.0, m)
+    den = 0.0
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s in range(0, NUM_SPLITS):
+        lse = tl.load(lse_row + s * stride_ls)
+        used = lse != float("-inf")                                    # ...but makes the row NaN
+        w = tl.where(used, tl.exp2(lse - m), 0.0)
+        # an empty split's partial is never read
+        acc += w * tl.load(o_row + s * stride_ps, mask=used, other=0.0)
+        den += w
+    out = acc / tl.where(den != 0.0, den, 1.0)
     tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od, out.to(o_ptr.dtype.element_ty))

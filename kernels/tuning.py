@@ -86,17 +86,24 @@ class AttentionConfig:
     num_stages: int
 
 
+def wide(dtype: str) -> bool:
+    """float32 operands: tiles of twice the bytes, so smaller blocks and fewer stages fit shared memory."""
+    return str(dtype).removeprefix("torch.") == "float32"
+
+
 def attention(*, tile: RowTile, num_tiles: int, num_kv_heads: int, head_dim: int, topk: int, max_blocks: int,
-              sparse: bool, interpret: bool) -> AttentionConfig:
-    """Splits, block size, warps and stages of one paged-attention launch (H200: batch 64, 32k)."""
+              sparse: bool, interpret: bool, dtype: str = "bfloat16") -> AttentionConfig:
+    """Splits, block size, warps and stages of one paged-attention launch (H200: batch 64, 32k, bf16)."""
     # blocks one tile visits: about topk (its tokens mostly agree) or every block
     num_entries = topk if sparse else max_blocks
     work = max(num_tiles * num_kv_heads, 1)
     t = targets(interpret)
     target = t.sparse_target_programs if sparse else t.target_programs
     splits = max(1, min(cdiv(target, work), cdiv(num_entries, 1 if sparse else MIN_BLOCKS_PER_SPLIT)))
-    block_n = 64 if sparse or head_dim > 128 else 128
-    return AttentionConfig(splits, block_n, num_warps=8 if tile.block_m >= 64 else 4, num_stages=3)
+    num_warps = 8 if tile.block_m >= 64 else 4
+    if wide(dtype):  # 228 KB of shared memory per SM: K + V tiles of 128 x 128 fp32 take 128 KB a stage
+        return AttentionConfig(splits, 64 if tile.block_m <= 16 else 32, num_warps, num_stages=2)
+    return AttentionConfig(splits, 64 if sparse or head_dim > 128 else 128, num_warps, num_stages=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +115,14 @@ class IndexConfig:
     num_stages: int
 
 
-def index_scores(*, tile: RowTile, num_tiles: int, head_dim: int, max_blocks: int, interpret: bool) -> IndexConfig:
+def index_scores(*, tile: RowTile, num_tiles: int, head_dim: int, max_blocks: int, interpret: bool,
+                 dtype: str = "bfloat16") -> IndexConfig:
     """The indexer's block chunking: ~target programs over (row tiles x block chunks)."""
     chunks = max(1, min(cdiv(targets(interpret).target_programs, max(num_tiles, 1)), max_blocks))
     per_program = max(1, cdiv(max_blocks, chunks))
     return IndexConfig(num_chunks=max(1, cdiv(max_blocks, per_program)), blocks_per_program=per_program,
-                       block_n=128 if head_dim <= 128 else 64, num_warps=8 if tile.block_m >= 64 else 4,
-                       num_stages=3)
+                       block_n=128 if head_dim <= 128 and not wide(dtype) else 64,
+                       num_warps=8 if tile.block_m >= 64 else 4, num_stages=2 if wide(dtype) else 3)
 
 
 @dataclasses.dataclass(frozen=True)

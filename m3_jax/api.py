@@ -39,7 +39,7 @@ def _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile) -> laun
     shape = (idx_q.shape[1], idx_q.shape[0], block_table.shape[1])
     return launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k), block_table=operand(block_table),
                                  seq_lens=seq_lens, tile_map=tile_map, tile=tile, out_strides=strides(shape),
-                                 interpret=not ops.on_gpu())
+                                 dtype=str(idx_q.dtype), interpret=not ops.on_gpu())
 
 
 def _select_blocks(scores, seq_lens, token_map, topk, init_blocks, local_blocks) -> launches.Launch:

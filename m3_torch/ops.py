@@ -146,7 +146,7 @@ def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: 
     tile = maps.row_tile(idx_q.shape[1], tokens_per_tile)
     run(launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k_cache),
                               block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map, tile=tile,
-                              out_strides=out.stride(), interpret=out.device.type != "cuda"),
+                              out_strides=out.stride(), dtype=str(idx_q.dtype), interpret=out.device.type != "cuda"),
         {"scores": out})
 
 

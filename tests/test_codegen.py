@@ -59,7 +59,8 @@ def attention_case(sparse):
 def index_case():
     launch = launches.index_scores(idx_q=operand(64, 4, 128), index_k=operand(9000, 128, 128),
                                    block_table=operand(64, 141), seq_lens=None, tile_map=np.zeros((64, 4), np.int32),
-                                   tile=maps.row_tile(4, 1), out_strides=(64 * 141, 141, 1), interpret=False)
+                                   tile=maps.row_tile(4, 1), out_strides=(64 * 141, 141, 1), dtype="bfloat16",
+                                   interpret=False)
     consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_bb=1, stride_sb=1)
     return m3_kernels.kernel_module("index", False).index_scores_kernel, consts, launch
 
