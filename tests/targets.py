@@ -89,10 +89,16 @@ def targets(frameworks=FRAMEWORKS) -> list:
 
 
 def grid(cases, frameworks=FRAMEWORKS) -> list:
-    """``pytest.param(case, target)`` for every case and target (GPU-only cases: GPU targets only)."""
-    return [pytest.param(c, t, id=f"{c}-{t}", marks=[*t.marks, *([pytest.mark.slow] if c.slow else [])])
-            for c in cases for t in TARGETS
-            if t.framework in frameworks and not (c.gpu_only and t.device == "interpreter")]
+    """``pytest.param(case, target)`` for every case and target (GPU-only cases: GPU targets only;
+    slow cases: marked ``slow`` on the interpreter)."""
+    params = []
+    for c in cases:
+        for t in TARGETS:
+            if t.framework not in frameworks or (c.gpu_only and t.device == "interpreter"):
+                continue
+            slow = [pytest.mark.slow] if c.slow and t.device == "interpreter" else []
+            params.append(pytest.param(c, t, id=f"{c}-{t}", marks=[*t.marks, *slow]))
+    return params
 
 
 # -- torch <-> jax, same bits ---------------------------------------------------------------

@@ -1,0 +1,295 @@
+"""End-to-end decode of the model engines: `python3 -m benchmarks.e2e [--out DIR] [--quick | --tiny]`.
+
+A random bf16 model with MiniMax-M3's real attention shapes (hidden 6144, 64
+query / 4 KV heads of 128, 4 index heads of 128, top-16 blocks, RoPE on 64
+channels; layer 0 dense attention + dense MLP, layers 1-3 MSA + a small MoE;
+a 32k vocabulary) is written to a temporary directory, then for each
+context (4k, 32k, 128k) each engine is built once (``max_context`` = the
+context, ``max_batch`` 64, a pool for 64 requests of that context) and, for
+each batch (1, 8, 32, 64), one decode step with every request at that context
+(random block tables of distinct slots, random caches) is timed:
+
+* ``torch_step_us``: ``m3_torch.LLM.step_logits`` + greedy argmax + the
+  tokens on the host, wall clock (the CUDA-graph replay of the step plus its
+  host work: metadata upload, logits gather); the scheduler's own host time
+  (~0.3-1 ms per step) is not included, on either side.
+* ``torch_graph_us``: the captured step's replay alone (CUDA events).
+* ``attention_us``: the attention of the step alone (per layer
+  ``write_cache`` + ``msa_attention_step``, one CUDA graph of the 4 layers),
+  and ``attention_share = attention_us / torch_graph_us``.
+* ``jax_step_us``: the JAX engine's jitted decode step (metadata upload,
+  step, sampled tokens on the host), wall clock; ``jax_torch = jax_step_us /
+  torch_step_us``.
+* tokens/s = batch / step time; time per output token = step time.
+
+The engines run one after the other (torch, then JAX, per context) so that
+each one's 77 GB pool at 128k x 64 fits the card. Torch's pool is filled with
+random values; JAX's keeps what ``m3_jax.LLM`` allocates (step times do not
+depend on the values: every request reads its top-16 blocks). Writes e2e.json
+and e2e.md to --out. ``--tiny`` runs the tiny test model on the CPU (Triton's
+interpreter), to check the script, not to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import m3_torch
+from m3_kernels.planner import PAGE_SIZE
+from m3_kernels.scheduler import Scheduler, Step
+from m3_kernels import checkpoint
+from m3_kernels.model_config import M3TextConfig
+from m3_kernels.tiny_model import tiny_text_config
+
+M3_SHAPES = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4, head_dim=128, rotary_dim=64,
+                 index_head_dim=128, index_topk_blocks=16, num_hidden_layers=4, num_dense_layers=1,
+                 vocab_size=32768, dense_intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2,
+                 intermediate_size=256, shared_intermediate_size=256, rope_theta=5e6)
+BATCHES, CONTEXTS = (1, 8, 32, 64), (4096, 32768, 131072)
+QUICK_BATCHES, QUICK_CONTEXTS = (1, 64), (4096, 32768)
+TINY_BATCHES, TINY_CONTEXTS = (1, 2), (256, 384)
+
+
+def write_model(path: Path, shapes: dict, max_context: int) -> Path:
+    """A random bf16 checkpoint (config.json + model.safetensors, transformers' text-model names) of
+    ``tiny_text_config(**shapes)``: the tiny model's layout and init scales, drawn with torch (the
+    numpy writer of ``m3_kernels.tiny_model`` takes ~1 min at these sizes)."""
+    from safetensors.torch import save_file
+
+    text = tiny_text_config(dtype="bfloat16", **shapes)
+    text["max_position_embeddings"] = max(text["max_position_embeddings"], max_context)
+    config = M3TextConfig.from_dict(text)
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, shape in checkpoint.expected_shapes(config).items():
+        w = torch.randn(shape, generator=g)
+        if name.endswith(("norm.weight", "e_score_correction_bias")):
+            w *= 0.1                     # norms scale by 1 + weight
+        elif name != "model.embed_tokens.weight":
+            w /= shape[-1] ** 0.5        # linear layers: N(0, 1 / fan_in)
+        tensors[name] = w.to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(text, indent=2))
+    return path
+
+
+def decode_step(planner, max_blocks: int, batch: int, context: int, seed: int) -> Step:
+    """One pure decode step: ``batch`` requests at ``context`` tokens (the new one included),
+    each on its own random slots, padded to the planner's graph batch size."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-context // PAGE_SIZE)
+    plan = planner.plan([context] * batch, q_lens=[1] * batch, num_context=0)
+    rows = plan.num_rows
+    table = np.full((rows, max_blocks), -1, np.int32)
+    table[:batch, :blocks] = rng.permutation(batch * blocks).reshape(batch, blocks)
+    pos = context - 1
+    slot_mapping = np.full(rows, -1, np.int32)
+    slot_mapping[:batch] = table[:batch, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+    seq_lens = np.zeros(rows, np.int32)
+    seq_lens[:batch] = context
+    positions = np.zeros(rows, np.int32)
+    positions[:batch] = pos
+    input_ids = np.zeros(rows, np.int32)
+    input_ids[:batch] = rng.integers(3, 512, batch)
+    return Step(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_table=table,
+                seq_lens=seq_lens, cu_seqlens_q=np.arange(rows + 1, dtype=np.int32),
+                logits_indices=np.arange(batch, dtype=np.int32), request_ids=np.arange(batch, dtype=np.int32),
+                output_index=np.zeros(batch, np.int32), plan=plan)
+
+
+def wall_us(fn, reps: int) -> float:
+    """Median wall-clock microseconds of ``fn()`` (which returns host data: synchronized), after 2 warm-ups."""
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def replay_us(graph, reps: int) -> float:
+    """Median CUDA-event microseconds of one replay."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def attention_us(llm, step: Step, reps: int) -> float:
+    """The step's attention alone: per layer write_cache + msa_attention_step, random q/k/v."""
+    c, dev, dt = llm.config, llm.device, llm.dtype
+    st = llm.step_tensors(step)
+    T = step.plan.num_tokens
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g, device=dev, dtype=torch.float32).to(dt)
+
+    q, idx_q = randn(T, c.num_attention_heads, c.head_dim), randn(T, c.index_n_heads, c.index_head_dim)
+    k, v, idx_k = randn(T, c.num_key_value_heads, c.head_dim), randn(T, c.num_key_value_heads, c.head_dim), \
+        randn(T, c.index_head_dim)
+
+    def run():
+        for sparse, cache in zip(c.sparse_layers, llm.caches):
+            m3_torch.write_cache(k, v, idx_k if sparse else None, cache.k_cache, cache.v_cache, cache.index_k_cache,
+                                 st.slot_mapping)
+            m3_torch.msa_attention_step(q, idx_q if sparse else None, cache.k_cache, cache.v_cache,
+                                        cache.index_k_cache if sparse else None, st.block_table, st.seq_lens,
+                                        plan=step.plan, sparse=sparse, init_blocks=c.index_init_blocks,
+                                        local_blocks=c.index_local_blocks, sm_scale=c.attention_scale)
+
+    if dev.type != "cuda":
+        return wall_us(run, reps)
+    run()
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return replay_us(graph, reps)
+
+
+def run_torch(model_dir, context, batches, reps, device) -> dict:
+    blocks = -(-context // PAGE_SIZE)
+    llm = m3_torch.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max(batches), max_context=context,
+                       max_cache_pages=max(batches) * blocks)
+    llm.pool.normal_(generator=torch.Generator(device=llm.device).manual_seed(0))
+    out = {}
+    for batch in batches:
+        step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
+        row = dict(torch_step_us=wall_us(lambda: llm.step_logits(step).argmax(-1).tolist(), reps))
+        if llm.graphs is not None:
+            graph, _ = llm.graphs.graphs[(step.plan.num_rows, step.plan.generation.max_blocks)]
+            row["torch_graph_us"] = replay_us(graph, reps)
+        row["attention_us"] = attention_us(llm, step, reps)
+        row["attention_share"] = row["attention_us"] / row.get("torch_graph_us", row["torch_step_us"])
+        out[batch] = row
+        print(f"  torch batch {batch:3d} context {context:6d}: " +
+              " ".join(f"{k}={v:.3g}" for k, v in row.items()), flush=True)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_jax(model_dir, context, batches, reps, device) -> dict:
+    import jax
+    import m3_jax
+
+    blocks = -(-context // PAGE_SIZE)
+    llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max(batches), max_context=context,
+                     max_cache_pages=max(batches) * blocks)
+    key = jax.device_put(jax.random.key(0), llm.device)
+    planner = Scheduler(llm.scheduler_config, llm.config).planner   # the engine's graph batch sizes
+    out = {}
+    with jax.default_device(llm.device):   # the kernels trace their GPU or CPU path from it
+        for batch in batches:
+            step = decode_step(planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
+            index = {i: i for i in range(batch)}
+            t0 = time.perf_counter()
+            llm._run_step(step, index, 0.0, 1.0, key, False)   # compiles for this batch
+            compile_s = time.perf_counter() - t0
+            out[batch] = dict(jax_step_us=wall_us(lambda: llm._run_step(step, index, 0.0, 1.0, key, False), reps),
+                              jax_first_step_s=compile_s)
+            print(f"  jax   batch {batch:3d} context {context:6d}: " +
+                  " ".join(f"{k}={v:.3g}" for k, v in out[batch].items()), flush=True)
+    del llm
+    gc.collect()
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# End-to-end decode, M3 attention shapes ({result['device']})", "",
+             f"Model: {result['shapes']}", "",
+             "Step times in microseconds (time per output token); tokens/s = batch / step.", "",
+             "| batch | context | torch step | torch tok/s | graph replay | attention | attn share | "
+             "JAX step | JAX tok/s | JAX/torch |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def f(v, fmt=None):
+        if v is None:
+            return "-"
+        return (fmt or ("{:.0f}" if abs(v) >= 100 else "{:.3g}")).format(v)
+
+    for r in result["rows"]:
+        context = f"{r['context'] // 1024}k" if r["context"] >= 1024 else str(r["context"])
+        lines.append(f"| {r['batch']} | {context} | {f(r.get('torch_step_us'))} | "
+                     f"{f(r.get('torch_tok_s'))} | {f(r.get('torch_graph_us'))} | {f(r.get('attention_us'))} | "
+                     f"{f(r.get('attention_share'), '{:.0%}')} | {f(r.get('jax_step_us'))} | "
+                     f"{f(r.get('jax_tok_s'))} | {f(r.get('jax_torch'), '{:.2f}')} |")
+    if result.get("errors"):
+        lines += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/latest"))
+    ap.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCHES}, contexts {QUICK_CONTEXTS}")
+    ap.add_argument("--tiny", action="store_true", help="the tiny test model on the CPU (checks the script)")
+    ap.add_argument("--frameworks", default="torch,jax")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--model-dir", default=None, help="where to write the random model (default: a temp dir)")
+    args = ap.parse_args(argv)
+    frameworks = args.frameworks.split(",")
+    if args.tiny:
+        shapes, batches, contexts, device, reps = {}, TINY_BATCHES, TINY_CONTEXTS, "cpu", args.reps or 2
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("benchmarks.e2e: needs a GPU (use --tiny to check the script on the CPU)")
+        quick = args.quick
+        shapes, device, reps = M3_SHAPES, "cuda", args.reps or 20
+        batches, contexts = (QUICK_BATCHES, QUICK_CONTEXTS) if quick else (BATCHES, CONTEXTS)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model(Path(args.model_dir or tmp), shapes, max(contexts))
+        rows = {(b, c): dict(batch=b, context=c) for c in contexts for b in batches}
+        errors = []
+        for context in contexts:
+            for name, run in (("torch", run_torch), ("jax", run_jax)):
+                if name not in frameworks:
+                    continue
+                try:
+                    for batch, row in run(model_dir, context, batches, reps, device).items():
+                        rows[batch, context].update(row)
+                except Exception as e:  # one engine failing must not lose the other's numbers
+                    errors.append(f"{name} context {context}: {type(e).__name__}: {e}")
+                    print("  " + errors[-1], flush=True)
+    for r in rows.values():
+        for name in ("torch", "jax"):
+            if f"{name}_step_us" in r:
+                r[f"{name}_tok_s"] = r["batch"] / (r[f"{name}_step_us"] * 1e-6)
+        if "torch_step_us" in r and "jax_step_us" in r:
+            r["jax_torch"] = r["jax_step_us"] / r["torch_step_us"]
+    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
+                  shapes=shapes or "tiny test model", rows=list(rows.values()), errors=errors)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "e2e.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "e2e.md"), "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""MiniMax-M3 text model in JAX: the math of one forward step over the paged pool.
+
+Pure functions over a params pytree: the flat dict of canonical tensor names
+(``m3_kernels.checkpoint``: transformers' ``MiniMaxM3VLForCausalLM`` state-dict
+names, ``model.layers.{i}.self_attn.q_proj.weight`` ...) -> jax arrays, all in
+the model dtype. :func:`forward` runs every token of one step (context rows'
+prompt chunks first, generation rows last, as the step planner wants) through
+all layers; per layer the attention writes the step's K/V (sparse layers:
+index-K) rows into the pool with ``m3_jax.write_cache`` and attends with
+``m3_jax.msa_attention_step`` (``sparse=True`` on MSA layers). Under
+``jax.jit`` with the pool donated the cache writes are in place.
+
+Semantics are transformers 5.23's ``MiniMaxM3VLForCausalLM`` (text model);
+the torch twin is ``m3_torch/model.py`` (same math, same order of roundings):
+
+* RMSNorm is Gemma-style: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in float32,
+  cast back to the input dtype. The q/k norms act per head over ``head_dim``
+  (the indexer's over ``index_head_dim``), before RoPE.
+* RoPE is the non-interleaved ("rotate_half") form on the FIRST ``rotary_dim``
+  channels of each head (``M3TextConfig.rotary_dim``; see there for the width
+  rule); the rest pass through. cos/sin are computed in float32 and cast to the
+  activation dtype, as transformers does. The indexer reuses the table sliced
+  to ``[:index_head_dim]``, exactly as transformers slices it.
+* Sparse layers: ``idx_q = q_norm(indexer.q_proj(h))`` with ``index_n_heads``
+  heads and ONE shared index-K head ``idx_k = k_norm(indexer.k_proj(h))``, both
+  rotated; block scores are ``idx_q . idx_k`` in float32 without scale.
+* Dense MLP and shared expert: SwiGLU-OAI, ``gate, up = split(h @ W_gu^T)``,
+  ``gate = min(gate, limit)``, ``up = clip(up, -limit, limit)``,
+  ``(up + 1) * gate * sigmoid(alpha * gate)``, then ``down_proj``.
+* MoE: ``w = sigmoid(router_logits.float())``; experts chosen by top-k of
+  ``w + e_score_correction_bias``; weights ``w[chosen]`` renormalised to sum 1;
+  ``routed_scaling_factor * sum_k w_k * expert_k(h) + shared_expert(h)``.
+  transformers adds each expert's weighted output into a buffer of the model
+  dtype; here the sum over k is float32, cast once (the same in float32 up to
+  rounding, a little more precise in bf16). Experts run as
+  ``jax.lax.ragged_dot_general`` over token rows sorted by expert (the
+  canonical ``[E, out, in]`` weights, no transpose).
+
+Where our kernels differ from transformers' indexer (``MiniMaxM3VLIndexer``)
+and why the outputs still agree (tests/test_model_jax.py checks the logits and
+tokens against transformers):
+
+* transformers scores every key, masks future keys to ``-inf``, max-pools per
+  block of 128 keys, sets the ``index_local_blocks`` blocks ending at the
+  query's own block to ``+inf`` and takes ``torch.topk(min(topk,
+  num_key_blocks))``, mapping ``-inf`` picks to ``-1``. SPEC.md's
+  ``index_scores``/``select_blocks`` compute the same per-block causal max and
+  force the same local blocks (``b >= nb - local_blocks``, ``nb - 1`` being the
+  query's block): the chosen SET is the same.
+* Order: transformers lists ids by descending score (the local block first);
+  SPEC lists them ascending. Attention over a set of blocks ignores the order.
+* Ties: ``torch.topk`` breaks equal block scores in an unspecified order, SPEC
+  picks the lower id. Only exactly equal float32 maxima can differ.
+* transformers' eager attention adds a dense mask (``finfo.min`` outside the
+  chosen blocks) and takes a softmax over all keys; our kernels visit only the
+  chosen blocks. Masked keys weigh exactly 0 in both.
+* ``init_blocks`` (SPEC) has no transformers counterpart: it is 0 here.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3_kernels.model_config import M3TextConfig
+from m3_kernels.pool import PoolLayout
+
+from .cache import layer_views, write_cache
+from .api import StepSpec, msa_attention_step
+
+__all__ = ["StepBatch", "forward", "attention", "mlp", "moe", "rms_norm", "rope_cos_sin", "apply_rope", "swiglu_oai",
+           "inv_freq", "pool_layout", "DTYPES"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class StepBatch(NamedTuple):
+    """One step's metadata as int32 arrays (numpy on the host, jax on the device).
+
+    input_ids:    [T] token ids (padding tokens: any valid id, e.g. 0).
+    positions:    [T] position of each token in its request.
+    slot_mapping: [T] ``slot * 128 + row`` of each token's cache row; -1 skips (padding).
+    block_table:  [R, max_blocks] slot ids per request (padding rows: anything).
+    seq_lens:     [R] KV length per row, this step's tokens included (0: padding row).
+    logits_rows:  [L] token rows whose next-token logits the step returns.
+    """
+    input_ids: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    block_table: jax.Array
+    seq_lens: jax.Array
+    logits_rows: jax.Array
+
+
+# -- building blocks (transformers' modules, on [T, ...] token rows) --------------------------
+
+def _dot(x, w):
+    """``x @ w.T`` (a torch ``F.linear``) in x's dtype; float32 at full precision (no TF32)."""
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision)
+
+
+def rms_norm(x, weight, eps: float):
+    """Gemma-style RMSNorm over the last axis: float32 math, scale ``1 + weight``, x's dtype out."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def inv_freq(config: M3TextConfig) -> np.ndarray:
+    """RoPE inverse frequencies ``[rotary_dim / 2]`` float32, computed as transformers does (float32)."""
+    rot = config.rotary_dim
+    exponent = np.arange(0, rot, 2, dtype=np.float32) / np.float32(rot)
+    return (np.float32(1.0) / np.power(np.float32(config.rope_theta), exponent)).astype(np.float32)
+
+
+def rope_cos_sin(positions, freqs, dtype):
+    """positions [T] -> (cos, sin) [T, rotary_dim] in ``dtype`` (float32 math, then cast)."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(freqs)[None, :]
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x [T, H, D]; cos/sin [T, R]: rotate the first R channels (rotate_half form), pass the rest."""
+    r = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
+    rotated = x_rot * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+    return jnp.concatenate([rotated, x_pass], axis=-1)
+
+
+def swiglu_oai(gate_up, alpha: float, limit: float):
+    """[..., 2I] (gate half, then up half) -> [..., I]."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def mlp(x, gate_up, down, config: M3TextConfig):
+    return _dot(swiglu_oai(_dot(x, gate_up), config.swiglu_alpha, config.swiglu_limit), down)
+
+
+# the expert weights are [E, out, in]: contract x's last axis with the weights' last, group by axis 0
+_EXPERT_DOT = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def _experts_dot(rows, weights, group_sizes):
+    precision = jax.lax.Precision.HIGHEST if rows.dtype == jnp.float32 else None
+    return jax.lax.ragged_dot_general(rows, weights, group_sizes, _EXPERT_DOT, precision=precision)
+
+
+def moe(p: Mapping, x, config: M3TextConfig):
+    """The MoE block of one layer (``p``: its ``mlp.*`` tensors by suffix) on x [T, hidden]."""
+    c = config
+    shared = mlp(x, p["shared_experts.gate_up_proj.weight"], p["shared_experts.down_proj.weight"], c)
+    probs = jax.nn.sigmoid(_dot(x, p["gate.weight"]).astype(jnp.float32))                  # [T, E]
+    _, chosen = jax.lax.top_k(probs + p["gate.e_score_correction_bias"].astype(jnp.float32),
+                              c.num_experts_per_tok)                                     # [T, k]
+    top_w = jnp.take_along_axis(probs, chosen, axis=-1)
+    top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)                                # [T, k] float32
+    T, k = chosen.shape
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                                                # rows grouped by expert
+    group_sizes = jnp.bincount(flat, length=c.num_local_experts).astype(jnp.int32)
+    rows = x[order // k]                                                                  # [T*k, hidden]
+    act = swiglu_oai(_experts_dot(rows, p["experts.gate_up_proj"], group_sizes), c.swiglu_alpha, c.swiglu_limit)
+    out = _experts_dot(act, p["experts.down_proj"], group_sizes)                          # [T*k, hidden]
+    weighted = jnp.zeros((T * k, x.shape[1]), jnp.float32).at[order].set(
+        out.astype(jnp.float32) * top_w.reshape(-1)[order, None])
+    routed = weighted.reshape(T, k, -1).sum(axis=1).astype(x.dtype)
+    return routed * c.routed_scaling_factor + shared
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+def attention(p: Mapping, x, cos, sin, pool, batch: StepBatch, maps, *, layer: int, config: M3TextConfig,
+              layout: PoolLayout, spec: StepSpec):
+    """Attention of layer ``layer`` (``p``: its ``self_attn.*`` tensors by suffix) -> (out [T, hidden], pool)."""
+    c = config
+    T = x.shape[0]
+    hq, hk, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+    sparse = c.sparse_layers[layer]
+    q = apply_rope(rms_norm(_dot(x, p["q_proj.weight"]).reshape(T, hq, d), p["q_norm.weight"], eps), cos, sin)
+    k = apply_rope(rms_norm(_dot(x, p["k_proj.weight"]).reshape(T, hk, d), p["k_norm.weight"], eps), cos, sin)
+    v = _dot(x, p["v_proj.weight"]).reshape(T, hk, d)
+    idx_q = idx_k = None
+    if sparse:
+        di = c.index_head_dim
+        icos, isin = cos[:, :di], sin[:, :di]   # transformers: cos[..., :index_head_dim]
+        idx_q = apply_rope(rms_norm(_dot(x, p["indexer.q_proj.weight"]).reshape(T, c.index_n_heads, di),
+                                    p["indexer.q_norm.weight"], eps), icos, isin)
+        idx_k = apply_rope(rms_norm(_dot(x, p["indexer.k_proj.weight"]).reshape(T, 1, di),
+                                    p["indexer.k_norm.weight"], eps), icos, isin).reshape(T, di)
+    k_cache, v_cache, index_k_cache = write_cache(k, v, idx_k, *layer_views(pool, layout, layer), batch.slot_mapping)
+    out, _ = msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, batch.block_table, batch.seq_lens,
+                                plan=spec, maps=maps, sparse=sparse, init_blocks=c.index_init_blocks,
+                                local_blocks=c.index_local_blocks)
+    return _dot(out.reshape(T, hq * d), p["o_proj.weight"]), k_cache.buffer
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+def _layer_params(params: Mapping, layer: int, part: str) -> dict:
+    prefix = f"model.layers.{layer}.{part}."
+    return {name[len(prefix):]: w for name, w in params.items() if name.startswith(prefix)}
+
+
+def forward(params: Mapping, pool, batch: StepBatch, maps, *, config: M3TextConfig, layout: PoolLayout,
+            spec: StepSpec):
+    """One step through the model -> ``(logits [L, vocab] float32, pool)``.
+
+    params: canonical name -> array (model dtype); ``lm_head.weight`` may be
+            absent when ``config.tie_word_embeddings``.
+    pool:   the flat sub-page pool ``[layout.numel]`` (donate it under jit).
+    batch:  the step's :class:`StepBatch`; ``maps``: the context span's
+            ``PrefillMaps`` (None without context rows).
+    config, layout, spec: static (hashable): the model config, the pool layout
+            (one layer per model layer) and the step's ``StepSpec``.
+    """
+    c = config
+    if layout.num_layers != c.num_hidden_layers:
+        raise ValueError(f"layout: expected {c.num_hidden_layers} layers (one per model layer), "
+                         f"got {layout.num_layers}")
+    embed = params["model.embed_tokens.weight"]
+    x = embed[batch.input_ids]
+    cos, sin = rope_cos_sin(batch.positions, inv_freq(c), x.dtype)
+    for i in range(c.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        h = rms_norm(x, params[prefix + "input_layernorm.weight"], c.rms_norm_eps)
+        out, pool = attention(_layer_params(params, i, "self_attn"), h, cos, sin, pool, batch, maps, layer=i,
+                              config=c, layout=layout, spec=spec)
+        x = x + out
+        h = rms_norm(x, params[prefix + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        p = _layer_params(params, i, "mlp")
+        x = x + (moe(p, h, c) if c.moe_layers[i] else mlp(h, p["gate_up_proj.weight"], p["down_proj.weight"], c))
+    x = rms_norm(x[batch.logits_rows], params["model.norm.weight"], c.rms_norm_eps)
+    head = params["model.embed_tokens.weight"] if c.tie_word_embeddings else params["lm_head.weight"]
+    return _dot(x, head).astype(jnp.float32), pool
+
+
+def pool_layout(config: M3TextConfig, num_slots: int, dtype: str) -> PoolLayout:
+    """The pool of a model: one layer per model layer, index-K sub-pages on the sparse ones."""
+    return PoolLayout.create(num_slots, sparse=config.sparse_layers, num_kv_heads=config.num_key_value_heads,
+                             head_dim=config.head_dim, index_head_dim=config.index_head_dim, dtype=dtype)
+

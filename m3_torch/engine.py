@@ -1,0 +1,286 @@
+"""``m3_torch.LLM``: generate with a MiniMax-M3 text checkpoint on this project's kernels.
+
+    llm = m3_torch.LLM("path/to/model", dtype="bfloat16", max_batch=8)
+    outputs = llm.generate([[1, 2, 3], [1, 5]], max_new_tokens=16)     # new token ids per prompt
+
+The loop is the framework-neutral :class:`m3_kernels.scheduler.Scheduler`
+(continuous batching over the flat sub-page pool, chunked prefill, mixed steps,
+slots freed when a request finishes); this file only moves each step's numpy
+metadata to the device, runs :class:`m3_torch.model.M3Model` and samples.
+On a GPU, pure decode steps (padded by the scheduler to ``graph_batch_sizes``)
+replay CUDA graphs, one per (padded batch, block-table bound): the first step
+of each runs eagerly (its result is used; it compiles the kernels and builds
+the persistent maps and workspaces), then the graph is captured for the next
+ones. Prefill and mixed steps run eagerly. On a CPU everything runs eagerly
+(the kernels through Triton's interpreter).
+
+Sampling: greedy at ``temperature == 0``; otherwise softmax of
+``logits / temperature`` restricted to the top-``p`` nucleus, drawn with a
+``torch.Generator`` seeded from ``(seed, prompt index, output index)``, so a
+request's sampled tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+import m3_torch
+from m3_kernels import checkpoint
+from m3_kernels.model_config import load_config
+from m3_kernels.planner import PAGE_SIZE, StepConfig, StepPlanner
+from m3_kernels.pool import PoolLayout
+from m3_kernels.scheduler import Scheduler, SchedulerConfig, Step
+
+from .model import M3Model, StepTensors
+
+__all__ = ["LLM"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_CONTEXT = 8192
+
+
+def resolve_dtype(dtype, checkpoint_dtype: Optional[str]) -> torch.dtype:
+    """``None`` (the checkpoint's), a torch dtype or its name -> a torch float dtype."""
+    if dtype is None:
+        return DTYPES[checkpoint_dtype] if checkpoint_dtype is not None else None
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name not in DTYPES:
+            raise ValueError(f"dtype: expected one of {tuple(DTYPES)}, got {dtype!r}")
+        return DTYPES[name]
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype: expected one of {tuple(DTYPES.values())}, got {dtype}")
+        return dtype
+    raise TypeError(f"dtype: expected None, a torch dtype or its name, got {type(dtype).__name__}")
+
+
+def _positive_int(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    return int(value)
+
+
+def default_graph_batch_sizes(max_batch: int) -> tuple:
+    """1, 2, 4, 8, then multiples of 16 up to ``max_batch`` (and ``max_batch`` itself)."""
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_batch} | set(range(16, max_batch + 1, 16)) | {max_batch}
+    return tuple(sorted(sizes))
+
+
+class LLM:
+    """A MiniMax-M3 text model ready to generate.
+
+    model_dir:       config.json + safetensors (transformers ``save_pretrained``
+                     form or the original MiniMax-M3 VL checkpoint; see
+                     ``m3_kernels.checkpoint``).
+    dtype:           weights, activations and KV cache: None (the checkpoint's),
+                     ``torch.bfloat16``/``float16``/``float32`` or its name.
+    device:          None (``cuda`` when available, else ``cpu``), a string or a ``torch.device``.
+    max_batch:       requests per step (decode batch).
+    max_context:     KV tokens per request, prompt and generated tokens together
+                     (default ``min(8192, max_position_embeddings)``).
+    max_cache_pages: pool slots of 128 tokens (default: ``max_batch`` requests of
+                     ``max_context`` tokens); fewer than one request of
+                     ``max_context`` needs is a ``ValueError``.
+    prefill_chunk:   prompt tokens per request per step (chunked prefill; default
+                     ``max_num_tokens``).
+    max_num_tokens:  query tokens per step (default: the scheduler's, ``max(2048, max_batch)``).
+    cuda_graphs:     replay pure decode steps from CUDA graphs (GPU only; default True).
+    graph_batch_sizes: decode batch sizes captured (default :func:`default_graph_batch_sizes`).
+    """
+
+    def __init__(self, model_dir, *, dtype=None, device=None, max_batch: int = 8, max_context: Optional[int] = None,
+                 max_cache_pages: Optional[int] = None, prefill_chunk: Optional[int] = None,
+                 max_num_tokens: Optional[int] = None, cuda_graphs: bool = True,
+                 graph_batch_sizes: Optional[Sequence[int]] = None):
+        self.config = c = load_config(model_dir)
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        max_batch = _positive_int("max_batch", max_batch)
+        max_context = min(DEFAULT_MAX_CONTEXT, c.max_position_embeddings) if max_context is None else \
+            _positive_int("max_context", max_context)
+        if max_context > c.max_position_embeddings:
+            raise ValueError(f"max_context: expected <= max_position_embeddings={c.max_position_embeddings} of the "
+                             f"model, got {max_context}")
+        max_blocks = -(-max_context // PAGE_SIZE)
+        num_slots = max_batch * max_blocks if max_cache_pages is None else \
+            _positive_int("max_cache_pages", max_cache_pages)
+        if num_slots < max_blocks:
+            raise ValueError(f"max_cache_pages={num_slots} cannot hold one request of max_context={max_context} "
+                             f"tokens: it needs {max_blocks} pages of {PAGE_SIZE} tokens")
+        use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        if graph_batch_sizes is None:
+            graph_batch_sizes = default_graph_batch_sizes(max_batch) if use_graphs else ()
+        self.scheduler_config = SchedulerConfig(max_batch=max_batch, max_context=max_context, num_slots=num_slots,
+                                                max_num_tokens=max_num_tokens, prefill_chunk=prefill_chunk,
+                                                graph_batch_sizes=tuple(graph_batch_sizes) if use_graphs else ())
+        sc = self.scheduler_config
+        self.planner = StepPlanner(StepConfig(
+            num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            max_batch=sc.max_batch, max_num_tokens=sc.max_num_tokens, max_blocks=sc.max_blocks,
+            topk=c.index_topk_blocks, graph_batch_sizes=sc.graph_batch_sizes))
+
+        self.dtype = resolve_dtype(dtype, c.dtype)
+        weights = {}
+        for name, w in checkpoint.iter_weights(model_dir, c, framework="pt", concatenate=torch.cat,
+                                               device=str(self.device)):
+            self.dtype = self.dtype or w.dtype   # a config without a dtype: the tensors'
+            weights[name] = w.to(self.dtype)
+        self.model = M3Model(c, weights)
+        del weights
+        dtype_name = next(n for n, d in DTYPES.items() if d == self.dtype)
+        self.layout = PoolLayout.create(num_slots, sparse=c.sparse_layers, num_kv_heads=c.num_key_value_heads,
+                                        head_dim=c.head_dim, index_head_dim=c.index_head_dim, dtype=dtype_name)
+        self.pool = m3_torch.allocate_pool(self.layout, self.device)
+        self.caches = [m3_torch.layer_caches(self.pool, self.layout, i) for i in range(c.num_hidden_layers)]
+        self.graphs = _DecodeGraphs(self) if sc.graph_batch_sizes else None
+        self.scheduler: Optional[Scheduler] = None   # the one of the running (or last) generate call
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: Optional[int] = None, *,
+                 progress: Optional[Callable[[int], None]] = None) -> list[list[int]]:
+        """New token ids per prompt (lists of token ids), generation stopping at the
+        config's eos ids (kept), ``max_new_tokens`` or ``max_context``.
+
+        temperature: 0 for greedy, else the softmax temperature.
+        top_p:       nucleus mass in (0, 1].
+        seed:        int >= 0 for reproducible sampling (None: fresh randomness).
+        progress:    called with the number of tokens generated after each step.
+
+        Bad input (empty prompt, one longer than ``max_context``, a token id outside
+        the vocabulary, ``max_new_tokens < 1``, bad sampling parameters) raises
+        ``ValueError``/``TypeError`` before any work.
+        """
+        temperature, top_p = _check_sampling(temperature, top_p)
+        if seed is None:
+            seed = int(np.random.SeedSequence().entropy % (1 << 63))
+        elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed: expected None or an int >= 0, got {seed!r}")
+        self.scheduler = scheduler = Scheduler(self.scheduler_config, self.config, planner=self.planner)
+        ids = scheduler.add_requests(prompts, max_new_tokens)
+        prompt_index = {request_id: i for i, request_id in enumerate(ids)}
+        while scheduler.has_unfinished():
+            step = scheduler.schedule()
+            logits = self.step_logits(step)
+            if temperature == 0.0:
+                tokens = logits.argmax(dim=-1).tolist()
+            else:
+                keys = [(int(seed), prompt_index[int(r)], int(o)) for r, o in zip(step.request_ids, step.output_index)]
+                tokens = sample(logits, temperature, top_p, keys)
+            scheduler.update(step, tokens)
+            if progress is not None:
+                progress(len(step.request_ids))
+        return [scheduler.output(i) for i in ids]
+
+    def step_logits(self, step: Step) -> torch.Tensor:
+        """Run one scheduler step -> float32 logits ``[len(step.logits_indices), vocab]``."""
+        if self.graphs is not None and step.plan.cuda_graph:
+            logits = self.graphs.run(step)
+        else:
+            logits = self.model.forward(self.step_tensors(step), step.plan, self.caches)
+        return logits.float()
+
+    def step_tensors(self, step: Step, logits_rows: Optional[np.ndarray] = None) -> StepTensors:
+        """A step's numpy metadata on the model's device."""
+        def dev(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+
+        return StepTensors(input_ids=dev(step.input_ids), positions=dev(step.positions),
+                           slot_mapping=dev(step.slot_mapping), block_table=dev(step.block_table),
+                           seq_lens=dev(step.seq_lens),
+                           logits_rows=dev(step.logits_indices if logits_rows is None else logits_rows))
+
+
+# -- sampling --------------------------------------------------------------------------------------
+
+def _check_sampling(temperature, top_p):
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    if not (temperature >= 0.0 and np.isfinite(temperature)):
+        raise ValueError(f"temperature: expected a finite number >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p: expected a number in (0, 1], got {top_p}")
+    return float(temperature), float(top_p)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, keys) -> list:
+    """One token per row of ``logits [L, V]`` (float32): softmax of ``logits / temperature``
+    cut to the smallest set of top tokens whose mass reaches ``top_p``; row ``i`` draws
+    with a generator seeded from ``keys[i]`` (a tuple of ints)."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p   # the top token always stays
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    tokens = []
+    for row, key in zip(probs, keys):
+        seed = int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0] >> 1)
+        generator = torch.Generator(device=logits.device).manual_seed(seed)
+        tokens.append(int(torch.multinomial(row, 1, generator=generator)))
+    return tokens
+
+
+# -- CUDA graphs -----------------------------------------------------------------------------------
+
+class _DecodeGraphs:
+    """Pure decode steps replayed from CUDA graphs, one per (padded batch, block-table bound).
+
+    Each batch size has static inputs: one device int32 buffer holding the
+    step's metadata, filled by ONE copy from a pinned host buffer per step.
+    The first step of each key runs eagerly on the static inputs (its result is
+    used; it also compiles the kernels and creates the persistent maps and
+    workspaces the graph points at), then the graph is captured; later steps
+    with that key replay it.
+    """
+
+    FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table")
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.mempool = torch.cuda.graph_pool_handle()
+        self.inputs: dict = {}   # batch size -> (pinned host views, StepTensors of device views)
+        self.graphs: dict = {}   # (batch size, block bound) -> (CUDAGraph, logits)
+
+    def _static(self, batch: int):
+        if batch not in self.inputs:
+            width = self.llm.scheduler_config.max_blocks
+            sizes = [batch] * 4 + [batch * width]
+            host = torch.zeros(sum(sizes), dtype=torch.int32, pin_memory=True)
+            device = torch.zeros(sum(sizes), dtype=torch.int32, device=self.llm.device)
+            host_views = dict(zip(self.FIELDS, (t.numpy() for t in host.split(sizes))))
+            dev = dict(zip(self.FIELDS, device.split(sizes)))
+            tensors = StepTensors(input_ids=dev["input_ids"], positions=dev["positions"],
+                                  slot_mapping=dev["slot_mapping"], seq_lens=dev["seq_lens"],
+                                  block_table=dev["block_table"].view(batch, width),
+                                  logits_rows=torch.arange(batch, dtype=torch.int32, device=self.llm.device))
+            self.inputs[batch] = (host, host_views, device, tensors)
+        return self.inputs[batch]
+
+    def run(self, step: Step) -> torch.Tensor:
+        """-> logits ``[len(step.logits_indices), vocab]`` of a pure decode step (one token per row)."""
+        batch, bound = step.plan.num_rows, step.plan.generation.max_blocks
+        host, views, device, static = self._static(batch)
+        for name in self.FIELDS:   # the previous step's copy has finished: its tokens reached the host
+            views[name][:] = getattr(step, name).reshape(-1)
+        device.copy_(host, non_blocking=True)
+        rows = torch.from_numpy(step.logits_indices.astype(np.int64)).to(self.llm.device, non_blocking=True)
+        key = (batch, bound)
+        if key not in self.graphs:
+            logits = self.llm.model.forward(static, step.plan, self.llm.caches)   # eager warm-up: a real step
+            torch.cuda.synchronize(self.llm.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mempool):
+                out = self.llm.model.forward(static, step.plan, self.llm.caches)
+            self.graphs[key] = (graph, out)
+            return logits.index_select(0, rows)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out.index_select(0, rows)

@@ -1,0 +1,316 @@
+"""m3_jax's MiniMax-M3 model and engine against transformers 5.23 (the semantic reference).
+
+CPU, float32, the tiny random checkpoint of ``m3_kernels.tiny_model`` (layer 0
+dense attention + dense MLP, layers 1-3 MSA + MoE, top-2 blocks of 128: the
+selection matters from 257 tokens on). The reference is
+``MiniMaxM3VLForCausalLM`` with eager attention (tests/hf_reference.py, shared
+with the torch and cross-framework tests). Tokens are compared up to the first
+step whose reference top-2 margin is below 1e-3 (a near-tie tests nothing).
+
+Every kernel runs in Triton's interpreter: the long prompts cost minutes, so
+the 700-token generation is marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import m3_jax
+from m3_jax import engine as jengine
+from m3_jax import model as jm
+from m3_kernels import checkpoint, planner, tuning
+from m3_kernels.model_config import load_config
+from m3_kernels.scheduler import Scheduler
+from m3_kernels.tiny_model import write_tiny_checkpoint
+
+import hf_reference
+from jax_helpers import _jax_device, jax_gpu_ready  # noqa: F401  (autouse: CPU tests run on JAX's CPU device)
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m3_tiny_jax"), seed=0, form="text")
+
+
+@pytest.fixture(scope="module")
+def config(model_dir):
+    return load_config(model_dir)
+
+
+@pytest.fixture(scope="module")
+def params(model_dir, config):
+    with jax.default_device(jax.devices("cpu")[0]):
+        return {n: jnp.asarray(w) for n, w in checkpoint.iter_weights(model_dir, config, framework="numpy")}
+
+
+@pytest.fixture
+def one_program_per_tile():
+    """Fewer interpreter programs (no split-K): the model tests pay per program."""
+    with tuning.override(target_programs=1, sparse_target_programs=1):
+        yield
+
+
+def prompt(n, seed):
+    return np.random.default_rng(seed).integers(3, 512, n).tolist()   # 0-2 are pad/bos/eos
+
+
+def forward_prompt(params, config, tokens, chunks, *, dtype="float32", seed=0):
+    """Logits ``[len(tokens), vocab]`` of one request prefilled in ``chunks`` (jitted model.forward over a
+    NaN-filled pool with shuffled slots: a read of a row nobody wrote would poison the logits)."""
+    num_slots = 8
+    max_blocks = -(-len(tokens) // 128)
+    layout = jm.pool_layout(config, num_slots, dtype)
+    pool = jnp.full(layout.shape, jnp.nan, jnp.dtype(dtype))
+    table = np.random.default_rng(seed).permutation(num_slots).astype(np.int32)[None, :max_blocks]
+    plans = planner.StepPlanner(planner.StepConfig(
+        num_q_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        max_batch=1, max_num_tokens=len(tokens), max_blocks=max_blocks, topk=config.index_topk_blocks))
+    step = jax.jit(jm.forward, static_argnames=("config", "layout", "spec"), donate_argnames=("pool",))
+    ids, logits, start = np.asarray(tokens, np.int32), [], 0
+    for q in chunks:
+        pos = np.arange(start, start + q, dtype=np.int32)
+        spec, maps = m3_jax.step_inputs(plans.plan([start + q], q_lens=[q], num_context=1))
+        batch = jm.StepBatch(ids[pos], pos, (table[0, pos // 128] * 128 + pos % 128).astype(np.int32), table,
+                             np.asarray([start + q], np.int32), np.arange(q, dtype=np.int32))
+        out, pool = step(params, pool, batch, maps, config=config, layout=layout, spec=spec)
+        logits.append(np.asarray(out))
+        start += q
+    return np.concatenate(logits)
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+# -- building blocks against transformers' modules ------------------------------------------------
+
+def test_layers_match_transformers_modules(model_dir, config):
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf
+
+    model = hf_reference.reference_model(model_dir)
+    layer = model.model.layers[1]                      # MSA + MoE
+    x = torch.randn(37, config.hidden_size)
+    xj = jnp.asarray(x.numpy())
+
+    def close(got, want, tol=1e-5):
+        assert rel_err(got, want.detach().numpy()) < tol
+
+    with torch.no_grad():
+        close(jm.rms_norm(xj, jnp.asarray(layer.input_layernorm.weight.numpy()), config.rms_norm_eps),
+              layer.input_layernorm(x))
+        p = {n: jnp.asarray(t.numpy()) for n, t in layer.mlp.named_parameters()}
+        p["gate.e_score_correction_bias"] = jnp.asarray(layer.mlp.gate.e_score_correction_bias.numpy())
+        close(jm.moe(p, xj, config), layer.mlp(x[None])[0])
+        dense = model.model.layers[0].mlp
+        close(jm.mlp(xj, jnp.asarray(dense.gate_up_proj.weight.numpy()), jnp.asarray(dense.down_proj.weight.numpy()),
+                      config), dense(x))
+        # partial RoPE, with the table transformers builds (rotary_dim of head_dim channels)
+        positions = torch.arange(300, 337)[None]
+        cos, sin = model.model.rotary_emb(x[None], positions)
+        q, k = torch.randn(1, 4, 37, config.head_dim), torch.randn(1, 2, 37, config.head_dim)
+        want_q, want_k = hf.apply_rotary_pos_emb(q, k, cos, sin)
+        jcos, jsin = jm.rope_cos_sin(jnp.asarray(positions[0].numpy()), jm.inv_freq(config), jnp.float32)
+        assert jcos.shape[-1] == config.rotary_dim < config.head_dim
+        close(jm.apply_rope(jnp.asarray(q[0].transpose(0, 1).numpy()), jcos, jsin), want_q[0].transpose(0, 1))
+        close(jm.apply_rope(jnp.asarray(k[0].transpose(0, 1).numpy()), jcos, jsin), want_k[0].transpose(0, 1))
+
+
+def test_indexer_selection_matches_transformers(model_dir, config):
+    """Our index_scores + select_blocks kernels pick, per index head and token, the same SET of blocks as
+    transformers' MiniMaxM3VLIndexer (which lists them by descending score, ours ascending)."""
+    model = hf_reference.reference_model(model_dir)
+    indexer = model.model.layers[2].self_attn.indexer
+    T, Di, topk = 300, config.index_head_dim, config.index_topk_blocks
+    h = torch.randn(1, T, config.hidden_size)
+    positions = torch.arange(T)[None]
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(h, positions)
+        want = indexer(h, (cos, sin), None, positions)[0].numpy()            # [Hi, T, topk], -1 padded
+
+    p = {n: jnp.asarray(t.detach().numpy()) for n, t in indexer.named_parameters()}
+    x = jnp.asarray(h[0].numpy())
+    jcos, jsin = jm.rope_cos_sin(jnp.arange(T), jm.inv_freq(config), jnp.float32)
+    jcos, jsin = jcos[:, :Di], jsin[:, :Di]
+    idx_q = jm.apply_rope(jm.rms_norm((x @ p["q_proj.weight"].T).reshape(T, -1, Di), p["q_norm.weight"],
+                                      config.rms_norm_eps), jcos, jsin)
+    idx_k = jm.apply_rope(jm.rms_norm((x @ p["k_proj.weight"].T).reshape(T, 1, Di), p["k_norm.weight"],
+                                      config.rms_norm_eps), jcos, jsin)[:, 0]
+    pages = np.array([2, 0, 3], np.int32)                                    # shuffled pages, one spare
+    cache = np.full((4, 128, Di), np.nan, np.float32)
+    for b, page in enumerate(pages):
+        rows = np.asarray(idx_k[b * 128:(b + 1) * 128])
+        cache[page, :len(rows)] = rows
+    meta = (jnp.asarray(pages[None]), jnp.asarray([T], jnp.int32))
+    cu = np.array([0, T], np.int32)
+    scores = m3_jax.index_scores_prefill(idx_q, jnp.asarray(cache), *meta, cu_seqlens_q=cu)
+    got = np.asarray(m3_jax.select_blocks_prefill(scores, meta[1], cu_seqlens_q=cu, topk=topk, init_blocks=0,
+                                                  local_blocks=config.index_local_blocks))
+    for i in range(want.shape[0]):
+        for t in range(T):
+            assert set(got[i, t]) - {-1} == set(want[i, t]) - {-1}, (i, t, got[i, t], want[i, t])
+    assert (got[:, 256:] >= 0).all() and len(set(got[:, 256:, 0].ravel())) > 1  # the selection mattered
+
+
+# -- the model and the engine against transformers -------------------------------------------------
+
+@pytest.mark.parametrize("n, chunks", [(1, (1,)), (130, (100, 30)),
+                                       pytest.param(300, (172, 128), marks=pytest.mark.slow)],
+                         ids=["1", "130_chunked", "300_chunked"])
+def test_prompt_logits_match_transformers(model_dir, config, params, n, chunks, one_program_per_tile):
+    tokens = prompt(n, seed=n)
+    got = forward_prompt(params, config, tokens, chunks)
+    want = hf_reference.reference_prompt_logits(model_dir, tokens).numpy()
+    assert np.isfinite(got).all()
+    assert rel_err(got, want) < 1e-4
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_generate_matches_transformers(model_dir, one_program_per_tile):
+    """Prompts of 1, 127, 129 and 700 tokens in one batch: a first step with every prompt (the 700-token one
+    chunked), a mixed step (its last chunk + three generation rows), then decode steps that cross block
+    boundaries. Greedy tokens equal transformers'; the decode step compiled once per batch size."""
+    prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
+    llm = m3_jax.LLM(model_dir, max_batch=4, max_context=1024, prefill_chunk=500)
+    outputs = llm.generate(prompts, max_new_tokens=NEW_TOKENS)
+    checked = [hf_reference.assert_tokens_match(hf_reference.reference_generate(model_dir, p, NEW_TOKENS), out)
+               for p, out in zip(prompts, outputs)]
+    assert sum(checked) >= 2 * NEW_TOKENS
+    decode = [s.generation_rows for s in llm.compiled_steps if s.context_rows == 0]
+    assert sorted(decode) == sorted(set(decode)), decode        # one compilation per decode batch size, whatever
+    assert len(decode) < NEW_TOKENS // 2                        # the lengths (127 + 16 crosses a block)
+    assert any(s.context_rows and s.generation_rows for s in llm.compiled_steps)   # a mixed step ran
+
+
+@pytest.mark.slow
+def test_batching_is_invisible(model_dir, monkeypatch, one_program_per_tile):
+    """Another order, prefill chunk and batch size than the transformers test, and a pool too small for all
+    three requests at once: the third waits for freed slots. The pool starts NaN and every slot freed by a
+    finished request is poisoned with NaN before it is reused: no stale row is ever read."""
+    prompts = [prompt(1, seed=1), prompt(127, seed=127), prompt(129, seed=129)]
+    llm = m3_jax.LLM(model_dir, max_batch=2, max_context=256, max_cache_pages=3, prefill_chunk=64)
+    llm.pool = jnp.full(llm.pool.shape, jnp.nan, llm.pool.dtype)
+    freed, finish = [], Scheduler._finish
+
+    def poison(scheduler, request):
+        freed.append(request.slots.tolist())
+        slots = llm.pool.reshape(llm.pool_layout.num_slots, -1)
+        llm.pool = slots.at[jnp.asarray(request.slots)].set(jnp.nan).reshape(-1)
+        finish(scheduler, request)
+
+    monkeypatch.setattr(Scheduler, "_finish", poison)
+    outputs = llm.generate(prompts, max_new_tokens=6)
+    assert len(freed) == 3 and set(freed[2]) & (set(freed[0]) | set(freed[1]))   # the last one reused slots
+    decode = [s.generation_rows for s in llm.compiled_steps if s.context_rows == 0]
+    assert sorted(decode) == sorted(set(decode))   # one decode compilation per batch size, though 127 + 6 crosses
+    for p, out in zip(prompts, outputs):
+        ref = hf_reference.reference_generate(model_dir, p, NEW_TOKENS)
+        cut = dataclasses.replace(ref, tokens=ref.tokens[:6], margins=ref.margins[:6])
+        hf_reference.assert_tokens_match(cut, out)
+
+
+# -- the engine's contract ---------------------------------------------------------------------
+
+def test_bad_input_fails_before_any_work(model_dir):
+    llm = m3_jax.LLM(model_dir, max_batch=2, max_context=256)
+    good = prompt(4, seed=4)
+    for bad, match in (([[]], "empty"), ([prompt(257, seed=1)], "max_context"), ([good + [512]], "vocabulary"),
+                       ([good, [-1]], "vocabulary")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(bad, max_new_tokens=2)
+    for kwargs, match in ((dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
+                          (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([good], **kwargs)
+    with pytest.raises(TypeError, match="seed"):
+        llm.generate([good], seed=1.5)
+    assert not llm.scheduler.has_unfinished() and not llm.compiled_steps   # nothing queued, nothing ran
+
+    with pytest.raises(ValueError, match="max_cache_pages"):
+        m3_jax.LLM(model_dir, max_batch=2, max_context=1024, max_cache_pages=7)
+    with pytest.raises(ValueError, match="dtype"):
+        m3_jax.LLM(model_dir, dtype="int8")
+    with pytest.raises(TypeError, match="dtype"):
+        m3_jax.LLM(model_dir, dtype=object())
+    with pytest.raises(ValueError, match="max_batch"):
+        m3_jax.LLM(model_dir, max_batch=0)
+
+
+def test_dtype_and_device_arguments(model_dir):
+    cpu = jax.devices("cpu")[0]
+    for dtype in ("bfloat16", jnp.bfloat16, jnp.dtype("bfloat16")):
+        llm = m3_jax.LLM(model_dir, dtype=dtype, device=cpu, max_batch=1, max_context=128)
+        assert llm.dtype == "bfloat16" and llm.pool.dtype == jnp.bfloat16
+        assert {w.dtype for w in llm.params.values()} == {jnp.dtype(jnp.bfloat16)}
+    llm = m3_jax.LLM(model_dir, device="cpu:0", max_batch=1, max_context=128)
+    assert llm.dtype == "float32" and llm.pool.devices() == {cpu}
+
+
+def test_sampling():
+    """Greedy at temperature 0; top-p keeps the nucleus; one key per (seed, prompt, output index)."""
+    row = np.random.default_rng(0).standard_normal(50)
+    row[7] = 10.0                        # token 7 holds > 0.99 of the mass at temperature 1
+    logits = jnp.asarray(np.tile(row, (4, 1)), jnp.float32)   # four equal rows: only their keys differ
+
+    def run(temperature, top_p, seed=0, prompts=(0, 1, 2, 3)):
+        s = jengine.Sampling(jnp.full(4, temperature, jnp.float32), jnp.full(4, top_p, jnp.float32),
+                             jnp.asarray(prompts, jnp.int32), jnp.zeros(4, jnp.int32), jax.random.key(seed))
+        return np.asarray(jengine.sample(logits, s, do_sample=temperature > 0))
+
+    assert (run(0.0, 1.0) == 7).all()
+    assert (run(1.0, 0.5) == 7).all()                       # the nucleus is token 7 alone
+    hot = [run(50.0, 1.0, seed) for seed in range(6)]
+    assert (hot[0] == run(50.0, 1.0, 0)).all()              # reproducible per seed
+    assert len({tuple(h) for h in hot}) > 1                 # and the seed matters
+    assert (run(50.0, 1.0, 3, prompts=(1, 1, 1, 1)) == hot[3][1]).all()   # a row's key: its prompt, not its row
+    assert len(set(hot[3])) > 1
+
+
+def test_seeded_generation_is_reproducible(model_dir, one_program_per_tile):
+    llm = m3_jax.LLM(model_dir, max_batch=2, max_context=128)
+    prompts = [prompt(5, seed=5), prompt(2, seed=2)]
+    kwargs = dict(max_new_tokens=3, temperature=5.0, top_p=0.9)
+    first = llm.generate(prompts, seed=11, **kwargs)
+    assert llm.generate(prompts[:1], seed=11, **kwargs)[0] == first[0]   # alone or batched: same tokens
+    # (a different seed gives different draws: test_sampling)
+
+
+# -- GPU --------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jax_gpu_ready(), reason="needs a JAX GPU backend and jax_triton")
+def test_gpu_bf16_against_transformers(tmp_path):
+    """bf16 weights and activations on the GPU: logits within a bf16 tolerance of the fp32 reference;
+    the token agreement rate of the engine's greedy tokens is reported."""
+    model_dir = write_tiny_checkpoint(tmp_path / "bf16", seed=0, form="text", dtype="bfloat16")
+    config = load_config(model_dir)
+    gpu = jax.devices("gpu")[0]
+    with jax.default_device(gpu):
+        params = {n: jnp.asarray(w) for n, w in checkpoint.iter_weights(model_dir, config, framework="numpy")}
+        tokens = prompt(700, seed=700)
+        got = forward_prompt(params, config, tokens, (300, 400), dtype="bfloat16")
+    want = hf_reference.reference_prompt_logits(model_dir, tokens).numpy()
+    yardstick = hf_reference.own_half_precision_error(model_dir, tokens, torch.bfloat16)
+    err = rel_err(got, want)
+    print(f"bf16 prompt logits rel. error {err:.2e}, transformers' own bf16 {yardstick:.2e}")
+    assert err <= 2 * yardstick + 1e-3
+    prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
+    llm = m3_jax.LLM(model_dir, device=gpu, max_batch=4, max_context=1024, prefill_chunk=500)
+    outputs = llm.generate(prompts, max_new_tokens=NEW_TOKENS)
+    agree = total = 0
+    for p, out in zip(prompts, outputs):
+        ref = hf_reference.reference_generate(model_dir, p, NEW_TOKENS).tokens
+        n = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        agree, total = agree + n, total + len(ref)
+    print(f"bf16 JAX engine vs fp32 transformers: {agree}/{total} greedy tokens agree before the first divergence")
+    decode = [s.generation_rows for s in llm.compiled_steps if s.context_rows == 0]
+    assert sorted(decode) == sorted(set(decode))   # one decode compilation per batch size

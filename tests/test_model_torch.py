@@ -1,0 +1,323 @@
+"""m3_torch.LLM / m3_torch.model against transformers 5.23's MiniMaxM3VLForCausalLM (fp32, eager attention).
+
+The tiny random checkpoint (``m3_kernels.tiny_model``, original MiniMax-M3 VL
+names): layer 0 dense attention + dense MLP, layers 1-3 MSA + MoE, 2 KV heads,
+top-2 blocks of 128, so prompts of 700 tokens select among 6 blocks. Greedy
+tokens are compared up to the first step where the reference's top-2 logit
+margin is below 1e-3 (``hf_reference.assert_tokens_match``).
+
+CPU budget: every prompt token costs a few interpreted Triton programs per
+layer, so the prompts of issue #11 (1, 127, 129, 700 tokens) run ONCE, in one
+batch, and the batching / slot-reuse runs use shorter prompts.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import m3_torch
+from m3_kernels import tuning
+from m3_kernels.tiny_model import write_tiny_checkpoint
+
+hf_reference = pytest.importorskip("hf_reference")
+pytest.importorskip("transformers")
+
+PROMPT_LENS = (1, 127, 129, 700)
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m3_torch_tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def gpu_tiny_dir(tmp_path_factory):
+    """Head dims of 64 (the GPU kernels' smallest tuned size)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m3_torch_tiny_gpu"), seed=0, head_dim=64, index_head_dim=64,
+                                 rotary_dim=32)
+
+
+@pytest.fixture
+def one_program_per_tile():
+    """Interpreter: one program per row tile, no split-K (the kernels' own tests cover split-K)."""
+    with tuning.override(target_programs=1, sparse_target_programs=1):
+        yield
+
+
+def prompt(length, seed):
+    """Random ids, never the special tokens 0-2 (pad, bos, eos)."""
+    return np.random.default_rng(seed).integers(3, 512, length).tolist()
+
+
+def record_prompt_logits(llm):
+    """Make ``llm`` compute logits for EVERY token of its context rows; -> {request id: {position: logits}}."""
+    seen = {}
+    step_logits = llm.step_logits
+
+    def all_rows(step):
+        if step.num_context == 0:
+            return step_logits(step)
+        rows = np.arange(step.num_tokens, dtype=np.int32)
+        logits = llm.model.forward(llm.step_tensors(step, logits_rows=rows), step.plan, llm.caches).float()
+        for i, (request, _) in enumerate(step.rows[:step.num_context]):
+            for t in range(step.cu_seqlens_q[i], step.cu_seqlens_q[i + 1]):
+                seen.setdefault(request.id, {})[int(step.positions[t])] = logits[t]
+        return logits[torch.from_numpy(step.logits_indices).long()]
+
+    llm.step_logits = all_rows
+    return seen
+
+
+def stacked(by_position: dict, length: int) -> torch.Tensor:
+    assert sorted(by_position) == list(range(length))
+    return torch.stack([by_position[p] for p in range(length)]).cpu()
+
+
+def rel_err(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def transformers_errors(model_dir, prompts, dtype) -> list:
+    """transformers' own prompt-logit error in ``dtype`` against its float32 run, per prompt: the
+    yardstick of a half-precision engine (in bf16 a random tiny MoE model flips some expert choices,
+    and its logits at later positions move by ~10%)."""
+    model = copy.deepcopy(hf_reference.reference_model(str(model_dir))).to(dtype)
+    errors = []
+    with torch.no_grad():
+        for p in prompts:
+            logits = model(torch.tensor([p]), use_cache=False).logits[0].float()
+            errors.append(rel_err(logits, hf_reference.reference_prompt_logits(model_dir, p)))
+    return errors
+
+
+# -- the model's building blocks vs transformers' modules (no kernels) ---------------------------
+
+def test_mlps_match_transformers(tiny_dir):
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=1, max_context=128)
+    ref = hf_reference.reference_model(str(tiny_dir))
+    h = torch.randn(37, llm.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for i in range(llm.config.num_hidden_layers):   # layer 0: dense SwiGLU-OAI; 1-3: MoE + shared expert
+        with torch.no_grad():
+            expected = ref.model.layers[i].mlp(h[None])[0]
+        torch.testing.assert_close(llm.model.mlp(i, h), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_block_selection_matches_transformers_indexer(tiny_dir):
+    """Our index projections + index_scores/select_blocks choose the blocks transformers' indexer
+    chooses, per token and index head, as SETS (transformers lists them by score, SPEC ascending)."""
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=1, max_context=512)
+    ref = hf_reference.reference_model(str(tiny_dir))
+    c, layer, T = llm.config, 2, 420                    # 4 blocks, top-2: selection matters from token 256
+    h = torch.randn(T, c.hidden_size, generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(T)
+    _, _, _, idx_q, idx_k = llm.model.projections(layer, h, positions)
+    index_k_cache = torch.full((4, 128, c.index_head_dim), float("nan"))   # rows past T stay NaN
+    index_k_cache.view(-1, c.index_head_dim)[:T] = idx_k
+    table, lens, cu = (torch.arange(4, dtype=torch.int32)[None], torch.tensor([T], dtype=torch.int32),
+                       torch.tensor([0, T], dtype=torch.int32))
+    scores = m3_torch.index_scores_prefill(idx_q, index_k_cache, table, lens, cu_seqlens_q=cu)
+    ours = m3_torch.select_blocks_prefill(scores, lens, cu_seqlens_q=cu, topk=c.index_topk_blocks,
+                                          init_blocks=c.index_init_blocks, local_blocks=c.index_local_blocks)
+    with torch.no_grad():
+        cos, sin = ref.model.rotary_emb(h[None], positions[None])
+        theirs = ref.model.layers[layer].self_attn.indexer(h[None], (cos, sin), None, positions[None])[0]
+    unused = torch.iinfo(torch.int32).max           # -1 (no block) sorts last in both
+    as_sets = [x.long().masked_fill(x < 0, unused).sort(dim=-1).values for x in (ours, theirs)]
+    assert torch.equal(*as_sets)
+    own_block = positions // 128                    # the forced local block: transformers lists it first (+inf
+    assert (theirs[:, :, 0] == own_block).all()     # score), we list it last (ascending ids)
+    assert (ours[:, 128:, -1] == own_block[128:]).all()
+
+
+# -- prompt logits and greedy tokens vs transformers -----------------------------------------------
+
+def test_prompt_logits_and_greedy_tokens_match_transformers(tiny_dir, one_program_per_tile):
+    """Prompts of 1, 127, 129 and 700 tokens in one batch (chunked prefill, mixed steps)."""
+    prompts = [prompt(n, seed=n) for n in PROMPT_LENS]
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=4, max_context=1024, prefill_chunk=384)
+    assert llm.dtype == torch.float32
+    seen = record_prompt_logits(llm)
+    outputs = llm.generate(prompts, max_new_tokens=NEW_TOKENS)
+    for request_id, (p, tokens) in enumerate(zip(prompts, outputs)):
+        ours = stacked(seen[request_id], len(p))
+        expected = hf_reference.reference_prompt_logits(tiny_dir, p)
+        assert rel_err(ours, expected) < 1e-5, f"prompt of {len(p)} tokens"
+        torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+        ref = hf_reference.reference_generate(tiny_dir, p, NEW_TOKENS)
+        checked = hf_reference.assert_tokens_match(ref, tokens)
+        assert checked == NEW_TOKENS, f"prompt of {len(p)} tokens: only {checked} steps checked (near tie or eos)"
+
+
+# -- batching, chunking and slot reuse are invisible -----------------------------------------------
+
+BATCH_LENS = (40, 260, 1)   # 260: 3 blocks, top-2 selection matters
+BATCH_NEW = 8
+
+
+def poison_free_slots(llm, reused):
+    """After every step: NaN into every pool slot no running request holds; note slots that changed hands."""
+    pool = llm.pool.view(llm.layout.num_slots, llm.layout.slot_numel)
+    owners: dict = {}
+
+    def after_step(_):
+        held = set()
+        for request in llm.scheduler.requests.values():
+            if not request.finished:
+                held.update(request.slots.tolist())
+                for slot in request.slots.tolist():
+                    owners.setdefault(slot, set()).add(request.id)
+        pool[sorted(set(range(llm.layout.num_slots)) - held)] = float("nan")
+        reused[:] = [s for s, ids in owners.items() if len(ids) > 1]
+
+    pool.fill_(float("nan"))
+    return after_step
+
+
+@pytest.mark.parametrize("order, chunk, max_batch, pages", [
+    ((0, 1, 2), 64, 3, None),     # all at once, prompts in 64-token chunks
+    ((2, 1, 0), 100, 2, 4),       # two rows, 4 pages: the 40-token prompt waits, then reuses a freed (NaN) slot
+], ids=["batch3_chunk64", "batch2_chunk100_pages4"])
+def test_batching_is_invisible(tiny_dir, one_program_per_tile, order, chunk, max_batch, pages):
+    """Each prompt's tokens inside a batch (any order, chunk size, slot reuse) are those of the prompt
+    alone: transformers' for all of them, and our engine's for the 40-token prompt."""
+    prompts = [prompt(n, seed=100 + n) for n in BATCH_LENS]
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=max_batch, max_context=384, prefill_chunk=chunk,
+                       max_cache_pages=pages)
+    reused: list = []
+    outputs = dict(zip(order, llm.generate([prompts[i] for i in order], max_new_tokens=BATCH_NEW,
+                                           progress=poison_free_slots(llm, reused))))
+    refs = [hf_reference.reference_generate(tiny_dir, p, BATCH_NEW) for p in prompts]
+    for i, ref in enumerate(refs):
+        hf_reference.assert_tokens_match(ref, outputs[i])
+    if pages is not None:
+        assert reused, "no slot changed hands: the test did not exercise freed slots"
+    else:
+        alone = m3_torch.LLM(tiny_dir, device="cpu", max_batch=1, max_context=384).generate(
+            [prompts[0]], max_new_tokens=BATCH_NEW)[0]
+        n = hf_reference.checked_steps(refs[0])
+        assert alone[:n] == outputs[0][:n]
+
+
+# -- sampling --------------------------------------------------------------------------------------
+
+def test_sampling_is_reproducible_and_batch_independent(tiny_dir, one_program_per_tile):
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=2, max_context=128)
+    prompts = [prompt(3, seed=7), prompt(5, seed=8)]
+    kw = dict(max_new_tokens=3, temperature=1.5, top_p=0.95)
+    first = llm.generate(prompts, seed=11, **kw)
+    assert llm.generate(prompts[:1], seed=11, **kw)[0] == first[0]       # same seed and prompt index, alone
+    assert llm.generate(prompts, seed=12, **kw) != first
+    nucleus_of_one = llm.generate(prompts, max_new_tokens=3, temperature=1.0, top_p=1e-6, seed=3)
+    for p, tokens in zip(prompts, nucleus_of_one):                        # = greedy
+        hf_reference.assert_tokens_match(hf_reference.reference_generate(tiny_dir, p, 3), tokens)
+
+
+def test_sample_respects_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    drawn = {m3_torch.engine.sample(logits, 1.0, 0.7, [(0, 0, i)])[0] for i in range(200)}
+    assert drawn == {0, 1}                      # 0.5 + 0.3 reaches 0.7: tokens 2 and 3 are outside
+
+
+# -- dtypes and bad input ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.float16])
+def test_half_precision_engine(tiny_dir, one_program_per_tile, dtype):
+    llm = m3_torch.LLM(tiny_dir, dtype=dtype, device="cpu", max_batch=1, max_context=128)
+    want = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+    assert llm.dtype == want and llm.pool.dtype == want and llm.model.embed.dtype == want
+    p = prompt(20, seed=9)
+    seen = record_prompt_logits(llm)
+    tokens = llm.generate([p], max_new_tokens=2)[0]
+    assert len(tokens) == 2
+    err = rel_err(stacked(seen[0], len(p)), hf_reference.reference_prompt_logits(tiny_dir, p))
+    [yardstick] = transformers_errors(tiny_dir, [p], want)
+    assert err <= 2 * yardstick + 1e-3, f"{err:.2e} vs transformers' own {yardstick:.2e}"
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(dtype="int8"), ValueError, "dtype"),
+    (dict(dtype=3), TypeError, "dtype"),
+    (dict(max_batch=0), ValueError, "max_batch"),
+    (dict(max_context=10 ** 6), ValueError, "max_context"),
+    (dict(max_context=1024, max_cache_pages=7), ValueError, "max_cache_pages"),
+])
+def test_bad_engine_arguments(tiny_dir, kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        m3_torch.LLM(tiny_dir, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("args, kwargs, exc, words", [
+    (([[]],), {}, ValueError, "empty"),
+    (([[5] * 200],), {}, ValueError, "max_context"),
+    (([[5, 512]],), {}, ValueError, "vocabulary"),
+    (([[5, -1]],), {}, ValueError, "vocabulary"),
+    (([[5]],), dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+    (([[5]],), dict(temperature=-1.0), ValueError, "temperature"),
+    (([[5]],), dict(top_p=0.0), ValueError, "top_p"),
+    (([[5]],), dict(top_p=1.5), ValueError, "top_p"),
+    (([[5]],), dict(seed=-2), ValueError, "seed"),
+    (("hello",), {}, TypeError, "prompts"),
+])
+def test_bad_generate_input_fails_before_any_work(tiny_dir, args, kwargs, exc, words):
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=2, max_context=128)
+
+    def no_work(step):
+        raise AssertionError("a step ran")
+
+    llm.step_logits = no_work
+    with pytest.raises(exc, match=words):
+        llm.generate(*args, **kwargs)
+    assert llm.generate([], max_new_tokens=3) == []
+
+
+# -- GPU (bf16, CUDA graphs) --------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_bf16_matches_transformers(gpu_tiny_dir):
+    prompts = [prompt(n, seed=n) for n in PROMPT_LENS]
+    llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_batch=4, max_context=1024,
+                       prefill_chunk=384)
+    seen = record_prompt_logits(llm)
+    outputs = llm.generate(prompts, max_new_tokens=NEW_TOKENS)
+    yardsticks = transformers_errors(gpu_tiny_dir, prompts, torch.bfloat16)
+    agree, total = 0, 0
+    for request_id, (p, tokens, yardstick) in enumerate(zip(prompts, outputs, yardsticks)):
+        err = rel_err(stacked(seen[request_id], len(p)), hf_reference.reference_prompt_logits(gpu_tiny_dir, p))
+        assert err <= 2 * yardstick + 1e-3, \
+            f"prompt of {len(p)} tokens: bf16 logits rel. error {err:.2e}, transformers' own bf16 {yardstick:.2e}"
+        ref = hf_reference.reference_generate(gpu_tiny_dir, p, NEW_TOKENS)
+        agree += sum(a == b for a, b in zip(tokens, ref.tokens))
+        total += len(ref.tokens)
+        print(f"prompt {len(p):4d}: logits rel. err {err:.2e} (transformers bf16: {yardstick:.2e}), "
+              f"tokens {tokens} vs reference {ref.tokens}")
+    print(f"bf16 greedy token agreement with transformers fp32: {agree}/{total} = {agree / total:.0%}")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_decode_equals_eager(gpu_tiny_dir):
+    llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_batch=8, max_context=1024)
+    graphs, compared = llm.graphs, []
+    replay = graphs.run
+
+    def run(step):
+        captured = (step.plan.num_rows, step.plan.generation.max_blocks) in graphs.graphs
+        logits = replay(step)
+        if captured:  # a replay: run the same step eagerly (rewrites the same K/V rows) and compare
+            eager = llm.model.forward(llm.step_tensors(step), step.plan, llm.caches)
+            compared.append((logits.float().clone(), eager.float()))
+        return logits
+
+    graphs.run = run
+    prompts = [prompt(n, seed=300 + n) for n in (5, 120, 250)]   # decode batch 3 -> graph batch 4; bounds 2, 4
+    outputs = llm.generate(prompts, max_new_tokens=24)
+    assert len(graphs.graphs) >= 2 and len(compared) >= 10, (sorted(graphs.graphs), len(compared))
+    for graph_logits, eager_logits in compared:
+        torch.testing.assert_close(graph_logits, eager_logits, rtol=2e-2, atol=2e-2)
+    eager_llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_batch=8, max_context=1024,
+                             cuda_graphs=False)
+    assert eager_llm.graphs is None
+    agree = sum(a == b for o, e in zip(outputs, eager_llm.generate(prompts, max_new_tokens=24)) for a, b in zip(o, e))
+    print(f"CUDA-graph vs eager engine tokens: {agree}/{sum(map(len, outputs))} equal")

@@ -1,0 +1,162 @@
+"""msa_decode / msa_prefill (index -> select -> sparse attention in one call) vs the float64
+references; JAX bit-identical to torch; plans, workspaces, jit and CUDA graphs."""
+
+import math
+
+import jax
+import pytest
+import torch
+
+import m3_jax
+import m3_torch
+from m3_kernels import planner
+from m3_torch import reference as ref
+
+from cases import ALL_CASES, TOLERANCE, decode, make_inputs, prefill, random_block_ids, rel_err
+from targets import (assert_same_bits, attention_reference, check_attention, check_empty_ids, check_twin, grid,
+                     jax_inputs, reference, run, targets, to_jax, to_torch)
+
+
+@pytest.mark.parametrize("case, target", grid(ALL_CASES))
+def test_msa(case, target):
+    out, ids = run(target, "msa", case)
+    # the selection is the reference selection of the float64 scores (random data: no near-ties at the
+    # interpreter's sizes); at 16k contexts, of the kernel's own float32 scores
+    x = make_inputs(case)
+    scores = reference("index_scores", case) if target.device == "interpreter" else run(target, "index_scores", case)
+    expected_ids = ref.select_blocks_ref(scores, x["seq_lens"], case.q_lens, case.topk, case.init_blocks,
+                                         case.local_blocks)
+    assert torch.equal(ids, expected_ids)
+    check_empty_ids(case, ids)
+    check_attention(case, out, attention_reference(case, ids))
+    check_twin(target, "msa", case)
+
+
+def _msa_args(j):
+    return (j["q"], j["idx_q"], j["k_cache"], j["v_cache"], j["index_k_cache"], j["block_table"], j["seq_lens"])
+
+
+POOL_DECODE = [c for c in ALL_CASES if c.kv_layout == "pool" and c.decode]
+
+
+@pytest.mark.parametrize("case, target", grid(POOL_DECODE, ["jax"]))
+def test_jax_pool_views_under_jit(case, target):
+    """PagedViews into one flat pool (offsets, HND K, NHD V) pass through jit as the buffer alone."""
+    kw = dict(decode_query_len=case.n, topk=case.topk, init_blocks=case.init_blocks, local_blocks=case.local_blocks)
+    with target.active(case):
+        j = jax_inputs(case, target.device)
+        assert jax.tree_util.tree_leaves(j["k_cache"]) == [j["k_cache"].buffer]
+        msa = jax.jit(m3_jax.msa_decode, static_argnames=tuple(kw) + ("sm_scale", "kv_layout"))
+        out, ids = msa(*_msa_args(j), **kw)
+    for got, want in zip((out, ids), run(target.twin, "msa", case)):
+        assert_same_bits(to_torch(got), want)
+
+
+@pytest.mark.parametrize("target", targets(["jax"]))
+def test_jax_jit_does_not_recompile_on_new_values(target):
+    """New seq_lens / block_table / q values under one jit: one trace, results still correct."""
+    traces = []
+
+    def step(q, idx_q, k, v, index_k, block_table, seq_lens):
+        traces.append(1)  # runs once per trace
+        out, ids = m3_jax.msa_decode(q, idx_q, k, v, index_k, block_table, seq_lens, decode_query_len=2, topk=2)
+        dense = m3_jax.dense_decode(q, k, v, block_table, seq_lens, decode_query_len=2, sm_scale=0.5)
+        return out, ids, dense
+
+    jitted = jax.jit(step)
+    case = decode("jit", (384, 384), n=2, hq=4, hk=2, topk=2)   # 3 pages per request + a garbage column
+    for i, lens in enumerate(((260, 7), (0, 129), (131, 256))):
+        x = dict(make_inputs(case), seq_lens=torch.tensor(lens, dtype=torch.int32))
+        x["block_table"] = x["block_table"].clone()
+        for r, s in enumerate(lens):   # new garbage past each request's blocks
+            x["block_table"][r, -(-s // 128):] = -1 if i % 2 else 2**30
+        with target.active():
+            out, ids, dense = jitted(*(to_jax(x[k]) for k in ("q", "idx_q", "k_cache", "v_cache", "index_k_cache",
+                                                             "block_table", "seq_lens")))
+        table = (x["block_table"], x["seq_lens"])
+        scores = ref.index_scores_ref(x["idx_q"], x["index_k_cache"], *table, case.q_lens)
+        expected_ids = ref.select_blocks_ref(scores, x["seq_lens"], case.q_lens, 2)
+        assert torch.equal(to_torch(ids), expected_ids)
+        expected = ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], *table, case.q_lens, expected_ids)
+        assert rel_err(to_torch(out), expected) < TOLERANCE["bfloat16"]
+        expected = ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], *table, case.q_lens, sm_scale=0.5)
+        assert rel_err(to_torch(dense), expected) < TOLERANCE["bfloat16"]
+    assert len(traces) == 1
+    assert jitted._cache_size() == 1
+
+
+@pytest.mark.parametrize("target", targets(["jax"]))
+def test_jax_prefill_under_jit_with_traced_maps(target):
+    """PrefillMaps are pytree leaves: a new batch with the same padded shapes does not retrace."""
+    traces = []
+
+    @jax.jit
+    def run_jit(q, k, v, ids, block_table, seq_lens, maps):
+        traces.append(1)
+        return m3_jax.sparse_prefill(q, k, v, ids, block_table, seq_lens, plan=maps)
+
+    for q_lens, seq_lens in (((9, 3), (149, 3)), ((10, 2), (10, 143))):
+        case = prefill(f"jit_{q_lens}", q_lens, seq_lens, hq=2, d=16, di=16, dtype="float32", topk=2)
+        maps = m3_jax.prefill_maps(planner.prefill_plan(case.cu_seqlens), heads=(case.hq // case.hk,))
+        with target.active():
+            j = jax_inputs(case, target.device)
+            got = run_jit(j["q"], j["k_cache"], j["v_cache"], to_jax(random_block_ids(case)), j["block_table"],
+                          j["seq_lens"], maps)
+        assert_same_bits(to_torch(got), run(target.twin, "sparse", case))
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("target", targets())
+def test_prefill_plan_replaces_cu_seqlens(target):
+    """With plan=, cu_seqlens_q is never read (None, or a meta tensor in torch, works)."""
+    case = prefill("plan_reuse", (3, 2), (5, 130), hq=2, d=16, di=16, dtype="float32")
+    plan = planner.prefill_plan(case.cu_seqlens)
+    want_out, want_ids = run(target, "msa", case)
+    kw = dict(topk=case.topk, plan=plan)
+    with target.active():
+        if target.framework == "torch":
+            x = make_inputs(case, target.torch_device)
+            for cu in (None, x["cu_seqlens_q"].to("meta")):
+                out, ids = m3_torch.msa_prefill(x["q"], x["idx_q"], x["k_cache"], x["v_cache"], x["index_k_cache"],
+                                                x["block_table"], x["seq_lens"], cu_seqlens_q=cu, **kw)
+                assert_same_bits(out.cpu(), want_out)
+                assert_same_bits(ids.cpu(), want_ids)
+        else:
+            out, ids = m3_jax.msa_prefill(*_msa_args(jax_inputs(case, target.device)), cu_seqlens_q=None, **kw)
+            assert_same_bits(to_torch(out), want_out)
+            assert_same_bits(to_torch(ids), want_ids)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_matches_eager():
+    """msa_decode captured once (M3 shapes, n = 2) replays new lengths and values like an eager call."""
+    n = 2
+    case = decode("graph", (4000, 4000, 4000, 4000), n=n, hq=64, hk=4, d=128, di=128, topk=16, gpu_only=True)
+    x = {k: v.clone() for k, v in make_inputs(case, "cuda").items()}  # refilled below: not the memoized ones
+    out = torch.empty_like(x["q"])
+
+    def msa():
+        return m3_torch.msa_decode(x["q"], x["idx_q"], x["k_cache"], x["v_cache"], x["index_k_cache"],
+                                   x["block_table"], x["seq_lens"], decode_query_len=n, topk=16, out=out)
+
+    msa()  # warm-up: compiles the kernels, creates workspaces and maps
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, graph_ids = msa()
+    for lens in ([4000, 1, 129, 128], [0, 3999, 2, 257], [0, 0, 0, 0]):
+        x["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        x["q"].copy_(torch.randn_like(x["q"]))
+        x["idx_q"].copy_(torch.randn_like(x["idx_q"]))
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed, replayed_ids = out.clone(), graph_ids.clone()
+        eager_out, eager_ids = m3_torch.msa_decode(x["q"], x["idx_q"], x["k_cache"], x["v_cache"],
+                                                   x["index_k_cache"], x["block_table"], x["seq_lens"],
+                                                   decode_query_len=n, topk=16)
+        assert not torch.isnan(replayed).any()
+        assert torch.equal(replayed_ids, eager_ids)
+        assert torch.equal(replayed, eager_out)
+        if lens == [0, 0, 0, 0]:
+            assert (replayed == 0).all() and (replayed_ids == -1).all()
