@@ -18,7 +18,7 @@ demo: install
 	$(PY) demo.py
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not long"
 
 # On a GPU machine (see benchmarks/README.md for the device-tool command).
 test-gpu:

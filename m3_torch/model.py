@@ -122,12 +122,12 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
 class StepTensors:
     """One step's metadata on the model's device (the scheduler's numpy arrays, moved).
 
-    input_ids:    [T] int64 token ids (padding tokens: any valid id).
-    positions:    [T] int64 position of each token in its request.
+    input_ids:    [T] int32/int64 token ids (padding tokens: any valid id).
+    positions:    [T] int32/int64 position of each token in its request.
     slot_mapping: [T] int32 ``slot * 128 + row`` of each token's cache row; -1 skips (padding).
     block_table:  [R, max_blocks] int32 slot ids per request (padding rows: anything).
     seq_lens:     [R] int32 KV length per row, this step's tokens included (0: padding row).
-    logits_rows:  [L] int64 token rows whose next-token logits the step returns.
+    logits_rows:  [L] int32/int64 token rows whose next-token logits the step returns.
     """
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -174,8 +174,9 @@ class M3Model:
 
     config:  an ``m3_kernels.model_config.M3TextConfig``.
     weights: name -> tensor, all on one device in one float dtype (the engine
-             loads and casts them). The dict is consumed: the q/k/v (and index
-             q/k) projections of a layer are fused into one matrix.
+             loads and casts them); every expected tensor must be there and
+             no other. A layer's q/k/v (and index q/k) projections are fused
+             into one matrix (one GEMM per layer).
     """
 
     def __init__(self, config: M3TextConfig, weights: dict):

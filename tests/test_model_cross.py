@@ -53,7 +53,7 @@ def test_engines_agree_short_prompts(model_dir):
     assert_same_tokens(model_dir, prompts, torch_out, jax_out, 4)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_engines_agree_with_selection(model_dir):
     """Prompts of 1, 129 and 300 tokens (top-2 of 3 blocks: the indexer's choice matters), 16 tokens each,
     chunked prefill and a mixed step on both sides."""

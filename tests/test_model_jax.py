@@ -163,7 +163,7 @@ def test_indexer_selection_matches_transformers(model_dir, config):
 # -- the model and the engine against transformers -------------------------------------------------
 
 @pytest.mark.parametrize("n, chunks", [(1, (1,)), (130, (100, 30)),
-                                       pytest.param(300, (172, 128), marks=pytest.mark.slow)],
+                                       pytest.param(300, (172, 128), marks=pytest.mark.long)],
                          ids=["1", "130_chunked", "300_chunked"])
 def test_prompt_logits_match_transformers(model_dir, config, params, n, chunks, one_program_per_tile):
     tokens = prompt(n, seed=n)
@@ -174,7 +174,7 @@ def test_prompt_logits_match_transformers(model_dir, config, params, n, chunks, 
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_generate_matches_transformers(model_dir, one_program_per_tile):
     """Prompts of 1, 127, 129 and 700 tokens in one batch: a first step with every prompt (the 700-token one
     chunked), a mixed step (its last chunk + three generation rows), then decode steps that cross block
@@ -191,7 +191,7 @@ def test_generate_matches_transformers(model_dir, one_program_per_tile):
     assert any(s.context_rows and s.generation_rows for s in llm.compiled_steps)   # a mixed step ran
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_batching_is_invisible(model_dir, monkeypatch, one_program_per_tile):
     """Another order, prefill chunk and batch size than the transformers test, and a pool too small for all
     three requests at once: the third waits for freed slots. The pool starts NaN and every slot freed by a

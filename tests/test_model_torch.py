@@ -134,9 +134,11 @@ def test_block_selection_matches_transformers_indexer(tiny_dir):
 
 # -- prompt logits and greedy tokens vs transformers -----------------------------------------------
 
-def test_prompt_logits_and_greedy_tokens_match_transformers(tiny_dir, one_program_per_tile):
-    """Prompts of 1, 127, 129 and 700 tokens in one batch (chunked prefill, mixed steps)."""
-    prompts = [prompt(n, seed=n) for n in PROMPT_LENS]
+@pytest.mark.parametrize("lengths", [(1, 127, 129), pytest.param(PROMPT_LENS, marks=pytest.mark.long)],
+                         ids=["1-129", "1-700"])
+def test_prompt_logits_and_greedy_tokens_match_transformers(tiny_dir, one_program_per_tile, lengths):
+    """Prompts of 1, 127, 129 (and 700: a long run) tokens in one batch (chunked prefill, mixed steps)."""
+    prompts = [prompt(n, seed=n) for n in lengths]
     llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=4, max_context=1024, prefill_chunk=384)
     assert llm.dtype == torch.float32
     seen = record_prompt_logits(llm)
