@@ -140,7 +140,8 @@ def select_blocks(*, num_tokens: int, num_heads: int, max_blocks: int, topk: int
     topk_pad = next_pow2(topk)
     blocks_pad = max(next_pow2(max_blocks), topk_pad, 16)
     two_level = blocks_pad >= max(SELECT_TWO_LEVEL_BLOCKS, 2 * topk_pad * SELECT_CHUNK)
-    tokens = SELECT_INTERPRETER_TOKENS if interpret else 1
+    # interpreter: up to SELECT_INTERPRETER_TOKENS rows, but no more keys than that many rows of 32 blocks
+    tokens = max(1, min(SELECT_INTERPRETER_TOKENS, SELECT_INTERPRETER_TOKENS * 32 // blocks_pad)) if interpret else 1
     rows = cdiv(num_tokens, tokens) * num_heads
     warps = max(1, min(8, next_pow2(cdiv(1024, max(rows, 1)))), min(8, blocks_pad // 2048))
     return SelectConfig(blocks_pad, SELECT_CHUNK if two_level else 0, tokens, warps)

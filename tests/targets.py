@@ -32,7 +32,7 @@ import m3_torch
 from m3_kernels import tuning
 from m3_torch import reference as ref
 
-from cases import TOLERANCE, Case, make_inputs, pool_layout, random_block_ids, rel_err
+from cases import TOLERANCE, Case, make_inputs, pool_layout, rel_err
 
 FRAMEWORKS = ("torch", "jax")
 DEVICES = ("interpreter", "gpu")
@@ -149,6 +149,16 @@ def jax_inputs(case: Case, device: str) -> dict:
 # -- the ops on a case ---------------------------------------------------------------------
 
 @functools.cache
+def selected_blocks(case: Case) -> torch.Tensor:
+    """What sparse attention attends over: the reference selection [Hk, T, topk] of the float64
+    index scores (random data: different blocks per token), which msa must choose too, so both
+    share one float64 attention reference."""
+    x = make_inputs(case)
+    return ref.select_blocks_ref(reference("index_scores", case), x["seq_lens"], case.q_lens, case.topk,
+                                 case.init_blocks, case.local_blocks)
+
+
+@functools.cache
 def random_scores(case: Case) -> torch.Tensor:
     """Scores [Hi, T, max_blocks] float32 for select_blocks: random floats (no ties)."""
     g = torch.Generator().manual_seed(case.seed + 1)
@@ -197,7 +207,7 @@ def _run_torch(op: str, case: Case, device: str):
     elif op == "sparse":
         out = attn_out
         fn = m3_torch.sparse_decode if case.decode else m3_torch.sparse_prefill
-        got = fn(x["q"], x["k_cache"], x["v_cache"], random_block_ids(case).to(device), *table, out=out, **meta)
+        got = fn(x["q"], x["k_cache"], x["v_cache"], selected_blocks(case).to(device), *table, out=out, **meta)
     elif op == "dense":
         out = attn_out
         fn = m3_torch.dense_decode if case.decode else m3_torch.dense_prefill
@@ -229,7 +239,7 @@ def _run_jax(op: str, case: Case, device: str):
         got = fn(to_jax(random_scores(case)), j["seq_lens"], **meta, **sel)
     elif op == "sparse":
         fn = m3_jax.sparse_decode if case.decode else m3_jax.sparse_prefill
-        got = fn(j["q"], j["k_cache"], j["v_cache"], to_jax(random_block_ids(case)), *table, **meta, **kv)
+        got = fn(j["q"], j["k_cache"], j["v_cache"], to_jax(selected_blocks(case)), *table, **meta, **kv)
     elif op == "dense":
         fn = m3_jax.dense_decode if case.decode else m3_jax.dense_prefill
         got = fn(j["q"], j["k_cache"], j["v_cache"], *table, sm_scale=0.3, **meta, **kv)
@@ -247,7 +257,7 @@ def _run_jax(op: str, case: Case, device: str):
 def run(target: Target, op: str, case: Case):
     """``op`` in {index_scores, select_blocks, sparse, dense, msa} on ``case`` through ``target``
     -> CPU torch tensor(s); the decode op for decode cases, the prefill op otherwise. sparse
-    attends over ``random_block_ids(case)``, dense uses ``sm_scale=0.3``, select_blocks reads
+    attends over ``selected_blocks(case)``, dense uses ``sm_scale=0.3``, select_blocks reads
     ``random_scores(case)``, msa returns ``(out, block_ids)``."""
     with target.active(case):
         if target.framework == "torch":
@@ -276,7 +286,7 @@ def reference(op: str, case: Case):
         return ref.select_blocks_ref(random_scores(case), x["seq_lens"], case.q_lens, case.topk, case.init_blocks,
                                      case.local_blocks)
     if op == "sparse":
-        return ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], *table, case.q_lens, random_block_ids(case))
+        return attention_reference(case, selected_blocks(case))
     if op == "dense":
         return ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], *table, case.q_lens, sm_scale=0.3)
     raise ValueError(op)

@@ -1,6 +1,6 @@
 """sparse / dense attention, decode and prefill, vs the float64 reference; JAX bit-identical to torch.
 
-sparse attends over random valid selections (``cases.random_block_ids``),
+sparse attends over the reference selection of each case (``targets.selected_blocks``),
 dense over every visible block with ``sm_scale=0.3``.
 """
 

@@ -179,7 +179,7 @@ def poison_free_slots(llm, reused):
 
 
 @pytest.mark.parametrize("order, chunk, max_batch, pages", [
-    ((0, 1, 2), 64, 3, None),     # all at once, prompts in 64-token chunks
+    pytest.param((0, 1, 2), 64, 3, None, marks=pytest.mark.long),   # all at once, prompts in 64-token chunks
     ((2, 1, 0), 100, 2, 4),       # two rows, 4 pages: the 40-token prompt waits, then reuses a freed (NaN) slot
 ], ids=["batch3_chunk64", "batch2_chunk100_pages4"])
 def test_batching_is_invisible(tiny_dir, one_program_per_tile, order, chunk, max_batch, pages):

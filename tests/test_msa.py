@@ -14,7 +14,7 @@ from m3_torch import reference as ref
 
 from cases import ALL_CASES, TOLERANCE, decode, make_inputs, prefill, random_block_ids, rel_err
 from targets import (assert_same_bits, attention_reference, check_attention, check_empty_ids, check_twin, grid,
-                     jax_inputs, reference, run, targets, to_jax, to_torch)
+                     jax_inputs, run, selected_blocks, targets, to_jax, to_torch)
 
 
 @pytest.mark.parametrize("case, target", grid(ALL_CASES))
@@ -22,10 +22,11 @@ def test_msa(case, target):
     out, ids = run(target, "msa", case)
     # the selection is the reference selection of the float64 scores (random data: no near-ties at the
     # interpreter's sizes); at 16k contexts, of the kernel's own float32 scores
-    x = make_inputs(case)
-    scores = reference("index_scores", case) if target.device == "interpreter" else run(target, "index_scores", case)
-    expected_ids = ref.select_blocks_ref(scores, x["seq_lens"], case.q_lens, case.topk, case.init_blocks,
-                                         case.local_blocks)
+    if target.device == "interpreter":
+        expected_ids = selected_blocks(case)
+    else:
+        expected_ids = ref.select_blocks_ref(run(target, "index_scores", case), make_inputs(case)["seq_lens"],
+                                             case.q_lens, case.topk, case.init_blocks, case.local_blocks)
     assert torch.equal(ids, expected_ids)
     check_empty_ids(case, ids)
     check_attention(case, out, attention_reference(case, ids))

@@ -16,7 +16,7 @@ from m3_torch import reference as ref
 
 from cases import STEP_CASES, TOLERANCE, Case, make_inputs, rel_err, step
 from targets import (assert_same_bits, attention_reference, check_attention, check_empty_ids, grid, jax_inputs,
-                     reference, targets, to_jax, to_torch)
+                     selected_blocks, targets, to_jax, to_torch)
 
 
 def step_planner(case: Case, **over) -> planner.StepPlanner:
@@ -99,9 +99,7 @@ def test_step(case, target, sparse):
     if sparse:
         check_empty_ids(case, ids)
         if target.device == "interpreter":   # random data, small sizes: no near-ties
-            x = make_inputs(case)
-            assert torch.equal(ids, ref.select_blocks_ref(reference("index_scores", case), x["seq_lens"],
-                                                          case.q_lens, case.topk))
+            assert torch.equal(ids, selected_blocks(case))
     check_attention(case, out, attention_reference(case, ids if sparse else None))
 
 
