@@ -174,11 +174,6 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
     return dataclasses.replace(launch, then=merge)
 
 
-def partial_numels(launch: Launch) -> dict:
-    """Elements of each scratch output of ``launch`` (the split-K workspaces; empty without splits)."""
-    return {o.name: o.numel for o in launch.outputs if o.scratch and not o.unused}
-
-
 # -- cache writes -------------------------------------------------------------------------
 
 def write_cache(*, k: Operand, v: Operand, index_k: Optional[Operand], slot_mapping, pool, pool_shape, pool_dtype,
