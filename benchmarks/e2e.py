@@ -22,8 +22,9 @@ each batch (1, 8, 32, 64), one decode step with every request at that context
   torch_step_us``.
 * tokens/s = batch / step time; time per output token = step time.
 
-The engines run one after the other (torch, then JAX, per context) so that
-each one's 77 GB pool at 128k x 64 fits the card. Torch's pool is filled with
+The engines run one after the other (torch, then JAX, per context), each in
+a fresh process, so that each one's 70 GiB pool at 128k x 64 fits the card
+(neither allocator hands its memory back to the other within one process). Torch's pool is filled with
 random values; JAX's keeps what ``m3_jax.LLM`` allocates (step times do not
 depend on the values: every request reads its top-16 blocks). Writes e2e.json
 and e2e.md to --out. ``--tiny`` runs the tiny test model on the CPU (Triton's
@@ -51,6 +52,8 @@ from m3_kernels.scheduler import Scheduler, Step
 from m3_kernels import checkpoint
 from m3_kernels.model_config import M3TextConfig
 from m3_kernels.tiny_model import tiny_text_config
+
+from benchmarks.run import copy_bandwidth
 
 M3_SHAPES = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4, head_dim=128, rotary_dim=64,
                  index_head_dim=128, index_topk_blocks=16, num_hidden_layers=4, num_dense_layers=1,
@@ -218,8 +221,18 @@ def run_jax(model_dir, context, batches, reps, device) -> dict:
     return out
 
 
+def in_fresh_process(fn, *args):
+    """``fn(*args)`` in a spawned process (its GPU memory is gone when it returns)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
 def markdown(result: dict) -> str:
     lines = [f"# End-to-end decode, M3 attention shapes ({result['device']})", "",
+             f"Command: `{result['command']}`; device-to-device copy bandwidth in the same run: "
+             f"{result['copy_bandwidth_TBps'] or float('nan'):.2f} TB/s.", "",
              f"Model: {result['shapes']}", "",
              "Step times in microseconds (time per output token); tokens/s = batch / step.", "",
              "| batch | context | torch step | torch tok/s | graph replay | attention | attn share | "
@@ -269,7 +282,7 @@ def main(argv=None):
                 if name not in frameworks:
                     continue
                 try:
-                    for batch, row in run(model_dir, context, batches, reps, device).items():
+                    for batch, row in in_fresh_process(run, model_dir, context, batches, reps, device).items():
                         rows[batch, context].update(row)
                 except Exception as e:  # one engine failing must not lose the other's numbers
                     errors.append(f"{name} context {context}: {type(e).__name__}: {e}")
@@ -281,6 +294,8 @@ def main(argv=None):
         if "torch_step_us" in r and "jax_step_us" in r:
             r["jax_torch"] = r["jax_step_us"] / r["torch_step_us"]
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
+                  copy_bandwidth_TBps=in_fresh_process(copy_bandwidth) / 1e12 if device == "cuda" else None,
+                  command="python3 -m benchmarks.e2e " + " ".join(argv if argv is not None else sys.argv[1:]),
                   shapes=shapes or "tiny test model", rows=list(rows.values()), errors=errors)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
