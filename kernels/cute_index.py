@@ -56,8 +56,8 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
@@ -207,7 +207,7 @@ def index_scores_kernel(
     n_pages = cutlass.max(seen_end - b_begin, 0)
 
     # -- shared memory, the TMA ring
-    smem = utils.SmemAllocator()
+    smem = cutlass.memory.SmemAllocator()
     storage = smem.allocate(SharedStorage)
     sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)     # (block_m, Di)
     sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)     # (128, Di, stages)
@@ -246,26 +246,27 @@ def index_scores_kernel(
             ring.producer_commit(produce)
             produce.advance()
 
-    # -- the query tile -> smem (zeros past the tile), and which rows hold NaN/Inf
-    rows_per_pass = NUM_THREADS // block_m if const_expr(block_m <= NUM_THREADS) else 1
-    cols = head_dim // rows_per_pass                    # columns per thread
-    m_ld = tidx // rows_per_pass
-    d_ld = (tidx % rows_per_pass) * cols
+    # -- the query tile -> smem (zeros past the tile), and which rows hold NaN/Inf: the
+    # NUM_THREADS // block_m consecutive lanes of a row read its elements interleaved
+    lanes_per_row = NUM_THREADS // block_m
+    m_ld = tidx // lanes_per_row
+    d_ld = tidx % lanes_per_row
     tok_ld = m_ld // heads_pad
     head_ld = m_ld % heads_pad
     valid_ld = (tok_ld < ntok) & (head_ld < num_heads)
     bad_ld = Int32(0)
-    for j in cutlass.range_constexpr(cols):
+    for j in cutlass.range(head_dim // lanes_per_row, unroll=8):
+        d = d_ld + j * lanes_per_row
         v = mQ.element_type(0)
         if valid_ld:
-            v = mQ[tok0 + tok_ld, head_ld, d_ld + j]
-        sQ[m_ld, d_ld + j] = v
+            v = mQ[tok0 + tok_ld, head_ld, d]
+        sQ[m_ld, d] = v
         f = Float32(v)
         if (f != f) | (f == Float32.inf) | (f == -Float32.inf):
             bad_ld = Int32(1)
-    for s in cutlass.range_constexpr(rows_per_pass.bit_length() - 1):   # OR over the row's lanes
+    for s in cutlass.range_constexpr(lanes_per_row.bit_length() - 1):   # OR over the row's lanes
         bad_ld = bad_ld | cute.arch.shuffle_sync_bfly(bad_ld, offset=1 << s)
-    if tidx % rows_per_pass == 0:
+    if d_ld == 0:
         sBad[m_ld] = bad_ld
     cute.arch.sync_threads()
 

@@ -18,6 +18,9 @@ from m3_kernels import backends, maps, tuning
 
 from .views import PagedView
 
+# Extra ``cute.compile`` flags (tests compile for Hopper without a GPU: "--gpu-arch sm_90a").
+COMPILE_OPTIONS: str | None = None
+
 
 def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, tile: maps.RowTile):
     """``scores [Hi, T, max_blocks]`` float32 of ``tile_map``'s row tiles, with the CuTeDSL kernel."""
@@ -38,5 +41,5 @@ def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, til
                         k_offset=index_k.offset, k_stride_page=index_k.strides[0], k_stride_token=index_k.strides[1],
                         num_pages=index_k.shape[0], num_heads=num_heads, heads_pad=tile.heads_pad,
                         block_m=tile.block_m, head_dim=head_dim, stages=cfg.stages,
-                        target_programs=cfg.target_programs)
+                        target_programs=cfg.target_programs, compile_options=COMPILE_OPTIONS)
     return call(idx_q, jnp.reshape(index_k.buffer, (-1,)), block_table, seq_lens, jnp.asarray(tile_map, jnp.int32))
