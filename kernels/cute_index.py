@@ -27,9 +27,11 @@ produces:
   TMA coordinate and any 16-byte-aligned page/token strides work: HND pool
   views included), into a ``stages``-deep ring of 128B-swizzled smem
   buffers guarded by mbarriers (``PipelineTmaAsync``). Page ids are read
-  one page ahead of their TMA so the table read's latency is hidden; only
-  the request's visible blocks are read from the table (entries past them
-  may hold garbage) and only pages some token of the tile sees are loaded.
+  ahead of their TMA so the table read's latency is hidden (the first
+  ``stages`` by the lanes of warp 0 at once, without waiting for
+  ``seq_lens``: entries inside the request's row and the CTA's chunk only);
+  only the ids of blocks some token of the tile sees are used (the others
+  may be garbage), and only those pages are loaded.
 * **MMA**: ``mma.sync`` m16n8k16 (bf16/fp16 in, fp32 accumulate), 4 warps
   along the page's 128 tokens (2 n8 atoms x 4 warps x 2), ``ldmatrix``
   from smem. The query tile sits in smem (loaded once, element by element,
@@ -228,17 +230,18 @@ def index_scores_kernel(
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
 
-    # -- prologue (warp 0): the first `stages` pages; page ids gathered by the lanes at once
+    # -- prologue (warp 0): the first `stages` pages. Their page ids are gathered by the lanes at
+    # once, and before the length is known (entries of the request's own row inside this chunk,
+    # used only for the blocks the tile sees), so the table read does not wait for seq_lens.
     next_page = Int32(0)
     if warp_idx == 0:
         cpasync.prefetch_descriptor(tma_atom)
-        first = cutlass.min(n_pages, stages)
         lane_page = Int32(0)
-        if lane < first:
+        if lane < cutlass.min(b_end - b_begin, stages):
             lane_page = mTable[req, b_begin + lane]
-        if stages < n_pages:
+        if stages < b_end - b_begin:
             next_page = mTable[req, b_begin + stages]
-        for i in cutlass.range(first, unroll=1):
+        for i in cutlass.range(cutlass.min(n_pages, stages), unroll=1):
             page = cute.arch.shuffle_sync(lane_page, i)
             ring.producer_acquire(produce)
             cute.copy(tma_atom, tKgK[(None, page)], tKsK[(None, produce.index)],
