@@ -43,10 +43,11 @@ def indexer_backend(backend: Optional[str] = None) -> str:
 
 
 def check_indexer_backend(backend: Optional[str], *, num_heads: int, head_dim: int, dtype: str,
-                          device: str, capability: Optional[Tuple[int, int]]) -> str:
+                          device: str, capability: Optional[Tuple[int, int]], cache_dtype: Optional[str] = None) -> str:
     """Resolve the backend of one scoring call and check that it can run it -> "triton" or "cutedsl".
 
     num_heads / head_dim / dtype: of idx_q (``Hi``, ``Di``, dtype name);
+    cache_dtype: of the index-K cache (default: ``dtype``);
     device: where the call runs ("cuda" for an NVIDIA GPU, else e.g. "cpu");
     capability: the GPU's compute capability (major, minor), None off a GPU.
     Errors: unknown name ValueError; Di or Hi the kernel lacks ValueError; a
@@ -59,9 +60,11 @@ def check_indexer_backend(backend: Optional[str], *, num_heads: int, head_dim: i
     if head_dim not in CUTEDSL_HEAD_DIMS:
         raise ValueError(f"idx_q: backend='cutedsl' supports index head dims Di in {CUTEDSL_HEAD_DIMS}, got "
                          f"Di={head_dim}; use backend='triton'")
-    if dtype not in CUTEDSL_DTYPES:
-        raise TypeError(f"idx_q: backend='cutedsl' supports {' and '.join(CUTEDSL_DTYPES)} index caches, got "
-                        f"{dtype}; use backend='triton'")
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    if dtype not in CUTEDSL_DTYPES or cache_dtype != dtype:
+        raise TypeError(f"idx_q/index_k_cache: backend='cutedsl' supports {' and '.join(CUTEDSL_DTYPES)} index "
+                        f"caches (the dtype of idx_q), got idx_q {dtype} and index_k_cache {cache_dtype}; use "
+                        f"backend='triton'")
     if next_pow2(num_heads) > MAX_TILE_ROWS:
         raise ValueError(f"idx_q: backend='cutedsl' supports up to {MAX_TILE_ROWS} index heads, got Hi={num_heads}")
     if device != "cuda":

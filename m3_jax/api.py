@@ -43,17 +43,17 @@ def _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile) -> laun
                                  dtype=str(idx_q.dtype), interpret=not ops.on_gpu())
 
 
-def _backend(backend, idx_q) -> str:
+def _backend(backend, idx_q, index_k) -> str:
     """The indexer backend of one call (None: ``$M3_INDEXER_SCORE``, else "triton"), checked against
-    ``idx_q``'s shapes and the device JAX computes on (m3_kernels.backends)."""
+    the shapes, the dtypes and the device JAX computes on (m3_kernels.backends)."""
     capability = None
     if ops.on_gpu():
         device = jax.config.jax_default_device
         device = device if device is not None and not isinstance(device, str) else jax.devices()[0]
         capability = tuple(int(x) for x in str(getattr(device, "compute_capability", "0.0")).split(".")[:2])
     return backends.check_indexer_backend(backend, num_heads=int(idx_q.shape[1]), head_dim=int(idx_q.shape[2]),
-                                          dtype=validate.dtype_name(idx_q), device="cuda" if ops.on_gpu() else "cpu",
-                                          capability=capability)
+                                          dtype=validate.dtype_name(idx_q), cache_dtype=validate.dtype_name(index_k),
+                                          device="cuda" if ops.on_gpu() else "cpu", capability=capability)
 
 
 def _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile):
@@ -95,7 +95,7 @@ def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_le
     call = validate.check_index_call(idx_q, index_k, block_table, seq_lens, decode_query_len=decode_query_len)
     seq_lens = guards.check_call("index_scores", idx_q=idx_q, index_k_cache=index_k, block_table=block_table,
                                  seq_lens=seq_lens)
-    backend = _backend(backend, idx_q)
+    backend = _backend(backend, idx_q, index_k)
     tile = _maps.row_tile(call.num_index_heads, int(decode_query_len))
     tile_map, _ = ops.decode_maps(call.num_requests, int(decode_query_len), tile.tokens_per_tile)
     return _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
@@ -161,7 +161,7 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
                                    decode_query_len=decode_query_len)
     seq_lens = guards.check_call("msa_decode", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
-    backend = _backend(backend, idx_q)
+    backend = _backend(backend, idx_q, index_k)
     n, topk = int(decode_query_len), int(topk)
     tile = _maps.row_tile(call.num_index_heads, n)
     tile_map, token_map = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
@@ -192,7 +192,7 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
     call = validate.check_index_call(idx_q, index_k, block_table, seq_lens, prefill=maps_, cu_seqlens_q=cu_seqlens_q)
     seq_lens = guards.check_call("index_scores_prefill", idx_q=idx_q, index_k_cache=index_k, block_table=block_table,
                                  seq_lens=seq_lens)
-    backend = _backend(backend, idx_q)
+    backend = _backend(backend, idx_q, index_k)
     tile, tile_map = maps_.tile(call.num_index_heads)
     return _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
 
@@ -257,7 +257,7 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
                                    prefill=maps_, cu_seqlens_q=cu_seqlens_q)
     seq_lens = guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
-    backend = _backend(backend, idx_q)
+    backend = _backend(backend, idx_q, index_k)
     tile, tile_map = maps_.tile(call.num_index_heads)
     scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
     launch = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
@@ -330,7 +330,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                     sm_scale=sm_scale)
     seq_lens = guards.check_call("msa_attention_step", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
-    backend = _backend(backend, idx_q) if sparse else None
+    backend = _backend(backend, idx_q, index_k) if sparse else None
     if spec.context_tokens and (not isinstance(maps, PrefillMaps) or (maps.num_rows, maps.num_tokens)
                                 != (spec.context_rows, spec.context_tokens)):
         raise ValueError("maps: a step with context tokens needs the PrefillMaps of its context span "

@@ -36,13 +36,14 @@ def _empty(shape, dtype, device, out):
     return out if out is not None else torch.empty(shape, dtype=dtype, device=device)
 
 
-def _scorer(backend, idx_q):
-    """The indexer op of ``backend`` (None: ``$M3_INDEXER_SCORE``, else "triton") for ``idx_q``'s
-    shapes and device: ``ops.index_scores`` or ``cute_ops.index_scores`` (m3_kernels.backends)."""
+def _scorer(backend, idx_q, index_k_cache):
+    """The indexer op of ``backend`` (None: ``$M3_INDEXER_SCORE``, else "triton") for these shapes,
+    dtypes and device: ``ops.index_scores`` or ``cute_ops.index_scores`` (m3_kernels.backends)."""
     device = idx_q.device
     name = backends.check_indexer_backend(
         backend, num_heads=int(idx_q.shape[1]), head_dim=int(idx_q.shape[2]), dtype=validate.dtype_name(idx_q),
-        device=device.type, capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+        cache_dtype=validate.dtype_name(index_k_cache), device=device.type,
+        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     return ops.index_scores if name == "triton" else cute_ops.index_scores
 
 
@@ -71,7 +72,7 @@ def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_le
                       seq_lens=seq_lens)
     device = _check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
                             out=out)
-    scorer = _scorer(backend, idx_q)
+    scorer = _scorer(backend, idx_q, index_k_cache)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
     tile = maps.row_tile(call.num_index_heads, int(decode_query_len))
     tile_map, _ = ops.decode_maps(device, call.num_requests, int(decode_query_len), tile.tokens_per_tile)
@@ -149,7 +150,7 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
                       block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                             block_table=block_table, seq_lens=seq_lens, out=out)
-    scorer = _scorer(backend, idx_q)
+    scorer = _scorer(backend, idx_q, index_k_cache)
     n, topk = int(decode_query_len), int(topk)
     out = _empty(q.shape, q.dtype, device, out)
     scores = ops.workspace(device, "index_scores", (call.num_kv_heads, call.num_tokens, call.max_blocks))
@@ -181,7 +182,7 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
                       seq_lens=seq_lens)
     device = _check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
                             out=out)
-    scorer = _scorer(backend, idx_q)
+    scorer = _scorer(backend, idx_q, index_k_cache)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.num_index_heads)
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, out, tile.tokens_per_tile)
@@ -254,7 +255,7 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
                       block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                             block_table=block_table, seq_lens=seq_lens, out=out)
-    scorer = _scorer(backend, idx_q)
+    scorer = _scorer(backend, idx_q, index_k_cache)
     topk = int(topk)
     out = _empty(q.shape, q.dtype, device, out)
     scores = torch.empty((call.num_kv_heads, call.num_tokens, call.max_blocks), dtype=torch.float32, device=device)
@@ -301,7 +302,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     device = _check_devices(q=q, idx_q=idx_q if sparse else None, k_cache=k_cache, v_cache=v_cache,
                             index_k_cache=index_k_cache if sparse else None, block_table=block_table,
                             seq_lens=seq_lens, out=out)
-    scorer = _scorer(backend, idx_q) if sparse else None
+    scorer = _scorer(backend, idx_q, index_k_cache) if sparse else None
     out = _empty(q.shape, q.dtype, device, out)
     arena = arena if arena is not None else ops.step_arena(plan.layout, device)
     partials = (arena.region("partial_out"), arena.region("partial_lse"))

@@ -91,6 +91,9 @@ def test_cutedsl_requirements_in_order(monkeypatch):
         check(head_dim=256, device="cpu")
     with pytest.raises(TypeError, match="float32"):
         check(dtype="float32", device="cpu")
+    with pytest.raises(TypeError, match="index_k_cache float8_e4m3fn"):   # e4m3 caches: not yet
+        backends.check_indexer_backend("cutedsl", num_heads=4, head_dim=128, dtype="bfloat16",
+                                       cache_dtype="float8_e4m3fn", device="cuda", capability=(9, 0))
     with pytest.raises(ValueError, match="Hi=200"):
         check(num_heads=200)
     with pytest.raises(RuntimeError, match="runs on cpu"):
