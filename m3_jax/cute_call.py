@@ -20,6 +20,9 @@ from .views import PagedView
 
 # Extra ``cute.compile`` flags (tests compile for Hopper without a GPU: "--gpu-arch sm_90a").
 COMPILE_OPTIONS: str | None = None
+# Names the kernel for cutlass_call's compile cache (which adds the shapes, dtypes and keyword
+# constants itself), so a cache hit under a new trace skips regenerating the kernel's IR.
+_COMPILE_KEY = ("m3_kernels.cute_index.index_scores_xla", 1)
 
 
 def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, tile: maps.RowTile):
@@ -41,5 +44,6 @@ def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, til
                         k_offset=index_k.offset, k_stride_page=index_k.strides[0], k_stride_token=index_k.strides[1],
                         num_pages=index_k.shape[0], num_heads=num_heads, heads_pad=tile.heads_pad,
                         block_m=tile.block_m, head_dim=head_dim, stages=cfg.stages,
-                        target_programs=cfg.target_programs, compile_options=COMPILE_OPTIONS)
+                        target_programs=cfg.target_programs, compile_options=COMPILE_OPTIONS,
+                        compile_key=_COMPILE_KEY)
     return call(idx_q, jnp.reshape(index_k.buffer, (-1,)), block_table, seq_lens, jnp.asarray(tile_map, jnp.int32))

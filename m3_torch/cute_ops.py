@@ -22,6 +22,7 @@ import threading
 import torch
 
 from m3_kernels import backends, maps, tuning
+from m3_kernels.validate import check_cache_layout
 
 _lock = threading.Lock()
 _compiled: dict = {}
@@ -78,7 +79,9 @@ def _compiled_for(key: tuple, device: torch.device):
 
 
 def _check_index_k(index_k_cache: torch.Tensor):
-    """TMA reads whole 128 x Di pages: rows contiguous, 16-byte aligned base (validate checks the strides)."""
+    """TMA reads whole 128 x Di pages: page/token strides multiples of 16 elements (as for the Triton
+    scorer), rows contiguous, a 16-byte aligned start."""
+    check_cache_layout("index_k_cache", 0, index_k_cache.stride())
     if index_k_cache.stride(-1) != 1 or index_k_cache.data_ptr() % 16:
         raise ValueError("index_k_cache: backend='cutedsl' needs contiguous rows (last stride 1) and a 16-byte "
                          f"aligned start, got strides {tuple(index_k_cache.stride())} at address "
