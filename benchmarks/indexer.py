@@ -100,15 +100,15 @@ def sweep_rows(pool, cfg, bw):
     try:
         for batch, context, n in ((1, 16384, 1), (8, 16384, 1), (64, 16384, 1), (64, 65536, 1), (32, 16384, 8)):
             sets = [make_step_inputs(pool, cfg, batch, context, n, seed=s) for s in range(1, 5)]
-            out = torch.empty(cfg["hk"], sets[0]["q"].shape[0], sets[0]["block_table"].shape[1], device="cuda")
+            outs = [torch.empty(cfg["hk"], s["q"].shape[0], s["block_table"].shape[1], device="cuda") for s in sets]
             index_k = sum(int(((s["lens"] + PAGE - 1) // PAGE).sum()) for s in sets) / len(sets) * PAGE * 128 * 2
             for stages in (2, 3, 4):
                 for target in (256, 512, 1024, 2048):
                     tuning.CUTEDSL_STAGES[128] = stages
                     tuning.CUTEDSL_TARGET_PROGRAMS = target
-                    us = time_graph([lambda s=s: m3_torch.index_scores(
-                        s["idx_q"], pool.ik, s["block_table"], s["seq_lens"], decode_query_len=n, out=out,
-                        backend="cutedsl") for s in sets])
+                    us = time_graph([lambda s=s, o=o: m3_torch.index_scores(
+                        s["idx_q"], pool.ik, s["block_table"], s["seq_lens"], decode_query_len=n, out=o,
+                        backend="cutedsl") for s, o in zip(sets, outs)])
                     rows.append(dict(batch=batch, context=context, n=n, stages=stages, target=target, us=us,
                                      pct_floor=100 * index_k / bw * 1e6 / us))
                     print(f"sweep b={batch} L={context // 1024}k n={n} stages={stages} target={target}: "

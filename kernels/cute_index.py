@@ -66,10 +66,9 @@ from cutlass.cute.nvgpu import cpasync, warp
 PAGE_SIZE = 128          # tokens per block and per index-K page (maps.PAGE_SIZE)
 NUM_WARPS = 4            # all MMA consumers; warp 0 also issues the TMA loads
 NUM_THREADS = 32 * NUM_WARPS
-HEAD_DIMS = (64, 128)    # Di this kernel supports
-MAX_BLOCK_M = 128        # rows (tokens x heads) of one tile
-# The query tile stays in registers when it is at most this many elements per
-# CTA-wide copy (16 x 128: 32 registers a thread); larger tiles reload it from smem.
+# The query tile (block_m x Di elements; block_m <= 128, Di in {64, 128}: backends.py checks)
+# stays in registers up to this size (32 x 128: 64 registers a thread), else it is re-read
+# from smem for every page.
 Q_IN_REGS_MAX = 32 * 128
 
 
@@ -142,7 +141,7 @@ def index_scores_launch(
                                                   cute.slice_(sK_layout, (None, None, 0)), (PAGE_SIZE, head_dim))
     page_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, (None, None, 0)))
 
-    # rows: block_m (tokens x heads); columns: the page's 128 tokens, 4 warps x 2 atoms x 8 x 2
+    # rows: block_m (tokens x heads); columns: the page's 128 tokens = 2 x (4 warps x 2 n8 atoms)
     tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (1, NUM_WARPS, 1),
                                     permutation_mnk=(16, 16 * NUM_WARPS, 16))
 
