@@ -3,6 +3,9 @@
 #   bash benchmarks/device_check.sh tests        # pytest -m gpu (kernels, launch layer, model engines)
 #   bash benchmarks/device_check.sh e2e          # benchmarks/e2e.py: model decode step, torch graph vs JAX jit
 #   bash benchmarks/device_check.sh grid OLD     # quick grid of checkout OLD, then of this one (same call)
+#   bash benchmarks/device_check.sh cute-stage   # CuTeDSL, call 1 (carry .whl-cute1): park the first wheels in /tmp/cute
+#   bash benchmarks/device_check.sh cutedsl      # CuTeDSL, call 2 within 30 s (carry .whl, .whl-cute2): install,
+#                                                #   pytest tests/test_cutedsl.py -m gpu, then benchmarks.indexer --quick
 # Logs and results go under $OUT (the device tool brings them back).
 set -uo pipefail
 OUT=${OUT:-/tmp/m3-out}; mkdir -p "$OUT"
@@ -21,4 +24,12 @@ case "${1:-tests}" in
        python3 -m benchmarks.run --quick --budget-s "${BUDGET_S:-200}" --out "$OUT/grid-$(basename "$tree")" \
          2>&1 | tee "$OUT/grid-$(basename "$tree").log" | grep -E "msa|copy bandwidth|FAILED")
     done ;;
+  cute-stage)
+    mkdir -p /tmp/cute && cp .whl-cute1/* /tmp/cute/ && ls -la /tmp/cute ;;
+  cutedsl)
+    source benchmarks/device_env.sh
+    python3 -c "import importlib.metadata as m, cutlass.cute; print('nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'))"
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cutedsl.py 2>&1 | tee "$OUT/cutedsl-tests.log" | tail -30
+    python3 -m benchmarks.indexer --quick --budget-s "${BUDGET_S:-240}" --out "$OUT/indexer" \
+      2>&1 | tee "$OUT/indexer.log" | tail -40 ;;
 esac

@@ -148,3 +148,25 @@ def select_blocks(*, num_tokens: int, num_heads: int, max_blocks: int, topk: int
 
 
 assert PAGE_SIZE % 128 == 0  # attention/indexer block_n divide the page
+
+
+# -- the CuTeDSL indexer (backend="cutedsl", cute_index.py) -------------------------------
+# Index-K pages in flight per CTA. A page is 128 x Di 16-bit elements (32 KB at Di = 128):
+# 3 stages + the query tile leave room for two CTAs per SM on an H200 (228 KB of shared
+# memory), 4 stages of 16 KB at Di = 64. Not tuned on a GPU yet (benchmarks/indexer.py).
+CUTEDSL_STAGES = {64: 4, 128: 3}
+# CTAs the block chunking aims at; None: the Triton scorer's target (targets().target_programs).
+CUTEDSL_TARGET_PROGRAMS = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CuteIndexConfig:
+    stages: int
+    target_programs: int   # the block chunking aims at this many CTAs, as index_scores does
+
+
+def cutedsl_index_scores(*, head_dim: int) -> CuteIndexConfig:
+    """The CuTeDSL scorer's compile-time knobs (besides the row tile); its chunking is
+    ``index_scores``'s, computed in the kernel's host code from the runtime sizes."""
+    target = CUTEDSL_TARGET_PROGRAMS if CUTEDSL_TARGET_PROGRAMS is not None else targets(False).target_programs
+    return CuteIndexConfig(CUTEDSL_STAGES[head_dim], target)

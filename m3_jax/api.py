@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
-from m3_kernels import launches, planner, validate
+from m3_kernels import backends, launches, planner, validate
 from m3_kernels import maps as _maps
 
-from . import guards, ops
+from . import cute_call, guards, ops
 from .ops import PrefillMaps, operand, prefill_maps, run, strides
 from .views import as_index_k_view, as_kv_view
 
@@ -40,6 +41,26 @@ def _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile) -> laun
     return launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k), block_table=operand(block_table),
                                  seq_lens=seq_lens, tile_map=tile_map, tile=tile, out_strides=strides(shape),
                                  dtype=str(idx_q.dtype), interpret=not ops.on_gpu())
+
+
+def _backend(backend, idx_q, index_k) -> str:
+    """The indexer backend of one call (None: ``$M3_INDEXER_SCORE``, else "triton"), checked against
+    the shapes, the dtypes and the device JAX computes on (m3_kernels.backends)."""
+    capability = None
+    if ops.on_gpu():
+        device = jax.config.jax_default_device
+        device = device if device is not None and not isinstance(device, str) else jax.devices()[0]
+        capability = tuple(int(x) for x in str(getattr(device, "compute_capability", "0.0")).split(".")[:2])
+    return backends.check_indexer_backend(backend, num_heads=int(idx_q.shape[1]), head_dim=int(idx_q.shape[2]),
+                                          dtype=validate.dtype_name(idx_q), cache_dtype=validate.dtype_name(index_k),
+                                          device="cuda" if ops.on_gpu() else "cpu", capability=capability)
+
+
+def _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile):
+    """scores [Hi, T, max_blocks] with the resolved ``backend``'s kernel."""
+    if backend == "cutedsl":
+        return cute_call.index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile)
+    return run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
 
 
 def _select_blocks(scores, seq_lens, token_map, topk, init_blocks, local_blocks) -> launches.Launch:
@@ -62,20 +83,22 @@ def _kv(k_cache, v_cache, kv_layout):
 
 # -- decode ---------------------------------------------------------------------------------
 
-def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_len):
+def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_len, backend=None):
     """Per-block causal max of ``idx_q . index_k`` -> scores ``[Hi, T, max_blocks]`` float32.
 
     idx_q [T, Hi, Di]; index_k_cache [pages, 128, Di] (array or PagedView);
     block_table [R, max_blocks] int32; seq_lens [R] int32. ``-inf`` past each
-    token's visible blocks.
+    token's visible blocks. ``backend`` (static): "triton" or "cutedsl" (Hopper+,
+    optional package); None: ``$M3_INDEXER_SCORE``, else "triton".
     """
     index_k = as_index_k_view(index_k_cache)
     call = validate.check_index_call(idx_q, index_k, block_table, seq_lens, decode_query_len=decode_query_len)
     seq_lens = guards.check_call("index_scores", idx_q=idx_q, index_k_cache=index_k, block_table=block_table,
                                  seq_lens=seq_lens)
+    backend = _backend(backend, idx_q, index_k)
     tile = _maps.row_tile(call.num_index_heads, int(decode_query_len))
     tile_map, _ = ops.decode_maps(call.num_requests, int(decode_query_len), tile.tokens_per_tile)
-    return run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
+    return _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
 
 
 def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0, local_blocks=1):
@@ -124,11 +147,12 @@ def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len
 
 
 def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, decode_query_len, topk=16,
-               init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND"):
+               init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND", backend=None):
     """``index_scores`` -> ``select_blocks`` -> ``sparse_decode``; returns ``(out, block_ids)``.
 
     out [T, Hq, D] in q's dtype; block_ids [Hk, T, topk] int32. The scores are
     an intermediate of the jitted computation (XLA reuses its buffer).
+    ``backend``: the indexer's, as in ``index_scores``.
     """
     k, v = _kv(k_cache, v_cache, kv_layout)
     index_k = as_index_k_view(index_k_cache)
@@ -137,10 +161,11 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
                                    decode_query_len=decode_query_len)
     seq_lens = guards.check_call("msa_decode", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
+    backend = _backend(backend, idx_q, index_k)
     n, topk = int(decode_query_len), int(topk)
     tile = _maps.row_tile(call.num_index_heads, n)
     tile_map, token_map = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
-    scores = run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
+    scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
     block_ids = run(_select_blocks(scores, seq_lens, token_map, topk, int(init_blocks), int(local_blocks)))["block_ids"]
     tile = _maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk)
     tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
@@ -157,7 +182,7 @@ def _prefill_maps(cu_seqlens_q, plan, heads) -> PrefillMaps:
     return prefill_maps(plan if plan is not None else cu_seqlens_q, heads)
 
 
-def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seqlens_q=None, plan=None):
+def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seqlens_q=None, plan=None, backend=None):
     """Per-block causal max of ``idx_q . index_k`` for every query token -> ``[Hi, T, max_blocks]`` float32.
 
     As ``index_scores`` with host ``cu_seqlens_q`` [R + 1] (or ``plan``) instead of ``decode_query_len``.
@@ -167,8 +192,9 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
     call = validate.check_index_call(idx_q, index_k, block_table, seq_lens, prefill=maps_, cu_seqlens_q=cu_seqlens_q)
     seq_lens = guards.check_call("index_scores_prefill", idx_q=idx_q, index_k_cache=index_k, block_table=block_table,
                                  seq_lens=seq_lens)
+    backend = _backend(backend, idx_q, index_k)
     tile, tile_map = maps_.tile(call.num_index_heads)
-    return run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
+    return _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
 
 
 def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q=None, topk=16, init_blocks=0, local_blocks=1, plan=None):
@@ -217,8 +243,11 @@ def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=No
 
 
 def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q=None, topk=16,
-                init_blocks=0, local_blocks=1, sm_scale=None, plan=None, kv_layout="HND"):
-    """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``."""
+                init_blocks=0, local_blocks=1, sm_scale=None, plan=None, kv_layout="HND", backend=None):
+    """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``.
+
+    ``backend``: the indexer's, as in ``index_scores``.
+    """
     k, v = _kv(k_cache, v_cache, kv_layout)
     index_k = as_index_k_view(index_k_cache)
     heads = _group(q, k) + ((int(idx_q.shape[1]),) if len(idx_q.shape) == 3 else ())
@@ -228,8 +257,9 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
                                    prefill=maps_, cu_seqlens_q=cu_seqlens_q)
     seq_lens = guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
+    backend = _backend(backend, idx_q, index_k)
     tile, tile_map = maps_.tile(call.num_index_heads)
-    scores = run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
+    scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
     launch = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
     block_ids = run(launch)["block_ids"]
     tile, tile_map = maps_.tile(call.group)
@@ -278,12 +308,13 @@ def step_inputs(plan: planner.StepPlan):
 
 
 def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, plan, maps=None,
-                       sparse=True, init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND"):
+                       sparse=True, init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND", backend=None):
     """Attention of one layer for a whole mixed step -> ``(out [T, Hq, D], block_ids [Hk, T, topk] | None)``.
 
     Arguments as in ``m3_torch.msa_attention_step`` (no ``out``/``arena``); K/V
     arrays in ``kv_layout`` or PagedViews, index-K an array or a PagedView.
     plan: a StepPlan, or a StepSpec together with ``maps`` (see :func:`step_inputs`).
+    backend: the indexer's (sparse layers), as in ``index_scores``.
     """
     if isinstance(plan, planner.StepPlan):
         spec, plan_maps = step_inputs(plan)
@@ -299,6 +330,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                     sm_scale=sm_scale)
     seq_lens = guards.check_call("msa_attention_step", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
+    backend = _backend(backend, idx_q, index_k) if sparse else None
     if spec.context_tokens and (not isinstance(maps, PrefillMaps) or (maps.num_rows, maps.num_tokens)
                                 != (spec.context_rows, spec.context_tokens)):
         raise ValueError("maps: a step with context tokens needs the PrefillMaps of its context span "
@@ -320,7 +352,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
         block_ids = None
         if sparse:
             tile, tile_map, token_map = index_maps
-            scores = run(_index_scores(idx_q[toks], index_k, table, lens, tile_map, tile))["scores"]
+            scores = _scores(backend, idx_q[toks], index_k, table, lens, tile_map, tile)
             launch = _select_blocks(scores, lens, token_map, cfg.topk, int(init_blocks), int(local_blocks))
             block_ids = run(launch)["block_ids"]
             ids.append(block_ids)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from m3_kernels import maps, planner, validate
+from m3_kernels import backends, maps, planner, validate
 
-from . import guards, ops
+from . import cute_ops, guards, ops
 
 __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode", "index_scores_prefill",
            "select_blocks_prefill", "sparse_prefill", "dense_prefill", "msa_prefill", "msa_attention_step",
@@ -36,6 +36,17 @@ def _empty(shape, dtype, device, out):
     return out if out is not None else torch.empty(shape, dtype=dtype, device=device)
 
 
+def _scorer(backend, idx_q, index_k_cache):
+    """The indexer op of ``backend`` (None: ``$M3_INDEXER_SCORE``, else "triton") for these shapes,
+    dtypes and device: ``ops.index_scores`` or ``cute_ops.index_scores`` (m3_kernels.backends)."""
+    device = idx_q.device
+    name = backends.check_indexer_backend(
+        backend, num_heads=int(idx_q.shape[1]), head_dim=int(idx_q.shape[2]), dtype=validate.dtype_name(idx_q),
+        cache_dtype=validate.dtype_name(index_k_cache), device=device.type,
+        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    return ops.index_scores if name == "triton" else cute_ops.index_scores
+
+
 def prefill_plan(cu_seqlens_q=None, plan=None) -> planner.PrefillPlan:
     """``plan`` if given, else the plan of ``cu_seqlens_q`` (one host read: syncs a CUDA tensor)."""
     if plan is not None:
@@ -47,12 +58,13 @@ def prefill_plan(cu_seqlens_q=None, plan=None) -> planner.PrefillPlan:
 
 # -- decode ---------------------------------------------------------------------------------
 
-def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_len, out=None):
+def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_len, out=None, backend=None):
     """Per-block causal max of ``idx_q . index_k`` -> scores ``[Hi, T, max_blocks]`` float32.
 
     idx_q [T, Hi, Di]; index_k_cache [pages, 128, Di]; block_table [R, max_blocks]
     int32; seq_lens [R] int32. ``-inf`` past each token's visible blocks.
-    ``out`` may be any strided view of the output shape.
+    ``out`` may be any strided view of the output shape. ``backend``: "triton"
+    or "cutedsl" (Hopper+, optional package); None: ``$M3_INDEXER_SCORE``, else "triton".
     """
     call = validate.check_index_call(idx_q, index_k_cache, block_table, seq_lens, decode_query_len=decode_query_len,
                                      out=out)
@@ -60,10 +72,11 @@ def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_le
                       seq_lens=seq_lens)
     device = _check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
                             out=out)
+    scorer = _scorer(backend, idx_q, index_k_cache)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
     tile = maps.row_tile(call.num_index_heads, int(decode_query_len))
     tile_map, _ = ops.decode_maps(device, call.num_requests, int(decode_query_len), tile.tokens_per_tile)
-    ops.index_scores(idx_q, index_k_cache, block_table, seq_lens, tile_map, out, tile.tokens_per_tile)
+    scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, out, tile.tokens_per_tile)
     return out
 
 
@@ -124,10 +137,11 @@ def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len
 
 
 def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, decode_query_len, topk=16,
-               init_blocks=0, local_blocks=1, sm_scale=None, out=None):
+               init_blocks=0, local_blocks=1, sm_scale=None, out=None, backend=None):
     """``index_scores`` -> ``select_blocks`` -> ``sparse_decode``; returns ``(out, block_ids)``.
 
     The scores live in a persistent per-device workspace, reused across calls.
+    ``backend``: the indexer's, as in ``index_scores``.
     """
     call = validate.check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
@@ -136,13 +150,14 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
                       block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                             block_table=block_table, seq_lens=seq_lens, out=out)
+    scorer = _scorer(backend, idx_q, index_k_cache)
     n, topk = int(decode_query_len), int(topk)
     out = _empty(q.shape, q.dtype, device, out)
     scores = ops.workspace(device, "index_scores", (call.num_kv_heads, call.num_tokens, call.max_blocks))
     block_ids = torch.empty((call.num_kv_heads, call.num_tokens, topk), dtype=torch.int32, device=device)
     tile = maps.row_tile(call.num_index_heads, n)
     tile_map, token_map = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
-    ops.index_scores(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
+    scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
     ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
     tile = maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk)
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
@@ -153,7 +168,8 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
 
 # -- prefill --------------------------------------------------------------------------------
 
-def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seqlens_q, plan=None, out=None):
+def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seqlens_q, plan=None, out=None,
+                         backend=None):
     """Per-block causal max of ``idx_q . index_k`` for every query token -> ``[Hi, T, max_blocks]`` float32.
 
     As ``index_scores`` with cu_seqlens_q [R + 1] int32 (read on the host once,
@@ -166,9 +182,10 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
                       seq_lens=seq_lens)
     device = _check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
                             out=out)
+    scorer = _scorer(backend, idx_q, index_k_cache)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.num_index_heads)
-    ops.index_scores(idx_q, index_k_cache, block_table, seq_lens, tile_map, out, tile.tokens_per_tile)
+    scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, out, tile.tokens_per_tile)
     return out
 
 
@@ -225,8 +242,11 @@ def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q, s
 
 
 def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q, topk=16,
-                init_blocks=0, local_blocks=1, sm_scale=None, plan=None, out=None):
-    """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``."""
+                init_blocks=0, local_blocks=1, sm_scale=None, plan=None, out=None, backend=None):
+    """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``.
+
+    ``backend``: the indexer's, as in ``index_scores``.
+    """
     plan = prefill_plan(cu_seqlens_q, plan)
     call = validate.check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
@@ -235,12 +255,13 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
                       block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                             block_table=block_table, seq_lens=seq_lens, out=out)
+    scorer = _scorer(backend, idx_q, index_k_cache)
     topk = int(topk)
     out = _empty(q.shape, q.dtype, device, out)
     scores = torch.empty((call.num_kv_heads, call.num_tokens, call.max_blocks), dtype=torch.float32, device=device)
     block_ids = torch.empty((call.num_kv_heads, call.num_tokens, topk), dtype=torch.int32, device=device)
     tile, tile_map, token_map = ops.prefill_maps(plan, device, call.num_index_heads)
-    ops.index_scores(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
+    scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
     ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.group)
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
@@ -251,7 +272,7 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
 # -- mixed step -----------------------------------------------------------------------------
 
 def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, plan, sparse=True,
-                       init_blocks=0, local_blocks=1, sm_scale=None, out=None, arena=None):
+                       init_blocks=0, local_blocks=1, sm_scale=None, out=None, arena=None, backend=None):
     """Attention of one layer for a whole mixed step -> ``(out, block_ids)``.
 
     q [T, Hq, D]; idx_q [T, Hi, Di] and index_k_cache [pages, 128, Di] (sparse
@@ -264,6 +285,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     sparse: True for MSA layers (indexer + top-k + block-sparse attention),
             False for dense layers 0-2 (``block_ids`` is then None).
     arena:  optional :class:`m3_torch.ops.StepArena` (default: one per layout and device).
+    backend: the indexer's (sparse layers), as in ``index_scores``.
 
     Context rows run over the plan's prefill maps, generation rows over decode
     maps with the span's ``decode_query_len``, each span bounded by its own
@@ -280,6 +302,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     device = _check_devices(q=q, idx_q=idx_q if sparse else None, k_cache=k_cache, v_cache=v_cache,
                             index_k_cache=index_k_cache if sparse else None, block_table=block_table,
                             seq_lens=seq_lens, out=out)
+    scorer = _scorer(backend, idx_q, index_k_cache) if sparse else None
     out = _empty(q.shape, q.dtype, device, out)
     arena = arena if arena is not None else ops.step_arena(plan.layout, device)
     partials = (arena.region("partial_out"), arena.region("partial_lse"))
@@ -301,7 +324,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             ids = block_ids[:, toks]
             scores = arena.region("scores", (cfg.num_kv_heads, span.num_tokens, span.max_blocks))
             tile, tile_map, token_map = index_maps
-            ops.index_scores(idx_q[toks], index_k_cache, table, lens, tile_map, scores, tile.tokens_per_tile)
+            scorer(idx_q[toks], index_k_cache, table, lens, tile_map, scores, tile.tokens_per_tile)
             ops.select_blocks(scores, lens, token_map, ids, cfg.topk, int(init_blocks), int(local_blocks))
         tile, tile_map, _ = attention_maps
         ops.paged_attention(q[toks], k_cache, v_cache, ids, table, lens, tile_map, out[toks], *partials,

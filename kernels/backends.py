@@ -1,0 +1,91 @@
+"""The indexer-backend switch (SPEC.md, "Indexer backends"), for both frameworks.
+
+``backend="triton"`` (the default) scores with ``index.index_scores_kernel``;
+``backend="cutedsl"`` with the CuTeDSL kernel of ``cute_index.py`` (Hopper
+sm_90+, optional package ``nvidia-cutlass-dsl``). The environment variable
+``M3_INDEXER_SCORE`` sets the default (read at each call), an argument wins.
+A backend that cannot run is an error, never a silent fallback.
+
+Each public op that scores calls :func:`check_indexer_backend` once, after
+its argument checks (``validate``); it reads shapes, dtypes and a device
+description only (no values, no device sync), and imports ``cutlass`` only
+when the CuTeDSL backend is asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+from .maps import MAX_TILE_ROWS, next_pow2
+
+INDEXER_BACKENDS = ("triton", "cutedsl")
+ENV_VAR = "M3_INDEXER_SCORE"
+CUTEDSL_HEAD_DIMS = (64, 128)
+CUTEDSL_DTYPES = ("bfloat16", "float16")   # e4m3 index caches once the FP8 caches land
+CUTEDSL_MIN_CAPABILITY = (9, 0)
+CUTEDSL_PACKAGE = "nvidia-cutlass-dsl==4.8.1"
+INSTALL_HINT = (f'install the optional extra: pip install -e ".[cutedsl]" ({CUTEDSL_PACKAGE}); on a machine without '
+                f'network access see README.md, "CuteDSL indexer backend"')
+
+
+def indexer_backend(backend: Optional[str] = None) -> str:
+    """``backend``, or ``$M3_INDEXER_SCORE``, or "triton" -> a valid backend name (else ValueError)."""
+    if backend is None:
+        env = os.environ.get(ENV_VAR, "").strip()
+        if env and env.lower() not in INDEXER_BACKENDS:
+            raise ValueError(f"{ENV_VAR}: expected one of {', '.join(INDEXER_BACKENDS)}, got {env!r}")
+        return env.lower() or "triton"
+    if not isinstance(backend, str) or backend not in INDEXER_BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(repr(b) for b in INDEXER_BACKENDS)} (or None for "
+                         f"${ENV_VAR}, default 'triton'), got {backend!r}")
+    return backend
+
+
+def check_indexer_backend(backend: Optional[str], *, num_heads: int, head_dim: int, dtype: str,
+                          device: str, capability: Optional[Tuple[int, int]], cache_dtype: Optional[str] = None) -> str:
+    """Resolve the backend of one scoring call and check that it can run it -> "triton" or "cutedsl".
+
+    num_heads / head_dim / dtype: of idx_q (``Hi``, ``Di``, dtype name);
+    cache_dtype: of the index-K cache (default: ``dtype``);
+    device: where the call runs ("cuda" for an NVIDIA GPU, else e.g. "cpu");
+    capability: the GPU's compute capability (major, minor), None off a GPU.
+    Errors: unknown name ValueError; Di or Hi the kernel lacks ValueError; a
+    dtype it lacks TypeError; not an sm_90+ NVIDIA GPU RuntimeError; the
+    package missing ImportError (with the install hint).
+    """
+    name = indexer_backend(backend)
+    if name == "triton":
+        return name
+    if head_dim not in CUTEDSL_HEAD_DIMS:
+        raise ValueError(f"idx_q: backend='cutedsl' supports index head dims Di in {CUTEDSL_HEAD_DIMS}, got "
+                         f"Di={head_dim}; use backend='triton'")
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    if dtype not in CUTEDSL_DTYPES or cache_dtype != dtype:
+        raise TypeError(f"idx_q/index_k_cache: backend='cutedsl' supports {' and '.join(CUTEDSL_DTYPES)} index "
+                        f"caches (the dtype of idx_q), got idx_q {dtype} and index_k_cache {cache_dtype}; use "
+                        f"backend='triton'")
+    if next_pow2(num_heads) > MAX_TILE_ROWS:
+        raise ValueError(f"idx_q: backend='cutedsl' supports up to {MAX_TILE_ROWS} index heads, got Hi={num_heads}")
+    if device != "cuda":
+        raise RuntimeError(f"backend='cutedsl' runs on NVIDIA GPUs of compute capability "
+                           f"{'.'.join(map(str, CUTEDSL_MIN_CAPABILITY))}+ (Hopper sm_90 or newer), but this call "
+                           f"runs on {device}; use backend='triton' (CPU tensors run it in Triton's interpreter)")
+    if capability is None or tuple(capability) < CUTEDSL_MIN_CAPABILITY:
+        raise RuntimeError(f"backend='cutedsl' needs compute capability "
+                           f"{'.'.join(map(str, CUTEDSL_MIN_CAPABILITY))}+ (Hopper sm_90 or newer), this GPU has "
+                           f"{'unknown' if capability is None else '.'.join(map(str, capability))}; "
+                           f"use backend='triton'")
+    cutedsl_module()
+    return name
+
+
+def cutedsl_module():
+    """``m3_kernels.cute_index`` (imports ``cutlass``), or ImportError with the install hint."""
+    try:
+        from . import cute_index
+    except ImportError as e:
+        raise ImportError(f"backend='cutedsl' needs the CuTeDSL package, which is not importable here ({e}); "
+                          f"{INSTALL_HINT}") from e
+    return cute_index
+

@@ -1,0 +1,49 @@
+"""The JAX side of the CuTeDSL indexer (``backend="cutedsl"``): ``cutlass.jax.cutlass_call``.
+
+The same kernel as ``m3_torch.cute_ops`` (``m3_kernels.cute_index``), entered
+through ``cute_index.index_scores_xla``: dense row-major arrays whose sizes
+reach the kernel at run time (one compiled kernel per shape class, as with
+torch), and the index-K cache as the flat buffer of its PagedView with the
+view's offset and strides as compile-time constants. Works under ``jax.jit``
+(an XLA FFI custom call; XLA may put it in its command buffers). GPU only:
+the public ops refuse ``backend="cutedsl"`` on a CPU backend before this runs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from m3_kernels import backends, maps, tuning
+
+from .views import PagedView
+
+# Extra ``cute.compile`` flags (tests compile for Hopper without a GPU: "--gpu-arch sm_90a").
+COMPILE_OPTIONS: str | None = None
+# Names the kernel for cutlass_call's compile cache (which adds the shapes, dtypes and keyword
+# constants itself), so a cache hit under a new trace skips regenerating the kernel's IR.
+_COMPILE_KEY = ("m3_kernels.cute_index.index_scores_xla", 1)
+
+
+def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, tile: maps.RowTile):
+    """``scores [Hi, T, max_blocks]`` float32 of ``tile_map``'s row tiles, with the CuTeDSL kernel."""
+    num_tokens, num_heads, head_dim = (int(s) for s in idx_q.shape)
+    max_blocks = int(block_table.shape[1])
+    shape = (num_heads, num_tokens, max_blocks)
+    if num_tokens == 0 or int(tile_map.shape[0]) == 0 or max_blocks == 0:
+        return jnp.zeros(shape, jnp.float32)
+    if index_k.strides[-1] != 1 or index_k.offset % 16 or any(s % 16 for s in index_k.strides[:-1]):
+        raise ValueError("index_k_cache: backend='cutedsl' needs contiguous rows (last stride 1) and an offset and "
+                         f"page/token strides that are multiples of 16 elements, got offset {index_k.offset}, "
+                         f"strides {index_k.strides}; use backend='triton'")
+    ci = backends.cutedsl_module()
+    from cutlass.jax import cutlass_call
+
+    cfg = tuning.cutedsl_index_scores(head_dim=head_dim)
+    call = cutlass_call(ci.index_scores_xla, output_shape_dtype=jax.ShapeDtypeStruct(shape, jnp.float32),
+                        k_offset=index_k.offset, k_stride_page=index_k.strides[0], k_stride_token=index_k.strides[1],
+                        num_pages=index_k.shape[0], num_heads=num_heads, heads_pad=tile.heads_pad,
+                        block_m=tile.block_m, head_dim=head_dim, stages=cfg.stages,
+                        target_programs=cfg.target_programs, compile_options=COMPILE_OPTIONS,
+                        compile_key=_COMPILE_KEY)
+    return call(idx_q, jnp.reshape(index_k.buffer, (-1,)), block_table, seq_lens, jnp.asarray(tile_map, jnp.int32))

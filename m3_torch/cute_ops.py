@@ -1,0 +1,122 @@
+"""The torch side of the CuTeDSL indexer (``backend="cutedsl"``): compile once per shape class, launch.
+
+``torch.ops.m3.index_scores_cutedsl`` takes the arguments of
+``torch.ops.m3.index_scores`` (internal; the public ops choose between them,
+``m3_kernels.backends``). It hands the kernel raw device pointers, sizes and
+strides (no DLPack round trip per call), so any strided ``out`` (the
+transposed view of a graph-stable buffer) and strided ``idx_q`` work, on the
+current CUDA stream.
+
+Compiled once per shape class (dtype, Hi, row tile, Di, stages, program
+target) on the first call, per device, and cached for the process. That
+first call must be eager: compiling or loading the module inside a CUDA-graph
+capture is refused with an error (run one eager warm-up call, as a decode
+step does before it is captured). Later calls, captured or not, only launch:
+nothing recompiles as lengths, batch contents or pointers change.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from m3_kernels import backends, maps, tuning
+from m3_kernels.validate import check_cache_layout
+
+_lock = threading.Lock()
+_compiled: dict = {}
+
+# Fake addresses for compiling: only the pointers' alignment assumptions reach the compiled code.
+_ALIGN = dict(q=2, k=16, table=4, lens=4, tile_map=4, scores=4)
+
+
+def shape_class(dtype: str, num_heads: int, tokens_per_tile: int, head_dim: int) -> tuple:
+    """What one compiled kernel is specialized on: (dtype, Hi, heads_pad, block_m, Di, stages, target)."""
+    tile = maps.row_tile(num_heads, tokens_per_tile)
+    cfg = tuning.cutedsl_index_scores(head_dim=head_dim)
+    return (dtype, num_heads, tile.heads_pad, tile.block_m, head_dim, cfg.stages, cfg.target_programs)
+
+
+def compile_index_scores(key: tuple, arch: str | None = None):
+    """Compile ``cute_index.index_scores_launch`` for shape class ``key`` (see :func:`shape_class`).
+
+    arch: e.g. "sm_90a" to compile without a GPU (tests); None: the current GPU's.
+    """
+    ci = backends.cutedsl_module()
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    dtype, num_heads, heads_pad, block_m, head_dim, stages, target = key
+    elem = ci.dtype_of(dtype)
+    gmem = cute.AddressSpace.gmem
+    types = dict(q=elem, k=elem, table=cutlass.Int32, lens=cutlass.Int32, tile_map=cutlass.Int32,
+                 scores=cutlass.Float32)
+    ptrs = [make_ptr(types[n], 1 << 16, gmem, assumed_align=_ALIGN[n]) for n in _ALIGN]
+    sizes = [1] * 5 + [1] * 11          # num_tokens .. num_tiles, then the strides (runtime values)
+    options = f"--gpu-arch {arch}" if arch else None
+    kwargs = {} if options is None else dict(options=options)
+    return cute.compile(ci.index_scores_launch, *ptrs, *sizes, cuda.CUstream(0), num_heads=num_heads,
+                        heads_pad=heads_pad, block_m=block_m, head_dim=head_dim, stages=stages,
+                        target_programs=target, **kwargs)
+
+
+def _compiled_for(key: tuple, device: torch.device):
+    full = (str(device), *key)
+    fn = _compiled.get(full)
+    if fn is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("backend='cutedsl': the CuTeDSL scorer for this shape class "
+                               f"{key} is compiled and loaded on its first call, which cannot happen inside a "
+                               "CUDA-graph capture; make one eager call with the same shapes before capturing")
+        with _lock:
+            fn = _compiled.get(full)
+            if fn is None:
+                fn = _compiled[full] = compile_index_scores(key)
+    return fn
+
+
+def _check_index_k(index_k_cache: torch.Tensor):
+    """TMA reads whole 128 x Di pages: page/token strides multiples of 16 elements (as for the Triton
+    scorer), rows contiguous, a 16-byte aligned start."""
+    check_cache_layout("index_k_cache", 0, index_k_cache.stride())
+    if index_k_cache.stride(-1) != 1 or index_k_cache.data_ptr() % 16:
+        raise ValueError("index_k_cache: backend='cutedsl' needs contiguous rows (last stride 1) and a 16-byte "
+                         f"aligned start, got strides {tuple(index_k_cache.stride())} at address "
+                         f"{index_k_cache.data_ptr():#x}; use backend='triton'")
+
+
+@torch.library.custom_op("m3::index_scores_cutedsl", mutates_args=("out",))
+def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor, tokens_per_tile: int) -> None:
+    """``scores [Hi, T, max_blocks]`` (any strides) of ``tile_map``'s row tiles, with the CuTeDSL kernel."""
+    num_tokens, num_heads, head_dim = idx_q.shape
+    num_requests, max_blocks = block_table.shape
+    num_tiles = tile_map.shape[0]
+    if num_tokens == 0 or num_tiles == 0 or max_blocks == 0:
+        return
+    _check_index_k(index_k_cache)
+    key = shape_class(str(idx_q.dtype).removeprefix("torch."), num_heads, tokens_per_tile, head_dim)
+    device = out.device
+    fn = _compiled_for(key, device)
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    ci = backends.cutedsl_module()
+    elem = ci.dtype_of(key[0])
+    gmem = cute.AddressSpace.gmem
+    ptrs = [make_ptr(dt, t.data_ptr(), gmem, assumed_align=_ALIGN[n]) for n, dt, t in (
+        ("q", elem, idx_q), ("k", elem, index_k_cache), ("table", cutlass.Int32, block_table),
+        ("lens", cutlass.Int32, seq_lens), ("tile_map", cutlass.Int32, tile_map), ("scores", cutlass.Float32, out))]
+    with torch.cuda.device(device):
+        stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+        fn(*ptrs, num_tokens, num_requests, max_blocks, index_k_cache.shape[0], num_tiles,
+           *idx_q.stride(), index_k_cache.stride(0), index_k_cache.stride(1), *block_table.stride(),
+           seq_lens.stride(0), *out.stride(), stream)
+
+
+index_scores.register_fake(lambda *args, **kwargs: None)
