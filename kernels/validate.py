@@ -64,12 +64,12 @@ def check_dtype(name, x, allowed):
 
 def check_cache_dtype(name, cache, model_dtype):
     """A cache holds the model's dtype or FP8 (float8_e4m3fn); other FP8 formats are named as such."""
-    got = dtype_name(cache)
-    if got in (model_dtype, FP8):
+    got, allowed = dtype_name(cache), tuple(dict.fromkeys((model_dtype, FP8)))
+    if got in allowed:
         return got
     if got.startswith("float8"):
         raise TypeError(f"{name}: FP8 caches must be {FP8}, got {got} (no other FP8 format is supported)")
-    raise TypeError(f"{name}: expected dtype {model_dtype} or {FP8}, got {got}")
+    raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {got}")
 
 
 def check_scales(kv_cache_dtype, **scales):
