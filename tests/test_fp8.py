@@ -160,6 +160,32 @@ def test_scales_are_read_from_memory(target):
     assert rel_err(unit, out.double() / case.scales[1]) < TOLERANCE["bfloat16"]
 
 
+# -- stale rows -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", targets())
+def test_nan_codes_in_stale_fp8_rows_never_reach_outputs(target):
+    """FP8 caches whose never-visible rows hold NaN codes (a reused page, the tail of a last page):
+    the masked loads keep them out, as for bf16 caches (test_hardening.py)."""
+    from test_hardening import call, make_batch, msa_args, poison, sizes
+
+    seq_lens, n = ((200, 0, 129), (5000, 0, 2177, 16385))[target.device != "interpreter"], 1
+    sz = sizes(target)
+    x = make_batch(seq_lens, [n] * len(seq_lens), dtype=torch.bfloat16, **sz)
+    stale = {name: ~torch.isfinite(t.float()) for name, t in poison(x).items() if name.endswith("cache")}
+    scales = dict(k_scale=torch.tensor(0.02), v_scale=torch.tensor(0.01))
+    clean = dict(x, k_cache=quantise(x["k_cache"], 0.02), v_cache=quantise(x["v_cache"], 0.01),
+                 index_k_cache=quantise(x["index_k_cache"]))
+    dirty = dict(clean)
+    for name, mask in stale.items():
+        code = clean[name].view(torch.uint8).clone()
+        code[mask] = 0x7F   # NaN
+        dirty[name] = code.view(E4M3)
+    out, ids = call(target, "msa_decode", *msa_args(dirty), decode_query_len=n, topk=sz["topk"], **scales)
+    ref_out, ref_ids = ref.msa_decode_ref(*msa_args(clean), [n] * len(seq_lens), topk=sz["topk"], **scales)
+    assert torch.equal(ids, ref_ids)
+    assert rel_err(out, ref_out) < TOLERANCE["bfloat16"]
+
+
 # -- block selection from FP8 index keys ----------------------------------------------------------
 
 def rms_normalised(x):
