@@ -113,6 +113,31 @@ def test_write_cache_stores_torchs_saturating_cast(target, kv_cache_dtype, index
     assert torch.equal(got, expected)
 
 
+def test_write_cache_into_standalone_fp8_caches():
+    """FP8 caches outside a pool (an NHD K store, an HND V cache, a bf16 index-K): one launch each,
+    in both frameworks, the same bytes; JAX returns each cache as the kind it was given."""
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(5, 2, 16, generator=g).bfloat16() for _ in range(2))
+    index_k = torch.randn(5, 16, generator=g).bfloat16()
+    slots = torch.tensor([0, 1, 200, -1, 383], dtype=torch.int32)
+    k_store, v_cache = torch.zeros(3, PAGE, 2, 16, dtype=E4M3), torch.zeros(3, 2, PAGE, 16, dtype=E4M3)
+    index_cache = torch.zeros(3, PAGE, 16, dtype=torch.bfloat16)
+    m3_torch.write_cache(k, v, index_k, k_store.permute(0, 2, 1, 3), v_cache, index_cache, slots, k_scale=0.5,
+                         v_scale=torch.tensor([0.25]))
+    assert torch.equal(k_store[1, 72].view(torch.uint8), quantise(k[2], 0.5).view(torch.uint8))
+    assert torch.equal(v_cache[2, :, 127].view(torch.uint8), quantise(v[4], 0.25).view(torch.uint8))
+    assert torch.equal(index_cache[0, 1], index_k[1])
+    with jax.default_device(jax.devices("cpu")[0]):
+        caches = (jnp.zeros(k_store.shape, jnp.float8_e4m3fn),
+                  m3_jax.PagedView.of_array(jnp.zeros(v_cache.shape, jnp.float8_e4m3fn)),
+                  jnp.zeros(index_cache.shape, jnp.bfloat16))
+        jk, jv, jik = m3_jax.write_cache(to_jax(k), to_jax(v), to_jax(index_k), *caches, to_jax(slots), kv_layout="NHD",
+                                         k_scale=0.5, v_scale=jnp.float32(0.25))
+    assert isinstance(jv, m3_jax.PagedView) and jv.dtype == jnp.float8_e4m3fn
+    for got, want in ((jk, k_store), (jv.buffer, v_cache), (jik, index_cache)):
+        assert torch.equal(to_torch(got).view(torch.uint8), want.view(torch.uint8))
+
+
 # -- scales --------------------------------------------------------------------------------------
 
 def scaled_case():
