@@ -98,6 +98,11 @@ class Case:
         return [max(s - q + j + 1, 0) for q, s in zip(self.q_lens, self.seq_lens) for j in range(q)]
 
     @property
+    def fp8(self) -> bool:
+        """Any FP8 cache."""
+        return E4M3 in (self.kv_dtype, self.index_dtype)
+
+    @property
     def cache_dtypes(self) -> tuple:
         """(K/V cache dtype, index-K cache dtype): "auto" resolved to the case's dtype."""
         return tuple(self.dtype if x == "auto" else x for x in (self.kv_dtype, self.index_dtype))
@@ -178,7 +183,7 @@ STEP_CASES = [
     step("context_only", (3, 4, 1), (133, 4, 0), num_context=3, hq=2, d=16, di=16, dtype="float32", topk=3),
     step("generation_only", (1, 1, 1), (131, 1, 0), num_context=0, hq=2, d=16, di=16, dtype="float32", topk=3),
     step("m3_mixed_n2", (300, 64, 2, 2, 2, 2), (1300, 64, 5002, 129, 3, 0), num_context=2, **M3),
-    step("fp8_mixed_n2", (5, 2, 2, 2), (133, 260, 129, 0), num_context=1, hq=2, d=16, di=16, topk=3,
+    step("fp8_mixed", (4, 1, 1), (133, 140, 0), num_context=1, hq=2, d=16, di=16, topk=3,
          kv_dtype=E4M3, index_dtype=E4M3, kv_scales=(0.02, 0.03)),
     step("m3_fp8_mixed_n2", (300, 64, 2, 2, 2, 2), (1300, 64, 5002, 129, 3, 0), num_context=2, kv_dtype=E4M3,
          index_dtype=E4M3, kv_scales=(0.02, 0.01), **M3),
