@@ -164,7 +164,7 @@ def prefill_shaped(x, pool, ids, n, cfg):
     def step():
         with tuning.override(sparse_target_programs=1):  # no split-K
             ops.paged_attention(x["q"], pool.k, pool.v, ids, x["block_table"], x["seq_lens"], _maps[key], out,
-                                None, None, tokens_per_tile, cfg["d"] ** -0.5)
+                                None, None, tokens_per_tile, cfg["d"] ** -0.5, None, None)
     return step
 
 

@@ -30,12 +30,18 @@ Values (SPEC.md, "Values the kernels must survive"):
   KV length, the scores by each row's own position (exact causality).
 * Rows that see nothing get zeros (lse -inf). A row with NaN or Inf in q is
   all NaN (its lse too, which the merge keeps), on every split count.
+
+FP8 caches (``KV_DTYPE`` float8e4nv): K/V tiles are widened to q's dtype
+(exact) for the same MMAs; ``K = stored * k_scale`` is folded into the score
+scale and ``V = stored * v_scale`` applied once to each output row the program
+writes (the output, and every split's partial, is linear in V). Both scales
+are read from memory, so a captured graph or jitted step takes new values.
 """
 
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, mma, multiple_of_16, pick, tile_row, visible_len
+from .common import PAGE_SIZE, mma, multiple_of_16, pick, tile_row, typed, visible_len
 
 
 @triton.jit
@@ -63,12 +69,14 @@ def distinct_blocks(ids_ptr, stride_it, stride_is, ntok, req_blocks, TOPK: tl.co
 @triton.jit(do_not_specialize=["max_blocks"])
 def paged_attention_kernel(
     q_ptr,            # [T, Hq, D]                        q dtype
-    k_ptr,            # [pages, Hk, PAGE_SIZE, D] @ k_off  cache dtype
-    v_ptr,            # [pages, Hk, PAGE_SIZE, D] @ v_off  cache dtype
+    k_ptr,            # [pages, Hk, PAGE_SIZE, D] @ k_off  KV_DTYPE (read through any buffer's pointer)
+    v_ptr,            # [pages, Hk, PAGE_SIZE, D] @ v_off  KV_DTYPE
     block_ids_ptr,    # [Hk, T, TOPK] int32, distinct per row, -1 = empty slot (SPARSE only)
     block_table_ptr,  # [R, max_blocks] int32
     seq_lens_ptr,     # [R] int32, KV length including the request's query tokens
     tile_map_ptr,     # [num_tiles, 4] int32, see the module docstring
+    k_scale_ptr,      # [] fp32: K = stored K * k_scale (FP8 caches only; unread otherwise)
+    v_scale_ptr,      # [] fp32: V = stored V * v_scale (FP8 caches only)
     qk_scale,         # sm_scale * log2(e)
     k_off, v_off,     # element offsets of the caches inside their buffers
     max_blocks,       # columns of block_table: no request reads past its row
@@ -93,11 +101,16 @@ def paged_attention_kernel(
     STEP_GROUP: tl.constexpr,         # blocks whose page ids are gathered at once
     SPARSE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    KV_DTYPE: tl.constexpr,           # the caches' element type; float8e4nv: FP8, scaled
 ):
     split = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
+    KV_FP8: tl.constexpr = KV_DTYPE == tl.float8e4nv
+    k_ptr, v_ptr = typed(k_ptr, KV_DTYPE), typed(v_ptr, KV_DTYPE)
     qk_scale = tl.full([], qk_scale, tl.float32)  # jax-triton passes Python floats as fp64
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     k_off, v_off = multiple_of_16(k_off), multiple_of_16(v_off)
     stride_kp, stride_kh, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kh), multiple_of_16(stride_kn)
     stride_vp, stride_vh, stride_vn = multiple_of_16(stride_vp), multiple_of_16(stride_vh), multiple_of_16(stride_vn)
@@ -194,13 +207,13 @@ def paged_attention_kernel(
             else:
                 m_member = m_valid
             kv_pos = block * PAGE_SIZE + kv_tok
-            # [BLOCK_N, D]. K rows no token sees only feed scores that are replaced by
-            # -inf below; V rows are multiplied (0 x NaN = NaN), so only rows some
-            # token of the tile sees are loaded: stale rows may hold NaN/Inf.
+            # [BLOCK_N, D] in q's dtype (FP8: widened, exactly). K rows no token sees only
+            # feed scores that are replaced by -inf below; V rows are multiplied (0 x NaN =
+            # NaN), so only rows some token of the tile sees are loaded: stale rows may hold NaN/Inf.
             k = tl.load(k_base + page * stride_kp + kv_tok[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                        mask=block_ok, other=0.0)
+                        mask=block_ok, other=0.0).to(q.dtype)
             v = tl.load(v_base + page * stride_vp + kv_tok[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                        mask=(block_ok & (kv_pos < tile_kv_len))[:, None], other=0.0)
+                        mask=(block_ok & (kv_pos < tile_kv_len))[:, None], other=0.0).to(q.dtype)
             # [BLOCK_M, BLOCK_N]
             s = mma(q, tl.trans(k)) * qk_scale
             visible = m_member[:, None] & (kv_pos[None, :] <= m_pos[:, None])
@@ -217,6 +230,8 @@ def paged_attention_kernel(
     # -- write: rows that saw nothing get zeros (and lse = -inf); a NaN row stays NaN
     seen = l_i != 0.0
     out = tl.where(q_bad[:, None], float("nan"), acc / tl.where(seen, l_i, 1.0)[:, None])
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     o_rows = o_ptr + m_t * stride_ot + m_head * stride_oh
     if NUM_SPLITS == 1:
         tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])

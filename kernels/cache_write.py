@@ -9,6 +9,11 @@ names the page (a pool slot) and the row inside it; ``-1`` skips the token
 of the flat sub-page pool (see pool.py), or a standalone cache with offset 0.
 The pool is the kernel's only output and is updated in place (JAX aliases it to
 its input; torch passes the same tensor as ``pool_in_ptr`` and ``pool_ptr``).
+The buffer's own dtype does not matter: the kernel addresses K/V as
+``KV_DTYPE`` and index-K as ``INDEX_DTYPE`` elements from its start (a byte
+pool holds sub-pages of both). FP8 caches (float8e4nv) store
+``saturate(x / scale)`` rounded to nearest even (``common.to_e4m3``), with the
+layer's ``k_scale``/``v_scale`` read from memory; index-K is unscaled.
 
 Addresses are int64: pools exceed 2**31 elements. Slot values are not checked
 here (that would need the host): a slot outside the pool is undefined
@@ -19,17 +24,19 @@ before the launch (``validate.check_slot_mapping_values``).
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE
+from .common import PAGE_SIZE, to_e4m3, typed
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def cache_write_kernel(
-    k_ptr,             # [T, Hk, D]   new K rows, pool dtype (read if WRITE_K)
+    k_ptr,             # [T, Hk, D]   new K rows, the model's dtype (read if WRITE_K)
     v_ptr,             # [T, Hk, D]   new V rows (read if WRITE_V)
     index_k_ptr,       # [T, Di]      new index-K rows (read if WRITE_INDEX)
     slot_mapping_ptr,  # [T] int32/int64: slot * PAGE_SIZE + offset in page, -1 = skip
+    k_scale_ptr,       # [] fp32: stored K = saturate(K / k_scale) (FP8 K/V only; unread otherwise)
+    v_scale_ptr,       # [] fp32: stored V = saturate(V / v_scale)
     pool_in_ptr,       # the pool as the aliased input (jax-triton passes it; torch passes the pool twice)
-    k_off, v_off, index_k_off,   # element offsets of the layer's caches in the pool
+    k_off, v_off, index_k_off,   # offsets of the layer's caches in the pool, in KV_DTYPE / INDEX_DTYPE elements
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_it, stride_id,
@@ -46,7 +53,10 @@ def cache_write_kernel(
     WRITE_V: tl.constexpr,
     WRITE_INDEX: tl.constexpr,
     BLOCK_T: tl.constexpr,             # tokens per program
+    KV_DTYPE: tl.constexpr,            # element type of the K/V caches (float8e4nv: FP8, scaled)
+    INDEX_DTYPE: tl.constexpr,         # element type of the index-K cache (float8e4nv: FP8, unscaled)
 ):
+    kv_pool, index_pool = typed(pool_ptr, KV_DTYPE), typed(pool_ptr, INDEX_DTYPE)
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_mapping_ptr + offs_t, mask=offs_t < num_tokens, other=-1).to(tl.int64)
     t_ok = slot >= 0
@@ -61,15 +71,21 @@ def cache_write_kernel(
     m = t_ok[:, None, None] & (offs_h < NUM_KV_HEADS)
     if WRITE_K:
         k = tl.load(k_ptr + t3 * stride_kt + offs_h * stride_kh + offs_d * stride_kd, mask=m)
-        dst = pool_ptr + k_off + page3 * stride_ckp + row3 * stride_ckn + offs_h * stride_ckh + offs_d * stride_ckd
-        tl.store(dst, k.to(pool_ptr.dtype.element_ty), mask=m)
+        if KV_DTYPE == tl.float8e4nv:
+            k = to_e4m3(k, tl.load(k_scale_ptr))
+        dst = kv_pool + k_off + page3 * stride_ckp + row3 * stride_ckn + offs_h * stride_ckh + offs_d * stride_ckd
+        tl.store(dst, k.to(KV_DTYPE), mask=m)
     if WRITE_V:
         v = tl.load(v_ptr + t3 * stride_vt + offs_h * stride_vh + offs_d * stride_vd, mask=m)
-        dst = pool_ptr + v_off + page3 * stride_cvp + row3 * stride_cvn + offs_h * stride_cvh + offs_d * stride_cvd
-        tl.store(dst, v.to(pool_ptr.dtype.element_ty), mask=m)
+        if KV_DTYPE == tl.float8e4nv:
+            v = to_e4m3(v, tl.load(v_scale_ptr))
+        dst = kv_pool + v_off + page3 * stride_cvp + row3 * stride_cvn + offs_h * stride_cvh + offs_d * stride_cvd
+        tl.store(dst, v.to(KV_DTYPE), mask=m)
     if WRITE_INDEX:
         offs_i = tl.arange(0, INDEX_HEAD_DIM)[None, :]
         # [BLOCK_T, Di]
         ik = tl.load(index_k_ptr + offs_t[:, None] * stride_it + offs_i * stride_id, mask=t_ok[:, None])
-        dst = pool_ptr + index_k_off + page[:, None] * stride_cip + row[:, None] * stride_cin + offs_i * stride_cid
-        tl.store(dst, ik.to(pool_ptr.dtype.element_ty), mask=t_ok[:, None])
+        if INDEX_DTYPE == tl.float8e4nv:
+            ik = to_e4m3(ik, 1.0)
+        dst = index_pool + index_k_off + page[:, None] * stride_cip + row[:, None] * stride_cin + offs_i * stride_cid
+        tl.store(dst, ik.to(INDEX_DTYPE), mask=t_ok[:, None])

@@ -14,6 +14,28 @@ PAGE_SIZE = tl.constexpr(_PAGE_SIZE)
 WIDEN_DOT_OPERANDS = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 
+# float8_e4m3fn (Triton's float8e4nv), the FP8 cache format: its largest finite value.
+E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def typed(ptr, DTYPE: tl.constexpr):
+    """``ptr`` as a pointer to ``DTYPE``: a cache's element type, which its buffer's need
+    not be (the sub-pages of a byte pool; JAX passes the whole pool). A no-op when equal."""
+    return ptr.to(tl.pointer_type(DTYPE), bitcast=True)
+
+
+@triton.jit
+def to_e4m3(x, scale):
+    """``x / scale`` as float8_e4m3fn, saturating: the float32 quotient rounded as IEEE
+    division, then clamped to +-448 (inf included; NaN stays NaN) and rounded to nearest
+    even. Every GPU and the interpreter write the bytes of torch's
+    ``(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``."""
+    x = tl.div_rn(x.to(tl.float32), scale + tl.zeros(x.shape, tl.float32))   # `/` is approximate on GPUs
+    x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX))
+    return x.to(tl.float8e4nv)
+
+
 @triton.jit
 def mma(a, b):
     """a @ b with float32 accumulation.

@@ -7,7 +7,9 @@ heads and tokens of the tile: for decode with ``TOKENS_PER_TILE >= n`` that is
 once per request. ``tile_map`` rows: ``[request, first token, first token's
 position - seq_len, tokens]`` (see attention.py). Lengths are clamped and
 index-K rows past the tile's last visible position never loaded, as in
-attention.py; a NaN/Inf query row scores NaN on the blocks it sees.
+attention.py; a NaN/Inf query row scores NaN on the blocks it sees. An FP8
+(float8e4nv, unscaled) index-K cache is widened to the query's dtype for the
+dot, exactly; an FP8 query widens both to bfloat16.
 
 ``select_blocks_kernel``: one program per index head and ``BLOCK_T`` tokens (one
 on a GPU, many in the interpreter, whose cost is per program). A row's
@@ -21,13 +23,13 @@ chosen ids ascending, then -1.
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, mma, multiple_of_16, pick, tile_row, visible_len
+from .common import PAGE_SIZE, mma, multiple_of_16, pick, tile_row, typed, visible_len
 
 
 @triton.jit(do_not_specialize=["max_blocks", "blocks_per_program"])
 def index_scores_kernel(
     q_ptr,            # [T, Hi, Di]                   q dtype
-    k_ptr,            # [pages, PAGE_SIZE, Di] @ k_off  cache dtype (one shared head)
+    k_ptr,            # [pages, PAGE_SIZE, Di] @ k_off  K_DTYPE (one shared head; any buffer's pointer)
     block_table_ptr,  # [R, max_blocks] int32
     seq_lens_ptr,     # [R] int32
     tile_map_ptr,     # [num_tiles, 4] int32
@@ -45,9 +47,11 @@ def index_scores_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STEP_GROUP: tl.constexpr,
+    K_DTYPE: tl.constexpr,            # the index-K cache's element type (float8e4nv: FP8, unscaled)
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)
+    k_ptr = typed(k_ptr, K_DTYPE)
     k_off = multiple_of_16(k_off)
     stride_kp, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kn)
 
@@ -69,6 +73,8 @@ def index_scores_kernel(
     # [BLOCK_M, Di]
     q = tl.load(q_ptr + m_t[:, None] * stride_qt + m_head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_valid[:, None], other=0.0)
+    if q.dtype == tl.float8e4nv:
+        q = q.to(tl.bfloat16)   # FP8 x FP8: both widened (exactly) to bfloat16
     # [BLOCK_M]: NaN or Inf in a row's query makes its visible blocks' scores NaN
     q_bad = tl.max(((q != q) | (tl.abs(q) == float("inf"))).to(tl.int32), axis=1) > 0
 
@@ -90,10 +96,10 @@ def index_scores_kernel(
             for n0 in tl.static_range(0, PAGE_SIZE, BLOCK_N):
                 kv_tok = n0 + offs_n
                 kv_pos = block * PAGE_SIZE + kv_tok
-                # [BLOCK_N, Di]
+                # [BLOCK_N, Di] in q's dtype (FP8: widened, exactly)
                 # stale rows (maybe NaN/Inf) only feed scores that tl.where replaces by -inf
                 k = tl.load(k_ptr + k_off + page * stride_kp + kv_tok[:, None] * stride_kn
-                            + offs_d[None, :] * stride_kd)
+                            + offs_d[None, :] * stride_kd).to(q.dtype)
                 # [BLOCK_M, BLOCK_N]
                 s = mma(q, tl.trans(k))
                 s = tl.where(kv_pos[None, :] <= m_pos[:, None], s, float("-inf"))

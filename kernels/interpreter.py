@@ -17,6 +17,10 @@ functions is then wrapped (:class:`Interpreted`):
   the real language). Device-function calls inside the launch (our helpers
   such as ``mma``, Triton's ``tl.cdiv``/``tl.sum``/...) run the interpreted
   code directly instead of re-patching the language for every call.
+* float8_e4m3fn conversions (the FP8 caches) are exact, as on an sm_90 GPU:
+  Triton 3.6's interpreter rounds to fp8 half-up without carrying into the
+  exponent (127.99 became 64) and reads the NaN code as 480
+  (:func:`_exact_e4m3_conversions`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import sys
 import threading
 import types
 
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -111,6 +116,70 @@ def _let_interpreted_kernels_call_triton_helpers():
     JITFunction.__call__ = call_interpreted
 
 
+# float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN
+_E4M3_MAX = 448.0
+_E4M3_MIN_NORMAL = 2.0 ** -6
+
+
+def _e4m3_values() -> np.ndarray:
+    """The 256 codes of float8_e4m3fn as float64 values (the NaN codes as NaN)."""
+    code = np.arange(256)
+    exp, man = (code >> 3) & 15, (code & 7).astype(np.float64)
+    mag = np.where(exp == 0, man * 2.0 ** -9, (1 + man / 8) * np.exp2(exp - 7.0))
+    mag = np.where((exp == 15) & (man == 7), np.nan, mag)
+    return np.where(code >> 7, -mag, mag)
+
+
+def _to_e4m3(x: np.ndarray, toward_zero: bool) -> np.ndarray:
+    """float64 values -> float8_e4m3fn codes (uint8) as sm_90's ``cvt.rn.satfinite``: round to
+    nearest even (or toward zero), finite overflow and +-inf to +-448, NaN to NaN."""
+    nan = np.isnan(x)
+    mag = np.minimum(np.abs(np.where(nan, 0.0, x)), _E4M3_MAX)
+    # the spacing of the e4m3 grid around mag: 2^(exponent - 3); subnormals share 2^-6's
+    _, exp = np.frexp(np.maximum(mag, _E4M3_MIN_NORMAL))
+    ulp = np.exp2(exp - 4.0)
+    mag = (np.trunc if toward_zero else np.rint)(mag / ulp) * ulp   # np.rint: halves to even
+    _, exp = np.frexp(np.maximum(mag, _E4M3_MIN_NORMAL))
+    normal = mag >= _E4M3_MIN_NORMAL
+    exp_field = np.where(normal, exp + 6, 0)
+    man_field = np.where(normal, mag / np.exp2(exp - 4.0) - 8, mag / 2.0 ** -9)
+    code = (exp_field.astype(np.int64) << 3) | man_field.astype(np.int64)
+    code = np.where(nan, 0x7F, code) | (np.signbit(x).astype(np.int64) << 7)
+    return code.astype(np.uint8)
+
+
+def _exact_e4m3_conversions():
+    """Route the interpreter's float conversions from and to float8e4nv through exact ones."""
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "_m3_exact_e4m3", False):
+        return
+    e4m3_values = _e4m3_values()
+
+    def as_float64(data, dtype):
+        if dtype == tl.float8e4nv:
+            return e4m3_values[data.view(np.uint8)]
+        if dtype == tl.bfloat16:
+            return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return data.astype(np.float64)
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        if tl.float8e4nv not in (input_dtype, output_dtype) or input_dtype == output_dtype:
+            return original(data, input_dtype, output_dtype, rounding_mode)
+        x = as_float64(np.asarray(data), input_dtype)
+        if output_dtype == tl.float8e4nv:
+            return _to_e4m3(x, rounding_mode == interpreter._ir.ROUNDING_MODE.RTZ)
+        # every e4m3 value (NaN aside) is exact in float16, bfloat16 and float32
+        if output_dtype == tl.bfloat16:
+            return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        np_dtype = {tl.float16: np.float16, tl.float32: np.float32, tl.float64: np.float64}[output_dtype]
+        return x.astype(np_dtype).view(getattr(np, f"uint{output_dtype.primitive_bitwidth}"))
+
+    convert._m3_exact_e4m3 = True
+    interpreter._convert_float = convert
+
+
 def _package():
     pkg = sys.modules.get(_PACKAGE)
     if pkg is None:
@@ -133,6 +202,7 @@ def load(name: str):
         if name not in _modules:
             _package()
             _let_interpreted_kernels_call_triton_helpers()
+            _exact_e4m3_conversions()
             # triton.jit reads the knob when it decorates: every @triton.jit executed
             # while this module (and anything it imports relatively) loads becomes an
             # InterpretedFunction.

@@ -19,11 +19,16 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+import triton.language as tl
+
 from . import tuning
 from .maps import RowTile, cdiv, contiguous_strides, next_pow2
 from .validate import check_cache_layout
 
 LOG2E = math.log2(math.e)
+# element types the kernels read and write, by name (validate.FLOAT_DTYPES and the FP8 cache format)
+TRITON_DTYPES = {"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32,
+                 "float8_e4m3fn": tl.float8e4nv}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +37,20 @@ class Operand:
 
     torch: the tensor itself, offset 0 (its data pointer already includes its
     storage offset) and ``.stride()``; JAX: the buffer of a PagedView with its
-    offset and strides, or a dense array with row-major strides.
+    offset and strides, or a dense array with row-major strides. ``dtype``: the
+    element type the kernel reads, by name (a view of a byte pool reads its own
+    type, not the buffer's); offset and strides count those elements. Caches
+    must name it; other operands may leave it None.
     """
     ref: Any
     offset: int
     shape: tuple
     strides: tuple
+    dtype: Optional[str] = None
+
+    @property
+    def triton_dtype(self):
+        return TRITON_DTYPES[self.dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +103,7 @@ def index_scores(*, idx_q: Operand, index_k: Operand, block_table: Operand, seq_
                  out_strides, dtype: str, interpret: bool) -> Launch:
     """Per-block causal max scores over ``tile_map``'s row tiles -> ``scores [Hi, T, max_blocks]`` float32.
 
-    ``dtype``: of idx_q and the index-K cache."""
+    ``dtype``: of idx_q (picks the tuning; an FP8 index-K cache reuses its configs)."""
     num_tokens, num_heads, head_dim = idx_q.shape
     max_blocks = block_table.shape[1]
     num_tiles = int(tile_map.shape[0])
@@ -102,7 +115,7 @@ def index_scores(*, idx_q: Operand, index_k: Operand, block_table: Operand, seq_
     out = Output("scores", (num_heads, num_tokens, max_blocks), "float32", tuple(out_strides))
     return Launch("index.index_scores_kernel", (cfg.num_chunks, num_tiles), args, (out,),
                   dict(NUM_HEADS=num_heads, HEADS_PAD=tile.heads_pad, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
-                       BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP),
+                       BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, K_DTYPE=index_k.triton_dtype),
                   cfg.num_warps, cfg.num_stages)
 
 
@@ -124,12 +137,15 @@ def select_blocks(*, scores: Operand, seq_lens, token_map, topk: int, init_block
 
 def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[Operand], block_table: Operand,
                     seq_lens, tile_map, tile: RowTile, sm_scale: float, out_dtype: str, out_strides,
-                    interpret: bool) -> Launch:
+                    interpret: bool, k_scale=None, v_scale=None) -> Launch:
     """Paged GQA attention over ``tile_map``'s row tiles -> ``out [T, Hq, D]``.
 
     Sparse when ``block_ids`` is given (each token's chosen blocks), dense
     otherwise (every visible block). With several splits the attention launch
     writes float32 partials (scratch outputs) and a merge launch follows.
+    FP8 caches (``k.dtype`` float8_e4m3fn) read ``k_scale``/``v_scale``: one-element
+    float32 arrays (the public ops make them from None or Python floats); the
+    launch of any other cache ignores them.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, max_blocks = k.shape[1], block_table.shape[1]
@@ -155,7 +171,8 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
                    Output("partial_lse", part_lse, "float32", lse_strides, scratch=True))
     # dense: the block-id pointer is never read; the block table stands in for it
     ids = block_ids if sparse else Operand(block_table.ref, 0, (0, 0, 0), (0, 0, 0))
-    args = (q.ref, k.ref, v.ref, ids.ref, block_table.ref, seq_lens, tile_map, float(sm_scale) * LOG2E,
+    scales = _scales(k, k_scale, v_scale, seq_lens)
+    args = (q.ref, k.ref, v.ref, ids.ref, block_table.ref, seq_lens, tile_map, *scales, float(sm_scale) * LOG2E,
             k.offset, v.offset, max_blocks, *q.strides, *k.strides, *v.strides, *ids.strides,
             *block_table.strides, *o_strides, *lse_strides)
     launch = Launch("attention.paged_attention_kernel", (cfg.num_splits, num_tiles, num_kv_heads), args, outputs,
@@ -163,7 +180,7 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
                          TOPK_PAD=next_pow2(topk), TOKENS_PER_TILE=tile.tokens_per_tile,
                          ENTRIES_PAD=tile.tokens_per_tile * next_pow2(topk), BLOCK_M=tile.block_m,
                          BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, SPARSE=sparse,
-                         NUM_SPLITS=cfg.num_splits),
+                         NUM_SPLITS=cfg.num_splits, KV_DTYPE=k.triton_dtype),
                     cfg.num_warps, cfg.num_stages)
     if cfg.num_splits == 1:
         return launch
@@ -174,28 +191,44 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
     return dataclasses.replace(launch, then=merge)
 
 
+def _scales(cache: Operand, k_scale, v_scale, dummy) -> tuple:
+    """The (k_scale, v_scale) pointers of a launch: the scales for an FP8 cache, else ``dummy``
+    twice (an array the kernel variant never reads through them)."""
+    if cache.triton_dtype != tl.float8e4nv:
+        return dummy, dummy
+    if k_scale is None or v_scale is None:
+        raise ValueError("k_scale, v_scale: an FP8 K/V cache needs both (one-element float32 arrays)")
+    return k_scale, v_scale
+
+
 # -- cache writes -------------------------------------------------------------------------
 
 def write_cache(*, k: Operand, v: Operand, index_k: Optional[Operand], slot_mapping, pool, pool_shape, pool_dtype,
                 k_cache: Optional[Operand], v_cache: Optional[Operand], index_k_cache: Optional[Operand],
-                interpret: bool) -> Launch:
+                interpret: bool, k_scale=None, v_scale=None) -> Launch:
     """Append a step's rows to the caches that live in ``pool`` (one flat buffer; None = not in it).
 
     The pool is the kernel's only output, aliased to its input ``pool_in``:
     JAX updates it in place through the alias, torch passes the same tensor twice.
+    Cache offsets and strides count each cache's own elements from the buffer's
+    start (a byte pool holds caches of several dtypes). FP8 K/V caches quantise
+    with ``k_scale``/``v_scale`` (one-element float32 arrays).
     """
     num_tokens, num_kv_heads, head_dim = k.shape
-    absent3, absent4 = Operand(None, 0, (), (0, 0, 0)), Operand(None, 0, (), (0, 0, 0, 0))
+    absent3, absent4 = Operand(None, 0, (), (0, 0, 0), k.dtype), Operand(None, 0, (), (0, 0, 0, 0), k.dtype)
     kc, vc, ic = (c if c is not None else a for c, a in ((k_cache, absent4), (v_cache, absent4),
                                                         (index_k_cache, absent3)))
+    kv_cache = kc if k_cache is not None else vc
     ik = index_k if index_k is not None else Operand(k.ref, 0, (0, 0), (0, 0))  # never read without an index cache
-    args = (k.ref, v.ref, ik.ref, slot_mapping, pool, kc.offset, vc.offset, ic.offset, *k.strides, *v.strides,
-            *ik.strides, *kc.strides, *vc.strides, *ic.strides, num_tokens)
+    args = (k.ref, v.ref, ik.ref, slot_mapping, *_scales(kv_cache, k_scale, v_scale, slot_mapping), pool,
+            kc.offset, vc.offset, ic.offset, *k.strides, *v.strides, *ik.strides, *kc.strides, *vc.strides,
+            *ic.strides, num_tokens)
     out = Output("pool", tuple(pool_shape), pool_dtype, contiguous_strides(pool_shape))
     tokens = tuning.CACHE_WRITE_INTERPRETER_TOKENS if interpret else 1
     return Launch("cache_write.cache_write_kernel", (cdiv(num_tokens, tokens),), args, (out,),
                   dict(NUM_KV_HEADS=num_kv_heads, HEADS_PAD=next_pow2(num_kv_heads), HEAD_DIM=head_dim,
                        INDEX_HEAD_DIM=index_k.shape[1] if index_k is not None else 16,
                        WRITE_K=k_cache is not None, WRITE_V=v_cache is not None,
-                       WRITE_INDEX=index_k_cache is not None, BLOCK_T=tokens),
-                  tuning.CACHE_WRITE_NUM_WARPS, 1, aliases=((4, 0),))
+                       WRITE_INDEX=index_k_cache is not None, BLOCK_T=tokens, KV_DTYPE=kv_cache.triton_dtype,
+                       INDEX_DTYPE=ic.triton_dtype),
+                  tuning.CACHE_WRITE_NUM_WARPS, 1, aliases=((6, 0),))   # args[6]: pool

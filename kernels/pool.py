@@ -1,7 +1,7 @@
 """Flat sub-page pool: where each layer's caches live inside one buffer.
 
-A pool is ONE flat buffer of one dtype, ``num_slots`` slots long. A slot holds,
-for every layer of a layer group, in layer order:
+A pool is ONE flat buffer, ``num_slots`` slots long. A slot holds, for every
+layer of a layer group, in layer order:
 
     K sub-page        [Hk, 128, D]  (HND)  or  [128, Hk, D]  (NHD)
     V sub-page        same shape as K
@@ -9,11 +9,19 @@ for every layer of a layer group, in layer order:
 
 so one slot id (what ``block_table`` holds) addresses the 128 tokens of one
 page in every layer at once. A layer's cache is then a strided view of the
-buffer: element offset of slot 0's sub-page plus the logical strides of
-``k_cache`` / ``v_cache`` ``[num_slots, Hk, 128, D]`` (HND order whatever the
-storage order) and ``index_k_cache`` ``[num_slots, 128, Di]``. Torch builds
-``as_strided`` views from them; JAX hands the whole buffer plus offset and
-strides to the kernels (``k_off``/``v_off``), so no layer is ever sliced out.
+buffer: offset of slot 0's sub-page plus the logical strides of ``k_cache`` /
+``v_cache`` ``[num_slots, Hk, 128, D]`` (HND order whatever the storage order)
+and ``index_k_cache`` ``[num_slots, 128, Di]``. Torch builds ``as_strided``
+views from them; JAX hands the whole buffer plus offset and strides to the
+kernels (``k_off``/``v_off``), so no layer is ever sliced out.
+
+Cache dtypes: K/V sub-pages hold ``kv_cache_dtype``, index-K sub-pages
+``index_cache_dtype``; each is ``"auto"`` (the model's ``dtype``) or FP8
+(``"float8_e4m3fn"``, alias ``"fp8"``). A pool without FP8 caches is a buffer of
+the model's dtype, as before FP8; a pool with any FP8 cache is a BYTE buffer
+(``uint8``) and each view reads it as its own dtype (``SubPageView.dtype``),
+its offset and strides counted in its own elements. Sub-page sizes are
+multiples of 2 KiB, so every view stays aligned to 16 of its elements.
 
 Pure Python, framework-neutral: dtypes are names (``"bfloat16"``).
 """
@@ -26,7 +34,20 @@ from typing import Sequence
 from .maps import PAGE_SIZE, next_pow2
 
 KV_LAYOUTS = ("HND", "NHD")
-ITEM_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+MODEL_DTYPES = ("bfloat16", "float16", "float32")
+FP8 = "float8_e4m3fn"
+CACHE_DTYPE_ALIASES = {"fp8": FP8, "fp8_e4m3": FP8, FP8: FP8}
+ITEM_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4, FP8: 1, "uint8": 1}
+
+
+def cache_dtype(name: str, option: str, model_dtype: str) -> str:
+    """A pool's ``kv_cache_dtype`` / ``index_cache_dtype`` option -> the dtype name its sub-pages hold."""
+    if option in ("auto", model_dtype):
+        return model_dtype
+    if option in CACHE_DTYPE_ALIASES:
+        return CACHE_DTYPE_ALIASES[option]
+    raise TypeError(f"{name}: expected 'auto' (the model's {model_dtype}) or {FP8!r} ('fp8'), got {option!r}"
+                    + (" (the only FP8 cache format is float8_e4m3fn)" if "8" in str(option) else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +64,11 @@ class LayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class SubPageView:
-    """One cache of one layer: ``buffer[offset + sum(i * s for i, s in zip(idx, strides))]``."""
-    offset: int                 # element offset of slot 0's sub-page in the flat buffer
+    """One cache of one layer: ``buffer.view(dtype)[offset + sum(i * s for i, s in zip(idx, strides))]``."""
+    offset: int                 # offset of slot 0's sub-page in the flat buffer, in elements of dtype
     shape: tuple[int, ...]      # logical shape, slot first
-    strides: tuple[int, ...]    # logical strides in elements
+    strides: tuple[int, ...]    # logical strides, in elements of dtype
+    dtype: str                  # what the cache holds (the buffer may be bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,19 +85,25 @@ class PoolLayout:
 
     Build with ``PoolLayout.create`` (one head config, a sparse flag per layer)
     or directly from ``LayerSpec``s. ``layer(i)`` gives layer ``i``'s views.
+    ``dtype`` is the model's; ``kv_cache_dtype`` / ``index_cache_dtype`` pick
+    the caches' (``"auto"``: the model's; ``"float8_e4m3fn"`` or ``"fp8"``).
     """
     num_slots: int
     layers: tuple[LayerSpec, ...]
     kv_layout: str = "HND"
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
+    index_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.num_slots, int) or self.num_slots < 1:
             raise ValueError(f"num_slots: expected an int >= 1, got {self.num_slots!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: expected one of {KV_LAYOUTS}, got {self.kv_layout!r}")
-        if self.dtype not in ITEM_SIZE:
-            raise TypeError(f"dtype: expected one of {tuple(ITEM_SIZE)}, got {self.dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise TypeError(f"dtype: expected one of {MODEL_DTYPES}, got {self.dtype!r}")
+        for name in ("kv_cache_dtype", "index_cache_dtype"):   # resolved: "auto" -> the model's dtype
+            object.__setattr__(self, name, cache_dtype(name, getattr(self, name), self.dtype))
         if not self.layers:
             raise ValueError("layers: a pool needs at least one layer")
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -89,34 +117,44 @@ class PoolLayout:
 
     @classmethod
     def create(cls, num_slots: int, *, sparse: Sequence[bool], num_kv_heads: int, head_dim: int,
-               index_head_dim: int | None = None, kv_layout: str = "HND", dtype: str = "bfloat16") -> "PoolLayout":
+               index_head_dim: int | None = None, kv_layout: str = "HND", dtype: str = "bfloat16",
+               kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto") -> "PoolLayout":
         """A group of ``len(sparse)`` layers sharing one head config; ``sparse[i]``
         says whether layer ``i`` has an index-K sub-page (``index_head_dim``,
         default ``head_dim``)."""
         di = head_dim if index_head_dim is None else index_head_dim
         layers = tuple(LayerSpec(num_kv_heads, head_dim, di if s else None) for s in sparse)
-        return cls(num_slots, layers, kv_layout, dtype)
+        return cls(num_slots, layers, kv_layout, dtype, kv_cache_dtype, index_cache_dtype)
 
     # -- sizes ------------------------------------------------------------------
 
-    @staticmethod
-    def _layer_numels(spec: LayerSpec):
-        kv = spec.num_kv_heads * PAGE_SIZE * spec.head_dim
-        return kv, (PAGE_SIZE * spec.index_head_dim if spec.sparse else 0)
+    @property
+    def buffer_dtype(self) -> str:
+        """The flat buffer's dtype: the model's, or ``"uint8"`` (bytes) when any cache is FP8."""
+        return "uint8" if FP8 in (self.kv_cache_dtype, self.index_cache_dtype) else self.dtype
+
+    def _layer_nbytes(self, spec: LayerSpec):
+        """-> (bytes of a K (or V) sub-page, bytes of the index-K sub-page or 0)."""
+        kv = spec.num_kv_heads * PAGE_SIZE * spec.head_dim * ITEM_SIZE[self.kv_cache_dtype]
+        return kv, (PAGE_SIZE * spec.index_head_dim * ITEM_SIZE[self.index_cache_dtype] if spec.sparse else 0)
+
+    @property
+    def slot_nbytes(self) -> int:
+        return sum(2 * kv + ik for kv, ik in map(self._layer_nbytes, self.layers))
 
     @property
     def slot_numel(self) -> int:
-        """Elements of one slot (every layer's sub-pages)."""
-        return sum(2 * kv + ik for kv, ik in map(self._layer_numels, self.layers))
+        """Buffer elements (of ``buffer_dtype``) of one slot (every layer's sub-pages)."""
+        return self.slot_nbytes // ITEM_SIZE[self.buffer_dtype]
 
     @property
     def numel(self) -> int:
-        """Elements of the whole buffer."""
+        """Elements (of ``buffer_dtype``) of the whole buffer."""
         return self.num_slots * self.slot_numel
 
     @property
     def nbytes(self) -> int:
-        return self.numel * ITEM_SIZE[self.dtype]
+        return self.num_slots * self.slot_nbytes
 
     @property
     def num_layers(self) -> int:
@@ -133,21 +171,24 @@ class PoolLayout:
         if not -self.num_layers <= i < self.num_layers:
             raise IndexError(f"layer: {i} is out of range for a group of {self.num_layers} layers")
         i %= self.num_layers
-        offset = sum(2 * kv + ik for kv, ik in map(self._layer_numels, self.layers[:i]))
+        start = sum(2 * kv + ik for kv, ik in map(self._layer_nbytes, self.layers[:i]))   # bytes
         spec = self.layers[i]
-        kv_numel, _ = self._layer_numels(spec)
-        hk, d, slot = spec.num_kv_heads, spec.head_dim, self.slot_numel
+        kv_nbytes, _ = self._layer_nbytes(spec)
+        hk, d = spec.num_kv_heads, spec.head_dim
+        kv_size = ITEM_SIZE[self.kv_cache_dtype]
+        slot = self.slot_nbytes // kv_size   # in K/V elements
         shape = (self.num_slots, hk, PAGE_SIZE, d)
         if self.kv_layout == "HND":   # sub-page [Hk, 128, D]
             strides = (slot, PAGE_SIZE * d, d, 1)
         else:                         # sub-page [128, Hk, D]
             strides = (slot, d, hk * d, 1)
-        k = SubPageView(offset, shape, strides)
-        v = SubPageView(offset + kv_numel, shape, strides)
+        k = SubPageView(start // kv_size, shape, strides, self.kv_cache_dtype)
+        v = SubPageView((start + kv_nbytes) // kv_size, shape, strides, self.kv_cache_dtype)
         index_k = None
         if spec.sparse:
-            di = spec.index_head_dim
-            index_k = SubPageView(offset + 2 * kv_numel, (self.num_slots, PAGE_SIZE, di), (slot, di, 1))
+            di, ik_size = spec.index_head_dim, ITEM_SIZE[self.index_cache_dtype]
+            index_k = SubPageView((start + 2 * kv_nbytes) // ik_size, (self.num_slots, PAGE_SIZE, di),
+                                  (self.slot_nbytes // ik_size, di, 1), self.index_cache_dtype)
         return LayerView(k, v, index_k)
 
     def views(self) -> list[LayerView]:

@@ -12,6 +12,7 @@ inside. Value checks (opt-in, ``M3_VALIDATE=1``) are at the end.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 
 import numpy as np
@@ -19,6 +20,7 @@ import numpy as np
 from .maps import PAGE_SIZE
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+FP8 = "float8_e4m3fn"   # the one FP8 cache format (SPEC.md, "FP8 caches")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,36 @@ def check_dtype(name, x, allowed):
     allowed = (allowed,) if isinstance(allowed, str) else tuple(allowed)
     if dtype_name(x) not in allowed:
         raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {dtype_name(x)}")
+
+
+def check_cache_dtype(name, cache, model_dtype):
+    """A cache holds the model's dtype or FP8 (float8_e4m3fn); other FP8 formats are named as such."""
+    got, allowed = dtype_name(cache), tuple(dict.fromkeys((model_dtype, FP8)))
+    if got in allowed:
+        return got
+    if got.startswith("float8"):
+        raise TypeError(f"{name}: FP8 caches must be {FP8}, got {got} (no other FP8 format is supported)")
+    raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {got}")
+
+
+def check_scales(kv_cache_dtype, **scales):
+    """``k_scale``/``v_scale``: None, a Python number, or a float32 array of shape [] or [1]
+    (one scale per layer); only for FP8 K/V caches."""
+    for name, scale in scales.items():
+        if scale is None:
+            continue
+        if kv_cache_dtype != FP8:
+            raise ValueError(f"{name}: scales apply to {FP8} K/V caches only, but the caches are {kv_cache_dtype}; "
+                             f"pass {name}=None")
+        if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+            continue   # converted by the op
+        if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
+            raise TypeError(f"{name}: expected a float or a float32 array of shape [] or [1], "
+                            f"got {type(scale).__name__}")
+        check_dtype(name, scale, "float32")
+        if _shape(scale) not in ((), (1,)):
+            raise ValueError(f"{name}: expected one scale per layer (shape [] or [1]), got shape {_shape(scale)}; "
+                             "per-token or per-head scales are not supported")
 
 
 def check_dim(name, x, axis, expected, what):
@@ -147,16 +179,17 @@ def check_out(out, shape, dtype):
 # -- operands ---------------------------------------------------------------------------
 
 def check_kv_caches(q, k_cache, v_cache):
-    """q [T, Hq, D], caches [pages, Hk, PAGE_SIZE, D] (logical HND) -> (Hq, Hk, D)."""
+    """q [T, Hq, D], caches [pages, Hk, PAGE_SIZE, D] (logical HND) of q's dtype or FP8 -> (Hq, Hk, D)."""
     check_rank("q", q, 3, "[T, Hq, D]")
     check_dtype("q", q, FLOAT_DTYPES)
     num_q_heads, head_dim = int(q.shape[1]), int(q.shape[2])
     check_head_dim("q", head_dim)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_rank(name, cache, 4, "[pages, Hk, 128, D]")
-        check_dtype(name, cache, dtype_name(q))
+        check_cache_dtype(name, cache, dtype_name(q))
         check_dim(name, cache, 2, PAGE_SIZE, "page size")
         check_dim(name, cache, 3, head_dim, "head dim D of q")
+    check_dtype("v_cache", v_cache, dtype_name(k_cache))
     check_dim("v_cache", v_cache, 1, int(k_cache.shape[1]), "Hk of k_cache")
     num_kv_heads = int(k_cache.shape[1])
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
@@ -165,11 +198,11 @@ def check_kv_caches(q, k_cache, v_cache):
 
 
 def check_index_inputs(idx_q, index_k_cache):
-    """idx_q [T, Hi, Di], index_k_cache [pages, PAGE_SIZE, Di] -> (Hi, Di)."""
+    """idx_q [T, Hi, Di], index_k_cache [pages, PAGE_SIZE, Di] of idx_q's dtype or FP8 -> (Hi, Di)."""
     check_rank("idx_q", idx_q, 3, "[T, Hi, Di]")
-    check_dtype("idx_q", idx_q, FLOAT_DTYPES)
+    check_dtype("idx_q", idx_q, FLOAT_DTYPES + (FP8,))
     check_rank("index_k_cache", index_k_cache, 3, "[pages, 128, Di]")
-    check_dtype("index_k_cache", index_k_cache, dtype_name(idx_q))
+    check_cache_dtype("index_k_cache", index_k_cache, dtype_name(idx_q))
     check_dim("index_k_cache", index_k_cache, 1, PAGE_SIZE, "page size")
     head_dim = int(idx_q.shape[2])
     check_head_dim("idx_q", head_dim)
@@ -230,10 +263,12 @@ def check_select_call(scores, seq_lens, *, topk, init_blocks, local_blocks, deco
 
 
 def check_attention_call(q, k_cache, v_cache, block_table, seq_lens, *, block_ids=None, sm_scale=None,
-                         decode_query_len=None, prefill=None, cu_seqlens_q=None, out=None) -> Call:
+                         decode_query_len=None, prefill=None, cu_seqlens_q=None, out=None, k_scale=None,
+                         v_scale=None) -> Call:
     """``sparse_*`` (with ``block_ids``) and ``dense_*``, decode or prefill."""
     num_requests, max_blocks = check_metadata(block_table, seq_lens)
     num_q_heads, num_kv_heads, head_dim = check_kv_caches(q, k_cache, v_cache)
+    check_scales(dtype_name(k_cache), k_scale=k_scale, v_scale=v_scale)
     num_tokens = check_rows("q", q, num_requests, decode_query_len=decode_query_len, prefill=prefill,
                             cu_seqlens_q=cu_seqlens_q)
     if block_ids is not None:
@@ -245,12 +280,12 @@ def check_attention_call(q, k_cache, v_cache, block_table, seq_lens, *, block_id
 
 def check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, topk, init_blocks,
                    local_blocks, sm_scale=None, decode_query_len=None, prefill=None, cu_seqlens_q=None,
-                   out=None) -> Call:
+                   out=None, k_scale=None, v_scale=None) -> Call:
     """``msa_decode`` / ``msa_prefill``: the three stages' inputs at once."""
     check_selection_args(topk, init_blocks, local_blocks)
     call = check_attention_call(q, k_cache, v_cache, block_table, seq_lens, sm_scale=sm_scale,
                                 decode_query_len=decode_query_len, prefill=prefill,
-                                cu_seqlens_q=cu_seqlens_q, out=out)
+                                cu_seqlens_q=cu_seqlens_q, out=out, k_scale=k_scale, v_scale=v_scale)
     num_index_heads, index_head_dim = check_index_inputs(idx_q, index_k_cache)
     check_index_heads(num_index_heads, call.num_kv_heads)
     check_dim("idx_q", idx_q, 0, call.num_tokens, "T (tokens of q)")
@@ -258,7 +293,8 @@ def check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_l
 
 
 def check_step_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, config, num_rows,
-                    num_tokens, block_bound, sparse, init_blocks, local_blocks, sm_scale=None, out=None) -> Call:
+                    num_tokens, block_bound, sparse, init_blocks, local_blocks, sm_scale=None, out=None,
+                    k_scale=None, v_scale=None) -> Call:
     """``msa_attention_step``: a mixed step's arrays against the step's plan.
 
     config: the planner's StepConfig; num_rows / num_tokens: the plan's, padding
@@ -268,6 +304,7 @@ def check_step_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_
         check_selection_args(config.topk, init_blocks, local_blocks)
     num_requests, max_blocks = check_metadata(block_table, seq_lens)
     num_q_heads, num_kv_heads, head_dim = check_kv_caches(q, k_cache, v_cache)
+    check_scales(dtype_name(k_cache), k_scale=k_scale, v_scale=v_scale)
     for name, got, want in (("q: Hq", num_q_heads, config.num_q_heads),
                             ("k_cache: Hk", num_kv_heads, config.num_kv_heads), ("q: D", head_dim, config.head_dim)):
         if got != want:
@@ -289,9 +326,9 @@ def check_step_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_
                 sm_scale=softmax_scale(sm_scale, head_dim))
 
 
-def check_cache_write(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping):
-    """``write_cache``: k, v [T, Hk, D]; index_k [T, Di] or None; caches as in SPEC.md;
-    slot_mapping [T] int32/int64. -> T."""
+def check_cache_write(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, k_scale=None, v_scale=None):
+    """``write_cache``: k, v [T, Hk, D]; index_k [T, Di] or None; caches as in SPEC.md (k's dtype
+    or FP8); slot_mapping [T] int32/int64; scales for FP8 K/V caches. -> T."""
     check_rank("k", k, 3, "[T, Hk, D]")
     check_dtype("k", k, FLOAT_DTYPES)
     num_tokens, num_kv_heads, head_dim = (int(s) for s in k.shape)
@@ -302,10 +339,12 @@ def check_cache_write(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mappi
         check_dim("v", v, axis, want, f"{what} of k")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_rank(name, cache, 4, "[slots, Hk, 128, D]")
-        check_dtype(name, cache, dtype_name(k))
+        check_cache_dtype(name, cache, dtype_name(k))
         check_dim(name, cache, 1, num_kv_heads, "Hk of k")
         check_dim(name, cache, 2, PAGE_SIZE, "page size")
         check_dim(name, cache, 3, head_dim, "D of k")
+    check_dtype("v_cache", v_cache, dtype_name(k_cache))
+    check_scales(dtype_name(k_cache), k_scale=k_scale, v_scale=v_scale)
     check_rank("slot_mapping", slot_mapping, 1, "[T]")
     check_dtype("slot_mapping", slot_mapping, ("int32", "int64"))
     check_dim("slot_mapping", slot_mapping, 0, num_tokens, "T (tokens of k)")
@@ -319,7 +358,7 @@ def check_cache_write(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mappi
         check_dim("index_k", index_k, 0, num_tokens, "T (tokens of k)")
         check_head_dim("index_k", int(index_k.shape[1]))
         check_rank("index_k_cache", index_k_cache, 3, "[slots, 128, Di]")
-        check_dtype("index_k_cache", index_k_cache, dtype_name(k))
+        check_cache_dtype("index_k_cache", index_k_cache, dtype_name(k))
         check_dim("index_k_cache", index_k_cache, 1, PAGE_SIZE, "page size")
         check_dim("index_k_cache", index_k_cache, 2, int(index_k.shape[1]), "Di of index_k")
     return num_tokens

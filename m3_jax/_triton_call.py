@@ -6,9 +6,9 @@ One entry point, two lowerings, the same kernel source:
   kernel ``m3_kernels.kernel_module(module, interpret=False).<fn>``.
 * CPU backend: the SAME kernel loaded with Triton's interpreter
   (``kernel_module(module, interpret=True)``), run inside ``jax.pure_callback``
-  on torch CPU tensors made from the numpy arrays (bf16 arrays are
-  reinterpreted through uint16, since ``torch.from_numpy`` rejects
-  ``ml_dtypes.bfloat16``). XLA runs independent callbacks concurrently; the
+  on torch CPU tensors made from the numpy arrays (bf16 and float8_e4m3fn
+  arrays are reinterpreted through 16- and 8-bit ints, since
+  ``torch.from_numpy`` rejects ``ml_dtypes`` types). XLA runs independent callbacks concurrently; the
   interpreted launches serialize themselves (``m3_kernels.interpreter``), so
   any number of ops may share one jitted function.
 
@@ -165,36 +165,33 @@ def _cpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stage
     return jax.pure_callback(callback, tuple(out_shapes), *arrays)
 
 
-_UINT16_VIEW = ("bfloat16",)  # ml_dtypes types torch.from_numpy rejects: moved as 16-bit ints
+# ml_dtypes types torch.from_numpy rejects: moved as ints of their width
+_INT_VIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8"}
 
 
 def _torch_dtype(dtype):
     import torch
 
-    name = np.dtype(dtype).name
-    return torch.bfloat16 if name == "bfloat16" else getattr(torch, name)
+    return getattr(torch, np.dtype(dtype).name)
 
 
 def _to_torch(a):
     """numpy (or ml_dtypes) array -> CPU torch tensor sharing its memory when possible."""
     import torch
 
-    a = np.asarray(a)
-    if a.dtype.name in _UINT16_VIEW:
-        a = np.ascontiguousarray(a).view(np.int16)
-        bf16 = True
-    else:
-        bf16 = False
+    a = np.ascontiguousarray(a)
+    name = a.dtype.name
+    if name in _INT_VIEW:
+        a = a.view(_INT_VIEW[name])
     with warnings.catch_warnings():  # callback inputs are read-only; the kernels never write them
         warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.view(torch.bfloat16) if bf16 else t
+        t = torch.from_numpy(a)
+    return t.view(_torch_dtype(name)) if name in _INT_VIEW else t
 
 
 def _to_numpy(t, dtype):
-    """CPU torch tensor -> numpy array of ``dtype`` (bf16 through a uint16 view)."""
-    import torch
-
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.dtype(dtype))
+    """CPU torch tensor -> numpy array of ``dtype`` (bf16 / float8 through an int view)."""
+    name = np.dtype(dtype).name
+    if name in _INT_VIEW:
+        return t.view(_torch_dtype(_INT_VIEW[name])).numpy().view(np.dtype(dtype))
     return t.numpy()

@@ -10,6 +10,12 @@ the index-K cache is a ``[pages, 128, Di]`` array or a PagedView.
 
 Every op works under ``jax.jit`` with ``decode_query_len``, ``topk``,
 ``init_blocks``, ``local_blocks``, ``sm_scale`` and ``kv_layout`` static.
+
+FP8 caches (SPEC.md, "FP8 caches"): any cache may be ``float8_e4m3fn`` (an
+array, or a PagedView into a byte pool). The ops that read K/V take
+``k_scale=``/``v_scale=``: None (1.0), a Python float, or a float32 scalar
+array, which the kernels read at run time (a jitted step takes new values
+without recompiling). The index-K cache is unscaled.
 Prefill ops take host ``cu_seqlens_q`` (read once into a PrefillPlan) or
 ``plan=`` (a PrefillPlan, or :class:`~m3_jax.ops.PrefillMaps` whose leaves
 may be traced, so a jitted prefill recompiles per padded shape only).
@@ -70,15 +76,24 @@ def _select_blocks(scores, seq_lens, token_map, topk, init_blocks, local_blocks)
                                   interpret=not ops.on_gpu())
 
 
-def _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, sm_scale) -> launches.Launch:
+def _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, sm_scale, kv_scales) -> launches.Launch:
     return launches.paged_attention(
         q=operand(q), k=operand(k), v=operand(v), block_ids=None if block_ids is None else operand(block_ids),
         block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map, tile=tile, sm_scale=sm_scale,
-        out_dtype=str(q.dtype), out_strides=strides(q.shape), interpret=not ops.on_gpu())
+        out_dtype=str(q.dtype), out_strides=strides(q.shape), interpret=not ops.on_gpu(), k_scale=kv_scales[0],
+        v_scale=kv_scales[1])
 
 
 def _kv(k_cache, v_cache, kv_layout):
     return as_kv_view(k_cache, kv_layout, "k_cache"), as_kv_view(v_cache, kv_layout, "v_cache")
+
+
+def _kv_scales(k_cache, k_scale, v_scale):
+    """(k_scale, v_scale) as the kernels read them: float32 arrays for an FP8 K/V cache
+    (None is 1.0), (None, None) for any other."""
+    if validate.dtype_name(k_cache) != validate.FP8:
+        return None, None
+    return tuple(jnp.ones((), jnp.float32) if s is None else jnp.asarray(s, jnp.float32) for s in (k_scale, v_scale))
 
 
 # -- decode ---------------------------------------------------------------------------------
@@ -114,40 +129,45 @@ def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0,
     return run(_select_blocks(scores, seq_lens, token_map, int(topk), int(init_blocks), int(local_blocks)))["block_ids"]
 
 
-def _decode_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, kv_layout):
+def _decode_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, kv_layout,
+                      k_scale, v_scale):
     """Validate a decode attention call -> its launch."""
     k, v = _kv(k_cache, v_cache, kv_layout)
     call = validate.check_attention_call(q, k, v, block_table, seq_lens, block_ids=block_ids, sm_scale=sm_scale,
-                                         decode_query_len=decode_query_len)
+                                         decode_query_len=decode_query_len, k_scale=k_scale, v_scale=v_scale)
     seq_lens = guards.check_call(op, q=q, k_cache=k, v_cache=v, block_ids=block_ids, block_table=block_table,
                                  seq_lens=seq_lens)
     n = int(decode_query_len)
     tile = _maps.decode_tile(call.group, n, block_ids is not None, max_blocks=call.max_blocks,
                             topk=0 if block_ids is None else block_ids.shape[2])
     tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
-    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale)  # the launch
+    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
+                      _kv_scales(k, k_scale, v_scale))  # the launch
 
 
 def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, decode_query_len, sm_scale=None,
-                  kv_layout="HND"):
+                  kv_layout="HND", k_scale=None, v_scale=None):
     """Block-sparse GQA decode attention -> ``[T, Hq, D]`` in q's dtype.
 
-    q [T, Hq, D]; k_cache/v_cache: arrays in ``kv_layout`` or PagedViews;
-    block_ids [Hk, T, topk] int32 (-1 skipped, distinct per row); block_table
-    [R, max_blocks] int32; seq_lens [R] int32.
+    q [T, Hq, D]; k_cache/v_cache: arrays in ``kv_layout`` or PagedViews (q's
+    dtype or float8_e4m3fn, then scaled by k_scale/v_scale); block_ids [Hk, T,
+    topk] int32 (-1 skipped, distinct per row); block_table [R, max_blocks]
+    int32; seq_lens [R] int32.
     """
     return run(_decode_attention("sparse_decode", q, k_cache, v_cache, block_ids, block_table, seq_lens,
-                                 decode_query_len, sm_scale, kv_layout))["out"]
+                                 decode_query_len, sm_scale, kv_layout, k_scale, v_scale))["out"]
 
 
-def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len, sm_scale=None, kv_layout="HND"):
+def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len, sm_scale=None, kv_layout="HND",
+                 k_scale=None, v_scale=None):
     """Paged GQA decode attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
     return run(_decode_attention("dense_decode", q, k_cache, v_cache, None, block_table, seq_lens, decode_query_len,
-                                 sm_scale, kv_layout))["out"]
+                                 sm_scale, kv_layout, k_scale, v_scale))["out"]
 
 
 def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, decode_query_len, topk=16,
-               init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND", backend=None):
+               init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND", k_scale=None, v_scale=None,
+               backend=None):
     """``index_scores`` -> ``select_blocks`` -> ``sparse_decode``; returns ``(out, block_ids)``.
 
     out [T, Hq, D] in q's dtype; block_ids [Hk, T, topk] int32. The scores are
@@ -158,7 +178,7 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     index_k = as_index_k_view(index_k_cache)
     call = validate.check_msa_call(q, idx_q, k, v, index_k, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
-                                   decode_query_len=decode_query_len)
+                                   decode_query_len=decode_query_len, k_scale=k_scale, v_scale=v_scale)
     seq_lens = guards.check_call("msa_decode", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k)
@@ -169,7 +189,9 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     block_ids = run(_select_blocks(scores, seq_lens, token_map, topk, int(init_blocks), int(local_blocks)))["block_ids"]
     tile = _maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk)
     tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
-    return run(_attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale))["out"], block_ids
+    launch = _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
+                        _kv_scales(k, k_scale, v_scale))
+    return run(launch)["out"], block_ids
 
 
 # -- prefill --------------------------------------------------------------------------------
@@ -212,38 +234,40 @@ def _group(q, k):
 
 
 def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
-                       kv_layout):
+                       kv_layout, k_scale, v_scale):
     """Validate a prefill attention call -> its launch."""
     k, v = _kv(k_cache, v_cache, kv_layout)
     maps_ = _prefill_maps(cu_seqlens_q, plan, _group(q, k))
     call = validate.check_attention_call(q, k, v, block_table, seq_lens, block_ids=block_ids, sm_scale=sm_scale,
-                                         prefill=maps_, cu_seqlens_q=cu_seqlens_q)
+                                         prefill=maps_, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale)
     seq_lens = guards.check_call(op, q=q, k_cache=k, v_cache=v, block_ids=block_ids, block_table=block_table,
                                  seq_lens=seq_lens)
     tile, tile_map = maps_.tile(call.group)
-    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale)  # the launch
+    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
+                      _kv_scales(k, k_scale, v_scale))  # the launch
 
 
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None,
-                   plan=None, kv_layout="HND"):
+                   plan=None, kv_layout="HND", k_scale=None, v_scale=None):
     """Block-sparse GQA attention, each token over its own blocks -> ``[T, Hq, D]`` in q's dtype.
 
     Causal inside every block (the diagonal one included). Arguments as in
     ``m3_torch.sparse_prefill``; K/V arrays in ``kv_layout`` or PagedViews.
     """
     return run(_prefill_attention("sparse_prefill", q, k_cache, v_cache, block_ids, block_table, seq_lens,
-                                  cu_seqlens_q, plan, sm_scale, kv_layout))["out"]
+                                  cu_seqlens_q, plan, sm_scale, kv_layout, k_scale, v_scale))["out"]
 
 
 def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None, plan=None,
-                  kv_layout="HND"):
+                  kv_layout="HND", k_scale=None, v_scale=None):
     """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
     return run(_prefill_attention("dense_prefill", q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q,
-                                  plan, sm_scale, kv_layout))["out"]
+                                  plan, sm_scale, kv_layout, k_scale, v_scale))["out"]
 
 
 def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q=None, topk=16,
-                init_blocks=0, local_blocks=1, sm_scale=None, plan=None, kv_layout="HND", backend=None):
+                init_blocks=0, local_blocks=1, sm_scale=None, plan=None, kv_layout="HND", k_scale=None,
+                v_scale=None, backend=None):
     """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``.
 
     ``backend``: the indexer's, as in ``index_scores``.
@@ -254,7 +278,7 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     maps_ = _prefill_maps(cu_seqlens_q, plan, heads)
     call = validate.check_msa_call(q, idx_q, k, v, index_k, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
-                                   prefill=maps_, cu_seqlens_q=cu_seqlens_q)
+                                   prefill=maps_, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale)
     seq_lens = guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k)
@@ -263,7 +287,9 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     launch = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
     block_ids = run(launch)["block_ids"]
     tile, tile_map = maps_.tile(call.group)
-    return run(_attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale))["out"], block_ids
+    launch = _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
+                        _kv_scales(k, k_scale, v_scale))
+    return run(launch)["out"], block_ids
 
 
 # -- mixed step -----------------------------------------------------------------------------
@@ -308,7 +334,8 @@ def step_inputs(plan: planner.StepPlan):
 
 
 def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, plan, maps=None,
-                       sparse=True, init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND", backend=None):
+                       sparse=True, init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND", k_scale=None,
+                       v_scale=None, backend=None):
     """Attention of one layer for a whole mixed step -> ``(out [T, Hq, D], block_ids [Hk, T, topk] | None)``.
 
     Arguments as in ``m3_torch.msa_attention_step`` (no ``out``/``arena``); K/V
@@ -327,7 +354,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     call = validate.check_step_call(q, idx_q, k, v, index_k, block_table, seq_lens, config=cfg,
                                     num_rows=spec.num_rows, num_tokens=spec.num_tokens, block_bound=spec.block_bound,
                                     sparse=sparse, init_blocks=init_blocks, local_blocks=local_blocks,
-                                    sm_scale=sm_scale)
+                                    sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
     seq_lens = guards.check_call("msa_attention_step", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k) if sparse else None
@@ -346,6 +373,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
         spans.append((slice(spec.context_rows, spec.num_rows), slice(spec.context_tokens, spec.num_tokens), bound,
                       (index_tile, *ops.decode_maps(rows, n, index_tile.tokens_per_tile)),
                       (attention_tile, ops.decode_maps(rows, n, attention_tile.tokens_per_tile)[0])))
+    scales = _kv_scales(k, k_scale, v_scale)
     outs, ids = [], []
     for rows, toks, bound, index_maps, attention_maps in spans:
         table, lens = block_table[rows, :bound], seq_lens[rows]
@@ -357,7 +385,8 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             block_ids = run(launch)["block_ids"]
             ids.append(block_ids)
         tile, tile_map = attention_maps
-        outs.append(run(_attention(q[toks], k, v, block_ids, table, lens, tile_map, tile, call.sm_scale))["out"])
+        outs.append(run(_attention(q[toks], k, v, block_ids, table, lens, tile_map, tile, call.sm_scale,
+                                   scales))["out"])
     out = jnp.concatenate(outs, axis=0) if outs else jnp.zeros(q.shape, q.dtype)
     if not sparse:
         return out, None

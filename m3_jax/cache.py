@@ -4,7 +4,8 @@ A pool is a 1-D jax array of ``layout.numel`` elements
 (``m3_kernels.pool.PoolLayout``). ``layer_views`` describes a layer's caches as
 :class:`~m3_jax.views.PagedView` objects over that one buffer (offset +
 strides, nothing sliced or copied); every decode op accepts them, and
-``block_table`` holds slot ids.
+``block_table`` holds slot ids. A pool with FP8 caches is a byte (uint8)
+buffer; each view reads it as its cache's dtype (``PagedView.dtype``).
 
 ``write_cache`` appends a step's new rows through the shared
 ``cache_write_kernel``, with the pool as an input aliased to the kernel's
@@ -28,6 +29,7 @@ from m3_kernels.pool import PoolLayout, SubPageView
 
 from . import guards
 from ._triton_call import on_gpu
+from .api import _kv_scales
 from .ops import operand, run
 from .views import PagedView, as_index_k_view, as_kv_view
 
@@ -41,20 +43,20 @@ class LayerViews(NamedTuple):
 
 
 def allocate_pool(layout: PoolLayout, device=None) -> jax.Array:
-    """A zero-filled pool: 1-D ``[layout.numel]`` of ``layout.dtype`` (on ``device`` if given)."""
-    pool = jnp.zeros(layout.shape, dtype=jnp.dtype(layout.dtype))
+    """A zero-filled pool: 1-D ``[layout.numel]`` of ``layout.buffer_dtype`` (on ``device`` if given)."""
+    pool = jnp.zeros(layout.shape, dtype=jnp.dtype(layout.buffer_dtype))
     return pool if device is None else jax.device_put(pool, device)
 
 
 def check_pool(pool, layout: PoolLayout):
     if tuple(pool.shape) != layout.shape:
         raise ValueError(f"pool: expected shape {layout.shape} from the layout, got {tuple(pool.shape)}")
-    if jnp.dtype(pool.dtype) != jnp.dtype(layout.dtype):
-        raise TypeError(f"pool: expected dtype {layout.dtype} from the layout, got {pool.dtype}")
+    if jnp.dtype(pool.dtype) != jnp.dtype(layout.buffer_dtype):
+        raise TypeError(f"pool: expected dtype {layout.buffer_dtype} from the layout, got {pool.dtype}")
 
 
 def sub_page_view(pool, view: SubPageView) -> PagedView:
-    return PagedView(pool, view.offset, view.shape, view.strides)
+    return PagedView(pool, view.offset, view.shape, view.strides, view.dtype)
 
 
 def layer_views(pool, layout: PoolLayout, layer: int) -> LayerViews:
@@ -65,23 +67,28 @@ def layer_views(pool, layout: PoolLayout, layer: int) -> LayerViews:
     return LayerViews(sub_page_view(pool, lv.k), sub_page_view(pool, lv.v), index_k)
 
 
-def _launch(k, v, index_k, slot_mapping, buffer, views):
+def _launch(k, v, index_k, slot_mapping, buffer, views, scales):
     """One kernel launch writing the caches in ``views`` (name -> PagedView, all over ``buffer``)."""
     launch = launches.write_cache(
         k=operand(k), v=operand(v), index_k=None if index_k is None else operand(index_k),
         slot_mapping=slot_mapping, pool=buffer, pool_shape=buffer.shape, pool_dtype=str(buffer.dtype),
         **{f"{name}_cache": operand(views[key]) if key in views else None
-           for name, key in (("k", "k"), ("v", "v"), ("index_k", "index"))}, interpret=not on_gpu())
+           for name, key in (("k", "k"), ("v", "v"), ("index_k", "index"))}, interpret=not on_gpu(),
+        k_scale=scales[0], v_scale=scales[1])
     return run(launch)["pool"]
 
 
-def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, *, kv_layout="HND"):
+def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, *, kv_layout="HND", k_scale=None,
+                v_scale=None):
     """Write token ``t``'s rows to row ``slot_mapping[t] % 128`` of page ``slot_mapping[t] // 128``.
 
-    k, v [T, Hk, D] and index_k [T, Di] (None for a dense layer) in the caches'
+    k, v [T, Hk, D] and index_k [T, Di] (None for a dense layer) in the model's
     dtype; k_cache/v_cache: PagedViews (``layer_views``) or arrays in
     ``kv_layout``; index_k_cache: PagedView or ``[slots, 128, Di]`` array (None
-    for a dense layer); slot_mapping [T] int32, ``-1`` skips a token.
+    for a dense layer); caches of k's dtype or float8_e4m3fn; slot_mapping [T]
+    int32, ``-1`` skips a token. FP8 caches store ``saturate(x / scale)``
+    rounded to nearest even: K/V with ``k_scale``/``v_scale`` (None: 1.0, a
+    float, or a float32 scalar array), index-K unscaled.
 
     Returns ``(k_cache, v_cache, index_k_cache)`` updated, each of the kind it
     was given: PagedViews over the new buffer, or arrays. Views over one buffer
@@ -93,7 +100,7 @@ def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, *,
     if index_k_cache is not None:
         views["index"] = as_index_k_view(index_k_cache)
     num_tokens = validate.check_cache_write(k, v, index_k, views["k"], views["v"], views.get("index"),
-                                            slot_mapping)
+                                            slot_mapping, k_scale, v_scale)
     slot_mapping = guards.check_call("write_cache", k=k, v=v, index_k=index_k, k_cache=views["k"], v_cache=views["v"],
                                      index_k_cache=views.get("index"), slot_mapping=slot_mapping)
     if num_tokens == 0:
@@ -106,17 +113,18 @@ def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, *,
                 break
         else:
             groups.append((view.buffer, {name: view}))
+    scales = _kv_scales(views["k"], k_scale, v_scale)
     new = {}
     for buffer, members in groups:
-        out = _launch(k, v, index_k, slot_mapping, buffer, members)
+        out = _launch(k, v, index_k, slot_mapping, buffer, members, scales)
         for name, view in members.items():
-            new[name] = (PagedView(out, view.offset, view.shape, view.strides)
+            new[name] = (PagedView(out, view.offset, view.shape, view.strides, view.dtype)
                          if isinstance(given[name], PagedView) else out)
     return new["k"], new["v"], new.get("index")
 
 
-def write_layer(pool, layout: PoolLayout, layer: int, k, v, index_k, slot_mapping):
+def write_layer(pool, layout: PoolLayout, layer: int, k, v, index_k, slot_mapping, *, k_scale=None, v_scale=None):
     """``write_cache`` into layer ``layer`` of ``pool`` -> the new pool (same buffer when donated under jit)."""
     views = layer_views(pool, layout, layer)
-    new_k, _, _ = write_cache(k, v, index_k, *views, slot_mapping)
+    new_k, _, _ = write_cache(k, v, index_k, *views, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     return new_k.buffer

@@ -26,8 +26,8 @@ from .views import PagedView
 def operand(x) -> Operand:
     """A jax array (dense, row-major) or a PagedView as the kernels read it."""
     if isinstance(x, PagedView):
-        return Operand(x.buffer, x.offset, x.shape, x.strides)
-    return Operand(x, 0, tuple(x.shape), maps.contiguous_strides(x.shape))
+        return Operand(x.buffer, x.offset, x.shape, x.strides, x.dtype.name)
+    return Operand(x, 0, tuple(x.shape), maps.contiguous_strides(x.shape), jnp.dtype(x.dtype).name)
 
 
 def strides(shape) -> tuple:

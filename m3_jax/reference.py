@@ -8,7 +8,8 @@ positions come from per-request query lengths ``q_lens`` (a static list of
 ints): decode is ``q_lens = [n] * R``. ``seq_lens`` may be a traced array, so
 the references also run under ``jax.jit`` with ``q_lens`` static.
 
-Caches are what the ops accept: arrays in ``kv_layout`` or PagedViews. Each
+Caches are what the ops accept: arrays in ``kv_layout`` or PagedViews, FP8
+ones dequantised first (``stored * scale``; index-K unscaled). Each
 reference is jitted as a whole (static: ``q_lens``, selection and layout
 arguments), which is much faster than op-by-op dispatch.
 """
@@ -100,12 +101,18 @@ def select_blocks_ref(scores, seq_lens, q_lens, topk=16, init_blocks=0, local_bl
     return jnp.where(ids >= max_blocks, -1, ids).astype(jnp.int32)
 
 
+def _dequantised(cache, kv_layout, name, scale):
+    """A K/V cache as float32 [pages, Hk, 128, D], times ``scale`` (FP8; None: 1.0)."""
+    x = as_kv_view(cache, kv_layout, name).to_array().astype(jnp.float32)
+    return x if scale is None else x * jnp.reshape(jnp.asarray(scale, jnp.float32), ())
+
+
 @_jit("sm_scale", "kv_layout")
 def attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, block_ids=None, sm_scale=None,
-                  kv_layout="HND"):
+                  kv_layout="HND", k_scale=None, v_scale=None):
     """Dense (block_ids None) or block-sparse paged GQA attention -> float32 [T, Hq, D]."""
-    k_all = as_kv_view(k_cache, kv_layout, "k_cache").to_array().astype(jnp.float32)  # [pages, Hk, 128, D]
-    v_all = as_kv_view(v_cache, kv_layout, "v_cache").to_array().astype(jnp.float32)
+    k_all = _dequantised(k_cache, kv_layout, "k_cache", k_scale)   # [pages, Hk, 128, D]
+    v_all = _dequantised(v_cache, kv_layout, "v_cache", v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_all.shape[1]
     group = num_q_heads // num_kv_heads
@@ -133,11 +140,12 @@ def attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, block_ids=
 
 @_jit("topk", "init_blocks", "local_blocks", "sm_scale", "kv_layout")
 def msa_decode_ref(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, q_lens, topk=16,
-                   init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND"):
+                   init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND", k_scale=None, v_scale=None):
     """-> (out float32 [T, Hq, D], block_ids [Hk, T, topk])."""
     scores = index_scores_ref(idx_q, index_k_cache, block_table, seq_lens, q_lens)
     ids = select_blocks_ref(scores, seq_lens, q_lens, topk, init_blocks, local_blocks)
-    out = attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, ids, sm_scale, kv_layout)
+    out = attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, ids, sm_scale, kv_layout, k_scale,
+                        v_scale)
     return out, ids
 
 

@@ -16,10 +16,15 @@ Uses:
   their own offsets and strides): build a ``PagedView(pool, offset, shape,
   strides)`` per layer; ``block_table`` then holds slot ids.
 
-A PagedView is a pytree whose only leaf is ``buffer``; ``offset``, ``shape``
-and ``strides`` are static aux data. It passes through ``jax.jit`` (changing
-the buffer's values never recompiles; changing the layout does), and it
-exposes the logical ``.shape``/``.dtype`` that ``m3_kernels.validate`` reads.
+A view may read its buffer as another dtype (``dtype=``): a pool with FP8
+caches is a byte (uint8) buffer holding bf16 and float8_e4m3fn sub-pages, and
+each view counts its offset and strides in its own elements; the kernels
+reinterpret the buffer's pointer, nothing is converted or copied.
+
+A PagedView is a pytree whose only leaf is ``buffer``; ``offset``, ``shape``,
+``strides`` and ``dtype`` are static aux data. It passes through ``jax.jit``
+(changing the buffer's values never recompiles; changing the layout does), and
+it exposes the logical ``.shape``/``.dtype`` that ``m3_kernels.validate`` reads.
 """
 
 from __future__ import annotations
@@ -46,51 +51,51 @@ class PagedView:
     offset:  element offset of the view's element (0, ..., 0) in the flat buffer.
     shape:   logical shape of the view.
     strides: element strides of the view, one per axis (>= 0).
+    dtype:   the view's element type (default: the buffer's); offset and strides
+             count its elements, in the buffer's bytes read as that type.
     """
 
-    __slots__ = ("buffer", "offset", "shape", "strides")
+    __slots__ = ("buffer", "offset", "shape", "strides", "dtype")
 
-    def __init__(self, buffer, offset, shape, strides):
+    def __init__(self, buffer, offset, shape, strides, dtype=None):
         if not hasattr(buffer, "shape") or not hasattr(buffer, "dtype"):
             raise TypeError(f"PagedView: buffer must be an array, got {type(buffer).__name__}")
         shape = tuple(int(s) for s in shape)
         strides = tuple(int(s) for s in strides)
         offset = int(offset)
+        dtype = jnp.dtype(buffer.dtype if dtype is None else dtype)
         if len(shape) != len(strides):
             raise ValueError(f"PagedView: shape {shape} and strides {strides} differ in rank")
         if offset < 0 or any(s < 0 for s in shape) or any(s < 0 for s in strides):
             raise ValueError(f"PagedView: offset, shape and strides must be >= 0, got {offset}, {shape}, {strides}")
-        size = math.prod(int(s) for s in buffer.shape)
+        nbytes = math.prod(int(s) for s in buffer.shape) * jnp.dtype(buffer.dtype).itemsize
+        size = nbytes // dtype.itemsize   # the buffer's elements, read as dtype
         if math.prod(shape) > 0:
             last = offset + sum((n - 1) * s for n, s in zip(shape, strides))
             if last >= size:
                 raise ValueError(f"PagedView: view (offset {offset}, shape {shape}, strides {strides}) reaches "
-                                 f"element {last}, past the buffer's {size} elements")
+                                 f"element {last}, past the buffer's {size} elements of {dtype.name}")
         self.buffer = jnp.asarray(buffer) if isinstance(buffer, np.ndarray) else buffer
-        self.offset, self.shape, self.strides = offset, shape, strides
+        self.offset, self.shape, self.strides, self.dtype = offset, shape, strides, dtype
 
-    # -- array-like metadata (what m3_kernels.validate reads) --
-    @property
-    def dtype(self):
-        return self.buffer.dtype
-
+    # -- array-like metadata (what m3_kernels.validate reads: .shape, .dtype) --
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
     def __repr__(self):
         return (f"PagedView(buffer={getattr(self.buffer, 'shape', '?')} {getattr(self.buffer, 'dtype', '?')}, "
-                f"offset={self.offset}, shape={self.shape}, strides={self.strides})")
+                f"offset={self.offset}, shape={self.shape}, strides={self.strides}, dtype={self.dtype.name})")
 
     # -- pytree: the buffer is the only leaf --
     def tree_flatten(self):
-        return (self.buffer,), (self.offset, self.shape, self.strides)
+        return (self.buffer,), (self.offset, self.shape, self.strides, self.dtype)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         view = object.__new__(cls)  # no checks: jax may rebuild it around placeholders
         view.buffer, = children
-        view.offset, view.shape, view.strides = aux
+        view.offset, view.shape, view.strides, view.dtype = aux
         return view
 
     # -- helpers --
@@ -108,7 +113,18 @@ class PagedView:
         index = jnp.full(self.shape, self.offset, dtype=jnp.int32)
         for axis, (n, s) in enumerate(zip(self.shape, self.strides)):
             index = index + jax.lax.broadcasted_iota(jnp.int32, self.shape, axis) * s
-        return jnp.reshape(self.buffer, (-1,))[index]
+        return _flat_as(self.buffer, self.dtype)[index]
+
+
+def _flat_as(buffer, dtype):
+    """The flat elements of ``buffer``, its bytes read as ``dtype`` (a bitcast, no conversion)."""
+    flat = jnp.reshape(buffer, (-1,))
+    if flat.dtype == dtype:
+        return flat
+    ratio = dtype.itemsize // flat.dtype.itemsize
+    if ratio > 1:   # e.g. bytes -> bfloat16: pairs of bytes become one element
+        flat = flat[:flat.shape[0] - flat.shape[0] % ratio].reshape(-1, ratio)
+    return jnp.reshape(jax.lax.bitcast_convert_type(flat, dtype), (-1,))
 
 
 def kv_cache_view(cache, kv_layout: str = "HND", name: str = "k_cache") -> PagedView:

@@ -8,6 +8,12 @@ once; pass ``plan=`` to share one read across layers), and a step's spans from
 its :class:`~m3_kernels.planner.StepPlan`. Every op takes ``out=`` (any
 strides) and, for caches, any strides whose offsets are multiples of 16
 elements (an NHD store is ``cache.permute(0, 2, 1, 3)``).
+
+FP8 caches (SPEC.md, "FP8 caches"): any cache may be ``torch.float8_e4m3fn``.
+The ops that read K/V take ``k_scale=``/``v_scale=`` (K = stored K * k_scale):
+None (1.0), a Python float, or a float32 tensor of shape [] or [1] on the
+caches' device, which the kernels read from memory (a captured graph takes new
+values written into it). The index-K cache is unscaled.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "ms
 
 
 def _check_devices(**tensors) -> torch.device:
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
     first = next(iter(devices.values()))
     for name, device in devices.items():
         if device != first:
@@ -45,6 +51,14 @@ def _scorer(backend, idx_q, index_k_cache):
         cache_dtype=validate.dtype_name(index_k_cache), device=device.type,
         capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     return ops.index_scores if name == "triton" else cute_ops.index_scores
+
+
+def _kv_scales(k_cache, k_scale, v_scale, device):
+    """(k_scale, v_scale) as the kernels read them: float32 tensors for an FP8 K/V cache
+    (``ops.as_scale``), (None, None) for any other."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return None, None
+    return ops.as_scale(k_scale, device), ops.as_scale(v_scale, device)
 
 
 def prefill_plan(cu_seqlens_q=None, plan=None) -> planner.PrefillPlan:
@@ -96,48 +110,54 @@ def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0,
     return out
 
 
-def _decode_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, out):
-    """Validate a decode attention call -> (out, tile_map, tokens_per_tile, sm_scale)."""
+def _decode_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, out,
+                      k_scale, v_scale):
+    """Validate a decode attention call -> (out, tile_map, tokens_per_tile, sm_scale, (k_scale, v_scale))."""
     call = validate.check_attention_call(q, k_cache, v_cache, block_table, seq_lens, block_ids=block_ids,
-                                         sm_scale=sm_scale, decode_query_len=decode_query_len, out=out)
+                                         sm_scale=sm_scale, decode_query_len=decode_query_len, out=out,
+                                         k_scale=k_scale, v_scale=v_scale)
     guards.check_call(op, q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
                       seq_lens=seq_lens)
     device = _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
-                            seq_lens=seq_lens, out=out)
+                            seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     out = _empty(q.shape, q.dtype, device, out)
     n = int(decode_query_len)
     tile = maps.decode_tile(call.group, n, block_ids is not None, max_blocks=call.max_blocks,
                             topk=0 if block_ids is None else block_ids.shape[2])
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
-    return out, tile_map, tile.tokens_per_tile, call.sm_scale
+    return out, tile_map, tile.tokens_per_tile, call.sm_scale, _kv_scales(k_cache, k_scale, v_scale, device)
 
 
 def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, decode_query_len, sm_scale=None,
-                  out=None):
+                  out=None, k_scale=None, v_scale=None):
     """Block-sparse GQA decode attention -> ``[T, Hq, D]`` in q's dtype.
 
-    q [T, Hq, D]; k_cache/v_cache [pages, Hk, 128, D]; block_ids [Hk, T, topk]
-    int32 (-1 skipped; the ids of one row distinct, as ``select_blocks`` writes
-    them); block_table [R, max_blocks] int32; seq_lens [R] int32.
+    q [T, Hq, D]; k_cache/v_cache [pages, Hk, 128, D] (q's dtype or float8_e4m3fn,
+    then scaled by k_scale/v_scale); block_ids [Hk, T, topk] int32 (-1 skipped;
+    the ids of one row distinct, as ``select_blocks`` writes them); block_table
+    [R, max_blocks] int32; seq_lens [R] int32.
     """
-    out, tile_map, tokens_per_tile, scale = _decode_attention("sparse_decode", q, k_cache, v_cache, block_ids,
-                                                              block_table, seq_lens, decode_query_len, sm_scale, out)
+    out, tile_map, tokens_per_tile, scale, kv_scales = _decode_attention(
+        "sparse_decode", q, k_cache, v_cache, block_ids, block_table, seq_lens, decode_query_len, sm_scale, out,
+        k_scale, v_scale)
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
-                        tokens_per_tile, scale)
+                        tokens_per_tile, scale, *kv_scales)
     return out
 
 
-def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len, sm_scale=None, out=None):
+def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len, sm_scale=None, out=None,
+                 k_scale=None, v_scale=None):
     """Paged GQA decode attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
-    out, tile_map, tokens_per_tile, scale = _decode_attention("dense_decode", q, k_cache, v_cache, None, block_table,
-                                                              seq_lens, decode_query_len, sm_scale, out)
+    out, tile_map, tokens_per_tile, scale, kv_scales = _decode_attention(
+        "dense_decode", q, k_cache, v_cache, None, block_table, seq_lens, decode_query_len, sm_scale, out,
+        k_scale, v_scale)
     ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None, tokens_per_tile,
-                        scale)
+                        scale, *kv_scales)
     return out
 
 
 def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, decode_query_len, topk=16,
-               init_blocks=0, local_blocks=1, sm_scale=None, out=None, backend=None):
+               init_blocks=0, local_blocks=1, sm_scale=None, out=None, k_scale=None, v_scale=None, backend=None):
     """``index_scores`` -> ``select_blocks`` -> ``sparse_decode``; returns ``(out, block_ids)``.
 
     The scores live in a persistent per-device workspace, reused across calls.
@@ -145,11 +165,11 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     """
     call = validate.check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
-                                   decode_query_len=decode_query_len, out=out)
+                                   decode_query_len=decode_query_len, out=out, k_scale=k_scale, v_scale=v_scale)
     guards.check_call("msa_decode", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                       block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
-                            block_table=block_table, seq_lens=seq_lens, out=out)
+                            block_table=block_table, seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     scorer = _scorer(backend, idx_q, index_k_cache)
     n, topk = int(decode_query_len), int(topk)
     out = _empty(q.shape, q.dtype, device, out)
@@ -162,7 +182,7 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     tile = maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk)
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
-                        tile.tokens_per_tile, call.sm_scale)
+                        tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device))
     return out, block_ids
 
 
@@ -203,46 +223,51 @@ def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q, topk=16, init_block
     return out
 
 
-def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out):
-    """Validate a prefill attention call -> (out, tile_map, tokens_per_tile, sm_scale)."""
+def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out,
+                       k_scale, v_scale):
+    """Validate a prefill attention call -> (out, tile_map, tokens_per_tile, sm_scale, (k_scale, v_scale))."""
     plan = prefill_plan(cu_seqlens_q, plan)
     call = validate.check_attention_call(q, k_cache, v_cache, block_table, seq_lens, block_ids=block_ids,
-                                         sm_scale=sm_scale, prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
+                                         sm_scale=sm_scale, prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out,
+                                         k_scale=k_scale, v_scale=v_scale)
     guards.check_call(op, q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
                       seq_lens=seq_lens)
     device = _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
-                            seq_lens=seq_lens, out=out)
+                            seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     out = _empty(q.shape, q.dtype, device, out)
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.group)
-    return out, tile_map, tile.tokens_per_tile, call.sm_scale
+    return out, tile_map, tile.tokens_per_tile, call.sm_scale, _kv_scales(k_cache, k_scale, v_scale, device)
 
 
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None,
-                   out=None):
+                   out=None, k_scale=None, v_scale=None):
     """Block-sparse GQA attention, each token over its own blocks -> ``[T, Hq, D]`` in q's dtype.
 
     Causal inside every block (the diagonal one included): the token at position
     p sees positions <= p. Arguments as in ``sparse_decode``, with cu_seqlens_q.
     """
-    out, tile_map, tokens_per_tile, scale = _prefill_attention("sparse_prefill", q, k_cache, v_cache, block_ids,
-                                                               block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
-                                                               out)
+    out, tile_map, tokens_per_tile, scale, kv_scales = _prefill_attention(
+        "sparse_prefill", q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out,
+        k_scale, v_scale)
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
-                        tokens_per_tile, scale)
+                        tokens_per_tile, scale, *kv_scales)
     return out
 
 
-def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None, out=None):
+def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None, out=None,
+                  k_scale=None, v_scale=None):
     """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
-    out, tile_map, tokens_per_tile, scale = _prefill_attention("dense_prefill", q, k_cache, v_cache, None, block_table,
-                                                               seq_lens, cu_seqlens_q, plan, sm_scale, out)
+    out, tile_map, tokens_per_tile, scale, kv_scales = _prefill_attention(
+        "dense_prefill", q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out,
+        k_scale, v_scale)
     ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None, tokens_per_tile,
-                        scale)
+                        scale, *kv_scales)
     return out
 
 
 def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q, topk=16,
-                init_blocks=0, local_blocks=1, sm_scale=None, plan=None, out=None, backend=None):
+                init_blocks=0, local_blocks=1, sm_scale=None, plan=None, out=None, k_scale=None, v_scale=None,
+                backend=None):
     """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``.
 
     ``backend``: the indexer's, as in ``index_scores``.
@@ -250,11 +275,12 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     plan = prefill_plan(cu_seqlens_q, plan)
     call = validate.check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
-                                   prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
+                                   prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out, k_scale=k_scale,
+                                   v_scale=v_scale)
     guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                       block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
-                            block_table=block_table, seq_lens=seq_lens, out=out)
+                            block_table=block_table, seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     scorer = _scorer(backend, idx_q, index_k_cache)
     topk = int(topk)
     out = _empty(q.shape, q.dtype, device, out)
@@ -265,14 +291,15 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.group)
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
-                        tile.tokens_per_tile, call.sm_scale)
+                        tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device))
     return out, block_ids
 
 
 # -- mixed step -----------------------------------------------------------------------------
 
 def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, plan, sparse=True,
-                       init_blocks=0, local_blocks=1, sm_scale=None, out=None, arena=None, backend=None):
+                       init_blocks=0, local_blocks=1, sm_scale=None, out=None, arena=None, k_scale=None,
+                       v_scale=None, backend=None):
     """Attention of one layer for a whole mixed step -> ``(out, block_ids)``.
 
     q [T, Hq, D]; idx_q [T, Hi, Di] and index_k_cache [pages, 128, Di] (sparse
@@ -286,6 +313,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             False for dense layers 0-2 (``block_ids`` is then None).
     arena:  optional :class:`m3_torch.ops.StepArena` (default: one per layout and device).
     backend: the indexer's (sparse layers), as in ``index_scores``.
+    k_scale, v_scale: for FP8 K/V caches, as in ``sparse_decode``.
 
     Context rows run over the plan's prefill maps, generation rows over decode
     maps with the span's ``decode_query_len``, each span bounded by its own
@@ -296,14 +324,15 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     call = validate.check_step_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, config=cfg,
                                     num_rows=plan.num_rows, num_tokens=plan.num_tokens, block_bound=plan.block_bound,
                                     sparse=sparse, init_blocks=init_blocks, local_blocks=local_blocks,
-                                    sm_scale=sm_scale, out=out)
+                                    sm_scale=sm_scale, out=out, k_scale=k_scale, v_scale=v_scale)
     guards.check_call("msa_attention_step", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache,
                       index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q if sparse else None, k_cache=k_cache, v_cache=v_cache,
                             index_k_cache=index_k_cache if sparse else None, block_table=block_table,
-                            seq_lens=seq_lens, out=out)
+                            seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     scorer = _scorer(backend, idx_q, index_k_cache) if sparse else None
     out = _empty(q.shape, q.dtype, device, out)
+    kv_scales = _kv_scales(k_cache, k_scale, v_scale, device)
     arena = arena if arena is not None else ops.step_arena(plan.layout, device)
     partials = (arena.region("partial_out"), arena.region("partial_lse"))
     block_ids = arena.region("block_ids", (cfg.num_kv_heads, plan.num_tokens, cfg.topk)) if sparse else None
@@ -328,5 +357,5 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             ops.select_blocks(scores, lens, token_map, ids, cfg.topk, int(init_blocks), int(local_blocks))
         tile, tile_map, _ = attention_maps
         ops.paged_attention(q[toks], k_cache, v_cache, ids, table, lens, tile_map, out[toks], *partials,
-                            tile.tokens_per_tile, call.sm_scale)
+                            tile.tokens_per_tile, call.sm_scale, *kv_scales)
     return out, block_ids

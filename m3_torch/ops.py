@@ -17,17 +17,38 @@ from typing import Optional
 
 import torch
 
-from m3_kernels import kernel_module, launches, maps
+from m3_kernels import kernel_module, launches, maps, validate
 from m3_kernels.launches import Operand, Prev
 
 _lock = threading.Lock()
 _workspaces: dict = {}
 _device_maps: dict = {}
 _arenas: dict = {}
+_ones: dict = {}
 
 
 def operand(t: torch.Tensor) -> Operand:
-    return Operand(t, 0, tuple(t.shape), tuple(t.stride()))
+    return Operand(t, 0, tuple(t.shape), tuple(t.stride()), validate.dtype_name(t))
+
+
+def as_scale(scale, device) -> torch.Tensor:
+    """An FP8 cache's scale as the kernels read it: a float32 tensor on ``device``.
+
+    A tensor is used as it is (the kernels read it at run time). None is 1.0: one
+    persistent tensor per device, so a graph captured after a warm-up call keeps
+    its address. A Python float becomes a new tensor (a host-to-device copy, which
+    a CUDA-graph capture cannot do: pass a tensor in captured steps).
+    """
+    if isinstance(scale, torch.Tensor):
+        return scale
+    if scale is None:
+        key = str(torch.device(device))
+        with _lock:
+            one = _ones.get(key)
+            if one is None:
+                one = _ones[key] = torch.ones((), dtype=torch.float32, device=device)
+        return one
+    return torch.tensor(float(scale), dtype=torch.float32, device=device)
 
 
 def run(launch: launches.Launch, outputs: dict) -> None:
@@ -163,15 +184,16 @@ def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, token_map: torch
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_ids: Optional[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
                     tile_map: torch.Tensor, out: torch.Tensor, partial_out: Optional[torch.Tensor],
-                    partial_lse: Optional[torch.Tensor], tokens_per_tile: int, sm_scale: float) -> None:
+                    partial_lse: Optional[torch.Tensor], tokens_per_tile: int, sm_scale: float,
+                    k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> None:
     """Sparse with ``block_ids``, dense without; ``partial_*``: flat float32 split-K buffers, or None
-    for the device's workspaces."""
+    for the device's workspaces; ``k_scale``/``v_scale``: float32 tensors for FP8 caches, else None."""
     tile = maps.row_tile(q.shape[1] // k_cache.shape[1], tokens_per_tile)
     launch = launches.paged_attention(
         q=operand(q), k=operand(k_cache), v=operand(v_cache),
         block_ids=None if block_ids is None else operand(block_ids), block_table=operand(block_table),
         seq_lens=seq_lens, tile_map=tile_map, tile=tile, sm_scale=sm_scale, out_dtype=str(q.dtype),
-        out_strides=out.stride(), interpret=out.device.type != "cuda")
+        out_strides=out.stride(), interpret=out.device.type != "cuda", k_scale=k_scale, v_scale=v_scale)
     outputs = {"out": out}
     if partial_out is not None:
         outputs.update(partial_out=partial_out, partial_lse=partial_lse)
@@ -181,15 +203,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 @torch.library.custom_op("m3::write_cache", mutates_args=("pool",))
 def write_cache(k: torch.Tensor, v: torch.Tensor, index_k: Optional[torch.Tensor], slot_mapping: torch.Tensor,
                 pool: torch.Tensor, offsets: list[int], k_cache_strides: list[int], v_cache_strides: list[int],
-                index_k_cache_strides: list[int]) -> None:
-    """Write into the flat buffer ``pool``; a cache is absent (not in this buffer) when its strides are []."""
-    def cache(i, strides):
-        return Operand(None, offsets[i], (), tuple(strides)) if strides else None
+                index_k_cache_strides: list[int], kv_cache_dtype: torch.dtype, index_cache_dtype: torch.dtype,
+                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> None:
+    """Write into the flat buffer ``pool`` (its bytes: any dtype); a cache is absent (not in this buffer)
+    when its strides are []; offsets and strides count the cache dtype's elements from the buffer's start."""
+    def cache(i, strides, dtype):
+        return Operand(None, offsets[i], (), tuple(strides), str(dtype).removeprefix("torch.")) if strides else None
 
     run(launches.write_cache(k=operand(k), v=operand(v), index_k=None if index_k is None else operand(index_k),
                              slot_mapping=slot_mapping, pool=pool, pool_shape=pool.shape, pool_dtype=str(pool.dtype),
-                             k_cache=cache(0, k_cache_strides), v_cache=cache(1, v_cache_strides),
-                             index_k_cache=cache(2, index_k_cache_strides), interpret=pool.device.type != "cuda"),
+                             k_cache=cache(0, k_cache_strides, kv_cache_dtype),
+                             v_cache=cache(1, v_cache_strides, kv_cache_dtype),
+                             index_k_cache=cache(2, index_k_cache_strides, index_cache_dtype),
+                             interpret=pool.device.type != "cuda", k_scale=k_scale, v_scale=v_scale),
         {"pool": pool})
 
 

@@ -23,13 +23,18 @@ def token_positions(seq_lens, q_lens):
     return out
 
 
-def _gather(cache, block_table, r, num_blocks):
-    """Request r's first blocks as float64 token rows on the CPU.
+def _scale(scale) -> float:
+    """A K/V scale (None, float or one-element tensor) as a Python float."""
+    return 1.0 if scale is None else float(scale.reshape(()) if isinstance(scale, torch.Tensor) else scale)
+
+
+def _gather(cache, block_table, r, num_blocks, scale=None):
+    """Request r's first blocks as float64 token rows on the CPU (times ``scale``: FP8 K/V).
 
     index-K [pages, 128, Di] -> [nb*128, Di]; K/V [pages, Hk, 128, D] -> [nb*128, Hk, D].
     """
     pages = block_table[r, :num_blocks].long().to(cache.device)
-    rows = cache[pages].double().cpu()
+    rows = cache[pages].double().cpu() * _scale(scale)
     if rows.dim() == 4:
         rows = rows.permute(0, 2, 1, 3)
     return rows.reshape(num_blocks * PAGE_SIZE, *rows.shape[2:])
@@ -67,8 +72,11 @@ def select_blocks_ref(scores, seq_lens, q_lens, topk=16, init_blocks=0, local_bl
     return ids
 
 
-def attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, block_ids=None, sm_scale=None):
-    """Dense (block_ids None) or block-sparse paged GQA attention, float64 [T, Hq, D]."""
+def attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, block_ids=None, sm_scale=None, k_scale=None,
+                  v_scale=None):
+    """Dense (block_ids None) or block-sparse paged GQA attention, float64 [T, Hq, D].
+
+    FP8 caches: K = stored * k_scale, V = stored * v_scale (None: 1.0)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -79,8 +87,8 @@ def attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, block_ids=
         if kv_len == 0:
             continue
         nb = -(-kv_len // PAGE_SIZE)
-        keys = _gather(k_cache, block_table, r, nb)      # [nb*128, Hk, D]
-        values = _gather(v_cache, block_table, r, nb)
+        keys = _gather(k_cache, block_table, r, nb, k_scale)      # [nb*128, Hk, D]
+        values = _gather(v_cache, block_table, r, nb, v_scale)
         for kh in range(num_kv_heads):
             allowed = torch.zeros(nb * PAGE_SIZE, dtype=torch.bool)
             allowed[:kv_len] = True
@@ -99,7 +107,7 @@ def attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, block_ids=
 
 
 def msa_decode_ref(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, q_lens, topk=16,
-                   init_blocks=0, local_blocks=1, sm_scale=None):
+                   init_blocks=0, local_blocks=1, sm_scale=None, k_scale=None, v_scale=None):
     scores = index_scores_ref(idx_q, index_k_cache, block_table, seq_lens, q_lens)
     ids = select_blocks_ref(scores, seq_lens, q_lens, topk, init_blocks, local_blocks)
-    return attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, ids, sm_scale), ids
+    return attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, ids, sm_scale, k_scale, v_scale), ids

@@ -32,7 +32,7 @@ import m3_torch
 from m3_kernels import tuning
 from m3_torch import reference as ref
 
-from cases import TOLERANCE, Case, make_inputs, pool_layout, rel_err
+from cases import E4M3, TOLERANCE, Case, make_inputs, pool_layout, rel_err
 
 FRAMEWORKS = ("torch", "jax")
 DEVICES = ("interpreter", "gpu")
@@ -103,19 +103,27 @@ def grid(cases, frameworks=FRAMEWORKS) -> list:
 
 # -- torch <-> jax, same bits ---------------------------------------------------------------
 
+# dtypes numpy knows only through ml_dtypes, moved as ints of their width: (torch, torch int, numpy int, jax)
+_INT_VIEWS = [(torch.bfloat16, torch.int16, np.int16, jnp.bfloat16),
+              (torch.float8_e4m3fn, torch.uint8, np.uint8, jnp.float8_e4m3fn),
+              (torch.float8_e5m2, torch.uint8, np.uint8, jnp.float8_e5m2)]
+
+
 def to_jax(t: torch.Tensor) -> jax.Array:
-    """A torch tensor -> a jax array (default device) with the same bits (bf16 through int16)."""
+    """A torch tensor -> a jax array (default device) with the same bits (bf16 / FP8 through ints)."""
     t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return jnp.asarray(t.view(torch.int16).numpy().view(jnp.bfloat16))
+    for dtype, as_int, _, jdtype in _INT_VIEWS:
+        if t.dtype == dtype:
+            return jnp.asarray(t.view(as_int).numpy().view(jdtype))
     return jnp.asarray(t.numpy())
 
 
 def to_torch(a) -> torch.Tensor:
     """A jax array -> a CPU torch tensor with the same bits."""
     a = np.asarray(a)
-    if a.dtype == jnp.bfloat16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    for dtype, _, np_int, jdtype in _INT_VIEWS:
+        if a.dtype == jdtype:
+            return torch.from_numpy(a.view(np_int).copy()).view(dtype)
     return torch.from_numpy(a.copy())
 
 
@@ -133,9 +141,11 @@ def jax_inputs(case: Case, device: str) -> dict:
     j["cu_seqlens_q"] = np.asarray(case.cu_seqlens, np.int32)  # host offsets: read once, never traced
     if case.kv_layout == "pool":
         pool = to_jax(x["pool"])
-        _, *views = pool_layout(x["k_cache"].shape[0], case.hk, case.d, case.di)
+        kv_dtype, index_dtype = case.cache_dtypes
+        _, *views = pool_layout(x["k_cache"].shape[0], case.hk, case.d, case.di, kv_dtype=kv_dtype,
+                                index_dtype=index_dtype)
         for name, view in zip(("k_cache", "v_cache", "index_k_cache"), views):
-            j[name] = m3_jax.PagedView(pool, view.offset, view.shape, view.strides)
+            j[name] = m3_jax.PagedView(pool, view.offset, view.shape, view.strides, view.dtype)
         j["kv_layout"] = "HND"   # views carry their own strides
     else:
         nhd = case.kv_layout == "NHD"  # x holds the HND permutation of a [pages, 128, Hk, D] store
@@ -147,6 +157,17 @@ def jax_inputs(case: Case, device: str) -> dict:
 
 
 # -- the ops on a case ---------------------------------------------------------------------
+
+def kv_scales(case: Case, framework: str, device: str = "cpu") -> dict:
+    """The ``k_scale``/``v_scale`` keywords of a case's attention calls: none for non-FP8 caches or
+    default scales; else float32 tensors of shape [] (torch) or arrays of shape [1] (JAX)."""
+    if case.kv_dtype != E4M3 or case.kv_scales is None:
+        return {}
+    if framework == "torch":
+        return {n: torch.tensor(s, dtype=torch.float32, device=device) for n, s in zip(("k_scale", "v_scale"),
+                                                                                        case.kv_scales)}
+    return {n: jnp.asarray([s], jnp.float32) for n, s in zip(("k_scale", "v_scale"), case.kv_scales)}
+
 
 @functools.cache
 def selected_blocks(case: Case) -> torch.Tensor:
@@ -194,6 +215,7 @@ def _run_torch(op: str, case: Case, device: str):
     meta = dict(decode_query_len=case.n) if case.decode else dict(cu_seqlens_q=x["cu_seqlens_q"])
     sel = dict(topk=case.topk, init_blocks=case.init_blocks, local_blocks=case.local_blocks)
     table = (x["block_table"], x["seq_lens"])
+    scales = kv_scales(case, "torch", device)
     attn_out = _poisoned_out(x["q"].shape, x["q"].dtype, device, case.strided)
     if op == "index_scores":
         shape = (case.hk, case.num_tokens, x["block_table"].shape[1])
@@ -207,16 +229,17 @@ def _run_torch(op: str, case: Case, device: str):
     elif op == "sparse":
         out = attn_out
         fn = m3_torch.sparse_decode if case.decode else m3_torch.sparse_prefill
-        got = fn(x["q"], x["k_cache"], x["v_cache"], selected_blocks(case).to(device), *table, out=out, **meta)
+        got = fn(x["q"], x["k_cache"], x["v_cache"], selected_blocks(case).to(device), *table, out=out, **meta,
+                 **scales)
     elif op == "dense":
         out = attn_out
         fn = m3_torch.dense_decode if case.decode else m3_torch.dense_prefill
-        got = fn(x["q"], x["k_cache"], x["v_cache"], *table, sm_scale=0.3, out=out, **meta)
+        got = fn(x["q"], x["k_cache"], x["v_cache"], *table, sm_scale=0.3, out=out, **meta, **scales)
     elif op == "msa":
         out = attn_out
         fn = m3_torch.msa_decode if case.decode else m3_torch.msa_prefill
         got, ids = fn(x["q"], x["idx_q"], x["k_cache"], x["v_cache"], x["index_k_cache"], *table, out=out,
-                      **meta, **sel)
+                      **meta, **sel, **scales)
         assert got is out
         return _copy(got), _copy(ids)
     else:
@@ -230,7 +253,7 @@ def _run_jax(op: str, case: Case, device: str):
     meta = dict(decode_query_len=case.n) if case.decode else dict(cu_seqlens_q=j["cu_seqlens_q"])
     sel = dict(topk=case.topk, init_blocks=case.init_blocks, local_blocks=case.local_blocks)
     table = (j["block_table"], j["seq_lens"])
-    kv = dict(kv_layout=j["kv_layout"])
+    kv = dict(kv_layout=j["kv_layout"], **kv_scales(case, "jax"))
     if op == "index_scores":
         fn = m3_jax.index_scores if case.decode else m3_jax.index_scores_prefill
         got = fn(j["idx_q"], j["index_k_cache"], *table, **meta)
@@ -288,7 +311,9 @@ def reference(op: str, case: Case):
     if op == "sparse":
         return attention_reference(case, selected_blocks(case))
     if op == "dense":
-        return ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], *table, case.q_lens, sm_scale=0.3)
+        k_scale, v_scale = case.scales
+        return ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], *table, case.q_lens, sm_scale=0.3,
+                                 k_scale=k_scale, v_scale=v_scale)
     raise ValueError(op)
 
 
@@ -304,7 +329,9 @@ def _attention_reference(case: Case, ids_bytes: bytes | None) -> torch.Tensor:
     ids = None
     if ids_bytes is not None:
         ids = torch.frombuffer(bytearray(ids_bytes), dtype=torch.int32).reshape(case.hk, case.num_tokens, case.topk)
-    return ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], case.q_lens, ids)
+    k_scale, v_scale = case.scales
+    return ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], case.q_lens, ids,
+                             k_scale=k_scale, v_scale=v_scale)
 
 
 def check_attention(case: Case, out: torch.Tensor, expected: torch.Tensor):

@@ -15,7 +15,8 @@ from targets import check_attention, check_twin, grid, reference, run, targets
 
 
 @pytest.mark.parametrize("op", ["sparse", "dense"])
-@pytest.mark.parametrize("case, target", grid(ALL_CASES))
+# an FP8 index-K cache alone changes nothing attention reads
+@pytest.mark.parametrize("case, target", grid([c for c in ALL_CASES if c.kv_dtype != "auto" or not c.fp8]))
 def test_attention(case, target, op):
     check_attention(case, run(target, op, case), reference(op, case))
     check_twin(target, op, case)

@@ -22,15 +22,16 @@ POINTER_TYPES = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": 
                  "scores_ptr": "*fp32", "index_k_ptr": "*bf16", "pool_in_ptr": "*bf16", "pool_ptr": "*bf16"}
 
 
-def compile_for_hopper(fn, constexprs, num_warps, num_stages, scalars_divisible):
+def compile_for_hopper(fn, constexprs, num_warps, num_stages, scalars_divisible, pointer_types=None):
     """Compile ``fn`` like torch (ints marked divisible by 16) or like jax-triton (no facts)."""
     names = fn.arg_names
+    pointer_types = {**POINTER_TYPES, **(pointer_types or {})}
     sig = {}
     for a in names:
         if a in constexprs:
             sig[a] = "constexpr"
         elif a.endswith("_ptr"):
-            sig[a] = POINTER_TYPES.get(a, "*i32")
+            sig[a] = pointer_types.get(a, "*i32")
         else:
             sig[a] = "fp32" if a == "qk_scale" else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
@@ -40,24 +41,24 @@ def compile_for_hopper(fn, constexprs, num_warps, num_stages, scalars_divisible)
     return triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def operand(*shape):
-    return Operand(None, 0, shape, maps.contiguous_strides(shape))
+def operand(*shape, dtype="bfloat16"):
+    return Operand(None, 0, shape, maps.contiguous_strides(shape), dtype)
 
 
-def attention_case(sparse):
+def attention_case(sparse, kv_dtype="bfloat16"):
     """The launch of M3 decode at batch 64, 18k context (141 blocks), as both frameworks build it."""
     tile = maps.decode_tile(16, 1, sparse, max_blocks=141, topk=16)
     launch = launches.paged_attention(
-        q=operand(64, 64, 128), k=operand(9000, 4, 128, 128), v=operand(9000, 4, 128, 128),
-        block_ids=operand(4, 64, 16) if sparse else None, block_table=operand(64, 141), seq_lens=None,
-        tile_map=np.zeros((64, 4), np.int32), tile=tile, sm_scale=1.0, out_dtype="bfloat16",
-        out_strides=(64 * 128, 128, 1), interpret=False)
+        q=operand(64, 64, 128), k=operand(9000, 4, 128, 128, dtype=kv_dtype),
+        v=operand(9000, 4, 128, 128, dtype=kv_dtype), block_ids=operand(4, 64, 16) if sparse else None,
+        block_table=operand(64, 141), seq_lens=None, tile_map=np.zeros((64, 4), np.int32), tile=tile, sm_scale=1.0,
+        out_dtype="bfloat16", out_strides=(64 * 128, 128, 1), interpret=False, k_scale=1, v_scale=1)
     consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_is=1, stride_bb=1)
     return m3_kernels.kernel_module("attention", False).paged_attention_kernel, consts, launch
 
 
-def index_case():
-    launch = launches.index_scores(idx_q=operand(64, 4, 128), index_k=operand(9000, 128, 128),
+def index_case(index_dtype="bfloat16"):
+    launch = launches.index_scores(idx_q=operand(64, 4, 128), index_k=operand(9000, 128, 128, dtype=index_dtype),
                                    block_table=operand(64, 141), seq_lens=None, tile_map=np.zeros((64, 4), np.int32),
                                    tile=maps.row_tile(4, 1), out_strides=(64 * 141, 141, 1), dtype="bfloat16",
                                    interpret=False)
@@ -106,3 +107,27 @@ def test_select_and_cache_write_compile_for_hopper(max_blocks):
     assert write.constexprs["BLOCK_T"] == 1
     fn = m3_kernels.kernel_module("cache_write", False).cache_write_kernel
     compile_for_hopper(fn, dict(write.constexprs, stride_kd=1, stride_vd=1, stride_id=1), write.num_warps, 1, True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["sparse", "index", "cache_write"])
+def test_fp8_variants_compile_for_hopper_from_a_byte_pool(kernel):
+    """FP8 caches read and written through a uint8 pointer (a JAX byte pool), without divisibility
+    facts (jax-triton): the variants compile for sm_90, and the K/V and index-K loads still pipeline."""
+    fp8, byte_pool = "float8_e4m3fn", {"k_ptr": "*u8", "v_ptr": "*u8", "pool_in_ptr": "*u8", "pool_ptr": "*u8",
+                                       "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    if kernel == "cache_write":
+        write = launches.write_cache(k=operand(8, 4, 128), v=operand(8, 4, 128), index_k=operand(8, 128),
+                                     slot_mapping=None, pool=None, pool_shape=(1 << 20,), pool_dtype="uint8",
+                                     k_cache=operand(16, 4, 128, 128, dtype=fp8),
+                                     v_cache=operand(16, 4, 128, 128, dtype=fp8),
+                                     index_k_cache=operand(16, 128, 128, dtype=fp8), interpret=False, k_scale=1,
+                                     v_scale=1)
+        fn = m3_kernels.kernel_module("cache_write", False).cache_write_kernel
+        ptx = compile_for_hopper(fn, dict(write.constexprs, stride_kd=1, stride_vd=1, stride_id=1), write.num_warps,
+                                 1, False, byte_pool).asm["ptx"]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+        return
+    fn, consts, launch = index_case(fp8) if kernel == "index" else attention_case(True, fp8)
+    ptx = compile_for_hopper(fn, consts, launch.num_warps, launch.num_stages, False, byte_pool).asm["ptx"]
+    assert ptx.count("cp.async.cg") + ptx.count("cp.async.ca") > 0

@@ -10,8 +10,9 @@ import m3_jax
 import m3_torch
 from m3_jax import PagedView
 from m3_kernels import planner
+from m3_kernels.pool import PoolLayout
 
-from cases import STEP_CASES, decode, make_inputs, pool_layout, prefill, random_block_ids
+from cases import E4M3, STEP_CASES, decode, make_inputs, pool_layout, prefill, random_block_ids
 from targets import targets, to_jax
 
 DECODE = decode("errors", (130, 5), hq=4, hk=2)
@@ -222,3 +223,61 @@ def test_step_errors(target):
             with pytest.raises(ValueError, match="maps"):
                 m3_jax.msa_attention_step(j["q"], j["idx_q"], j["k_cache"], j["v_cache"], j["index_k_cache"],
                                           j["block_table"], j["seq_lens"], plan=spec)
+
+
+# -- FP8 caches ----------------------------------------------------------------------------------
+
+FP8_DECODE = decode("errors_fp8", (130, 5), hq=4, hk=2, kv_dtype=E4M3, index_dtype=E4M3)
+E5M2 = torch.float8_e5m2
+
+
+@pytest.mark.parametrize("target", targets())
+@pytest.mark.parametrize("case, over, exc, words", [
+    (FP8_DECODE, lambda x: dict(k_cache=x["k_cache"].to(E5M2), v_cache=x["v_cache"].to(E5M2)), TypeError,
+     "k_cache: FP8 caches must be float8_e4m3fn, got float8_e5m2"),
+    (FP8_DECODE, lambda x: dict(v_cache=x["v_cache"].bfloat16()), TypeError, "v_cache: expected dtype float8_e4m3fn"),
+    (FP8_DECODE, lambda x: dict(k_scale=torch.ones(2)), ValueError, "k_scale: expected one scale per layer"),
+    (FP8_DECODE, lambda x: dict(v_scale=torch.ones((), dtype=torch.float64)), TypeError, "v_scale: expected dtype "
+     "float32"),
+    (FP8_DECODE, lambda x: dict(k_scale="0.5"), TypeError, "k_scale: expected a float"),
+    (DECODE, lambda x: dict(k_scale=0.5), ValueError, "k_scale: scales apply to float8_e4m3fn K/V caches only"),
+], ids=["e5m2_kv", "mixed_kv", "per_head_scale", "float64_scale", "str_scale", "scale_on_bf16"])
+def test_fp8_attention_errors(target, case, over, exc, words):
+    x = make_inputs(case)
+    a = inputs(target, case, block_ids=random_block_ids(case), **over(x))
+    scales = {n: a[n] for n in ("k_scale", "v_scale") if n in a}
+    with target.active(), pytest.raises(exc, match=words):
+        api(target).sparse_decode(a["q"], a["k_cache"], a["v_cache"], a["block_ids"], a["block_table"],
+                                  a["seq_lens"], decode_query_len=1, **scales)
+
+
+@pytest.mark.parametrize("target", targets())
+def test_fp8_index_and_write_errors(target):
+    x = make_inputs(FP8_DECODE)
+    with target.active():
+        a = inputs(target, FP8_DECODE, idx_e5m2=x["index_k_cache"].to(E5M2), idx_bf16=x["index_k_cache"].bfloat16(),
+                   idx_q8=x["idx_q"].to(torch.float8_e4m3fn), k=x["q"][:, :2], k_scale=torch.ones(()))
+        ops = api(target)
+        meta = (a["block_table"], a["seq_lens"])
+        with pytest.raises(TypeError, match="index_k_cache: FP8 caches must be float8_e4m3fn"):
+            ops.index_scores(a["idx_q"], a["idx_e5m2"], *meta, decode_query_len=1)
+        with pytest.raises(TypeError, match="index_k_cache: expected dtype float8_e4m3fn, got bfloat16"):
+            ops.index_scores(a["idx_q8"], a["idx_bf16"], *meta, decode_query_len=1)   # an FP8 query: FP8 keys
+        slots = inputs(target, FP8_DECODE, s=torch.tensor([0, 1], dtype=torch.int32))["s"]
+        bf16 = inputs(target, DECODE)
+        with pytest.raises(ValueError, match="k_scale: scales apply to float8_e4m3fn"):
+            ops.write_cache(a["k"], a["k"], None, bf16["k_cache"], bf16["v_cache"], None, slots, k_scale=a["k_scale"])
+        with pytest.raises(TypeError, match="index_k_cache: FP8 caches must be float8_e4m3fn"):
+            ops.write_cache(a["k"], a["k"], a["k"][:, 0], a["k_cache"], a["v_cache"], a["idx_e5m2"], slots)
+        if target.framework == "torch":
+            with pytest.raises(ValueError, match="v_scale: expected device"):
+                ops.dense_decode(a["q"], a["k_cache"], a["v_cache"], *meta, decode_query_len=1,
+                                 v_scale=torch.ones((), device="meta"))
+
+
+@pytest.mark.parametrize("option", ["kv_cache_dtype", "index_cache_dtype"])
+def test_pool_cache_dtype_errors(option):
+    with pytest.raises(TypeError, match=f"{option}: .*float8_e4m3fn"):
+        PoolLayout.create(4, sparse=(True,), num_kv_heads=1, head_dim=16, **{option: "fp8_e5m2"})
+    with pytest.raises(TypeError, match=option):
+        PoolLayout.create(4, sparse=(True,), num_kv_heads=1, head_dim=16, **{option: "float16"})

@@ -45,6 +45,33 @@ def bits(x):
     return a.view({1: np.int8, 2: np.int16, 4: np.int32}[a.dtype.itemsize])
 
 
+def random_pool(layout, device, seed):
+    """A torch pool of random cache contents (a pool with FP8 caches: each cache filled through its
+    view, so the bytes hold valid values of every cache's dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    if layout.buffer_dtype != "uint8":
+        return torch.randn(layout.shape, generator=g).to(torch.bfloat16).to(device)
+    pool = tcache.allocate_pool(layout, device)
+    for layer in range(layout.num_layers):
+        for cache in tcache.layer_caches(pool, layout, layer):
+            if cache is not None:
+                cache.copy_(torch.randn(cache.shape, generator=g).to(cache.dtype))
+    return pool
+
+
+FP8_SCALES = (0.05, 0.02)
+
+
+def kv_scales(layout, framework, device="cpu"):
+    """The k_scale/v_scale keywords of a layout with FP8 K/V caches (none otherwise)."""
+    if layout.kv_cache_dtype != "float8_e4m3fn":
+        return {}
+    if framework == "torch":
+        return {n: torch.tensor(s, dtype=torch.float32, device=device) for n, s in zip(("k_scale", "v_scale"),
+                                                                                        FP8_SCALES)}
+    return {n: jnp.float32(s) for n, s in zip(("k_scale", "v_scale"), FP8_SCALES)}
+
+
 # -- round trips -----------------------------------------------------------------------
 
 def test_torch_jax_torch_round_trip_keeps_pointers():
@@ -68,6 +95,20 @@ def test_torch_jax_torch_round_trip_keeps_pointers():
     for name in ("block_table", "seq_lens", "slot_mapping"):
         assert getattr(back_meta, name).data_ptr() == getattr(meta, name).data_ptr(), name
     assert StepMetadata(block_table, seq_lens).to_jax().slot_mapping is None
+
+
+def test_byte_pool_with_fp8_caches_round_trips_without_copies():
+    """A pool holding FP8 K/V beside bf16 index-K is one byte buffer: DLPack moves it as uint8, and both
+    frameworks view the same bytes as each cache's dtype."""
+    layout = PoolLayout.create(4, sparse=(False, True), num_kv_heads=1, head_dim=16, kv_cache_dtype="fp8")
+    pool = random_pool(layout, "cpu", seed=0)
+    jpool = to_jax(pool, "pool")
+    assert jpool.dtype == jnp.uint8 and same_memory(jpool, pool) and same_memory(to_torch(jpool), pool)
+    for layer in (0, 1):
+        for cache, view in zip(tcache.layer_caches(pool, layout, layer), m3_jax.layer_views(jpool, layout, layer)):
+            if cache is not None:
+                assert view.dtype == jnp.dtype(str(cache.dtype).removeprefix("torch."))
+                assert np.array_equal(bits(view.to_array()), bits(cache))
 
 
 def test_jax_torch_jax_round_trip_keeps_pointers():
@@ -136,6 +177,7 @@ def test_jax_donation_needs_no_live_torch_alias():
 SMALL = dict(hq=4, hk=1, d=32, di=16, seq_lens=(1, 200, 0), n=1, topk=2, num_slots=6)
 TP_SLICE = dict(hq=8, hk=1, d=128, di=128, seq_lens=(1, 127, 128, 129, 3000, 0, 2049, 700), n=2, topk=16,
                 num_slots=80)
+FP8 = dict(kv_cache_dtype="fp8", index_cache_dtype="fp8")   # a byte pool
 
 
 def step_inputs(shapes, device, seed, kv_layout="HND"):
@@ -145,7 +187,9 @@ def step_inputs(shapes, device, seed, kv_layout="HND"):
     hq, hk, d, di, n = shapes["hq"], shapes["hk"], shapes["d"], shapes["di"], shapes["n"]
     seq_lens = shapes["seq_lens"]
     layout = PoolLayout.create(shapes["num_slots"], sparse=(False, True), num_kv_heads=hk, head_dim=d,
-                               index_head_dim=di, kv_layout=kv_layout)
+                               index_head_dim=di, kv_layout=kv_layout,
+                               kv_cache_dtype=shapes.get("kv_cache_dtype", "auto"),
+                               index_cache_dtype=shapes.get("index_cache_dtype", "auto"))
     max_blocks = max(-(-s // PAGE) for s in seq_lens) + 1
     perm = torch.randperm(layout.num_slots, generator=g).int().tolist()
     block_table = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
@@ -172,16 +216,19 @@ def torch_write(pool, layout, meta, x):
     """The step's rows into both layers (dense layer 0, sparse layer 1) of a torch pool."""
     for layer in (0, 1):
         k, v, ik = tcache.layer_caches(pool, layout, layer)
-        m3_torch.write_cache(x["k"], x["v"], x["index_k"] if layer else None, k, v, ik, meta.slot_mapping)
+        m3_torch.write_cache(x["k"], x["v"], x["index_k"] if layer else None, k, v, ik, meta.slot_mapping,
+                             **kv_scales(layout, "torch", pool.device))
 
 
 def torch_decode(pool, layout, meta, x, shapes):
     """dense_decode (layer 0) and msa_decode (layer 1) on views of a torch pool -> (dense, out, ids)."""
+    scales = kv_scales(layout, "torch", pool.device)
     k, v, _ = tcache.layer_caches(pool, layout, 0)
-    dense = m3_torch.dense_decode(x["q"], k, v, meta.block_table, meta.seq_lens, decode_query_len=shapes["n"])
+    dense = m3_torch.dense_decode(x["q"], k, v, meta.block_table, meta.seq_lens, decode_query_len=shapes["n"],
+                                  **scales)
     k, v, ik = tcache.layer_caches(pool, layout, 1)
     out, ids = m3_torch.msa_decode(x["q"], x["idx_q"], k, v, ik, meta.block_table, meta.seq_lens,
-                                   decode_query_len=shapes["n"], topk=shapes["topk"])
+                                   decode_query_len=shapes["n"], topk=shapes["topk"], **scales)
     return dense, out, ids
 
 
@@ -194,11 +241,12 @@ def jax_decode(pool, layout, meta, x, shapes):
     """dense_decode (layer 0) and msa_decode (layer 1) on views of a JAX pool, jitted."""
     @jax.jit
     def run(pool, q, idx_q, block_table, seq_lens):
+        scales = kv_scales(layout, "jax")
         k, v, _ = m3_jax.layer_views(pool, layout, 0)
-        dense = m3_jax.dense_decode(q, k, v, block_table, seq_lens, decode_query_len=shapes["n"])
+        dense = m3_jax.dense_decode(q, k, v, block_table, seq_lens, decode_query_len=shapes["n"], **scales)
         k, v, ik = m3_jax.layer_views(pool, layout, 1)
         out, ids = m3_jax.msa_decode(q, idx_q, k, v, ik, block_table, seq_lens, decode_query_len=shapes["n"],
-                                     topk=shapes["topk"])
+                                     topk=shapes["topk"], **scales)
         return dense, out, ids
 
     return run(pool, x["q"], x["idx_q"], meta.block_table, meta.seq_lens)
@@ -207,15 +255,16 @@ def jax_decode(pool, layout, meta, x, shapes):
 def jax_write(pool, layout, meta, x):
     """The step's rows into both layers of a JAX pool, in place (donated)."""
     def write(pool, k, v, index_k, slot_mapping):
-        pool = m3_jax.write_layer(pool, layout, 0, k, v, None, slot_mapping)
-        return m3_jax.write_layer(pool, layout, 1, k, v, index_k, slot_mapping)
+        scales = kv_scales(layout, "jax")
+        pool = m3_jax.write_layer(pool, layout, 0, k, v, None, slot_mapping, **scales)
+        return m3_jax.write_layer(pool, layout, 1, k, v, index_k, slot_mapping, **scales)
 
     return jax.jit(write, donate_argnums=0)(pool, x["k"], x["v"], x["index_k"], meta.slot_mapping)
 
 
 def check_torch_owned(shapes, device, kv_layout):
     layout, meta, x = step_inputs(shapes, device, seed=1, kv_layout=kv_layout)
-    pool = torch.randn(layout.shape, device=device).to(torch.bfloat16)      # torch owns the pool
+    pool = random_pool(layout, device, seed=1)                               # torch owns the pool
     dense, out, ids = torch_step(pool, layout, meta, x, shapes)
     assert not torch.isnan(out).any() and out.abs().sum() > 0 and dense.abs().sum() > 0
     jpool, jmeta = to_jax(pool, "pool"), meta.to_jax()                       # after torch's writes
@@ -231,7 +280,7 @@ def check_jax_owned(shapes, device, kv_layout):
     layout, meta, x = step_inputs(shapes, device, seed=2, kv_layout=kv_layout)
     jmeta = meta.to_jax()
     jx = {name: to_jax(t, name) for name, t in x.items()}
-    jpool = jax.random.normal(jax.random.key(3), layout.shape, jnp.bfloat16)  # JAX owns the pool
+    jpool = jnp.array(to_jax(random_pool(layout, device, seed=3)), copy=True)  # JAX owns the pool (a copy)
     expected = to_torch(jpool).clone()
     interop.synchronize()                              # torch's read is done before JAX writes in place
     gc.collect()                                       # and no torch alias stays alive across the donation
@@ -254,31 +303,35 @@ def test_torch_owned_pool_step_cpu():
     check_torch_owned(SMALL, "cpu", "NHD")
 
 
-def test_jax_owned_pool_step_cpu():
-    check_jax_owned(SMALL, "cpu", "HND")
+@pytest.mark.parametrize("caches", [{}, FP8], ids=["bf16", "fp8"])
+def test_jax_owned_pool_step_cpu(caches):
+    check_jax_owned(dict(SMALL, **caches), "cpu", "HND")
 
 
 # -- GPU -------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
 @needs_jax_gpu
+@pytest.mark.parametrize("caches", [{}, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
-def test_torch_owned_pool_gpu_bit_identical(kv_layout):
-    check_torch_owned(TP_SLICE, "cuda", kv_layout)
+def test_torch_owned_pool_gpu_bit_identical(kv_layout, caches):
+    check_torch_owned(dict(TP_SLICE, **caches), "cuda", kv_layout)
 
 
 @pytest.mark.gpu
 @needs_jax_gpu
-def test_jax_owned_pool_gpu_bit_identical():
-    check_jax_owned(TP_SLICE, "cuda", "HND")
+@pytest.mark.parametrize("caches", [{}, FP8, dict(kv_cache_dtype="fp8")], ids=["bf16", "fp8", "fp8_kv"])
+def test_jax_owned_pool_gpu_bit_identical(caches):
+    check_jax_owned(dict(TP_SLICE, **caches), "cuda", "HND")
 
 
 @pytest.mark.gpu
 @needs_jax_gpu
-def test_jax_cache_write_in_place_under_jit():
-    layout, meta, x = step_inputs(TP_SLICE, "cuda", seed=4)
+@pytest.mark.parametrize("caches", [{}, FP8], ids=["bf16", "fp8"])
+def test_jax_cache_write_in_place_under_jit(caches):
+    layout, meta, x = step_inputs(dict(TP_SLICE, **caches), "cuda", seed=4)
     jmeta, jx = meta.to_jax(), {name: to_jax(t, name) for name, t in x.items()}
-    pool = jax.random.normal(jax.random.key(5), layout.shape, jnp.bfloat16)
+    pool = jnp.array(to_jax(random_pool(layout, "cuda", seed=5)), copy=True)
     expected = to_torch(pool).clone()
     interop.synchronize()
     gc.collect()
@@ -291,10 +344,11 @@ def test_jax_cache_write_in_place_under_jit():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_write_cache_and_msa_decode():
-    shapes = dict(TP_SLICE, n=1, seq_lens=(3000, 1, 0, 127))
+@pytest.mark.parametrize("caches", [{}, FP8], ids=["bf16", "fp8"])
+def test_cuda_graph_write_cache_and_msa_decode(caches):
+    shapes = dict(TP_SLICE, n=1, seq_lens=(3000, 1, 0, 127), **caches)
     layout, meta, x = step_inputs(shapes, "cuda", seed=6)
-    pool = torch.randn(layout.shape, device="cuda").to(torch.bfloat16)
+    pool = random_pool(layout, "cuda", seed=6)
     eager_pool = pool.clone()
     static = {name: t.clone() for name, t in x.items()}
     smeta = StepMetadata(meta.block_table.clone(), meta.seq_lens.clone(), meta.slot_mapping.clone())
@@ -328,4 +382,4 @@ def test_cuda_graph_write_cache_and_msa_decode():
 
 
 def bits_t(t):
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])

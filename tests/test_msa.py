@@ -14,7 +14,7 @@ from m3_torch import reference as ref
 
 from cases import ALL_CASES, TOLERANCE, decode, make_inputs, prefill, random_block_ids, rel_err
 from targets import (assert_same_bits, attention_reference, check_attention, check_empty_ids, check_twin, grid,
-                     jax_inputs, run, selected_blocks, targets, to_jax, to_torch)
+                     jax_inputs, kv_scales, run, selected_blocks, targets, to_jax, to_torch)
 
 
 @pytest.mark.parametrize("case, target", grid(ALL_CASES))
@@ -48,7 +48,7 @@ def test_jax_pool_views_under_jit(case, target):
         j = jax_inputs(case, target.device)
         assert jax.tree_util.tree_leaves(j["k_cache"]) == [j["k_cache"].buffer]
         msa = jax.jit(m3_jax.msa_decode, static_argnames=tuple(kw) + ("sm_scale", "kv_layout"))
-        out, ids = msa(*_msa_args(j), **kw)
+        out, ids = msa(*_msa_args(j), **kw, **kv_scales(case, "jax"))
     for got, want in zip((out, ids), run(target.twin, "msa", case)):
         assert_same_bits(to_torch(got), want)
 

@@ -66,9 +66,9 @@ def to_jnp(t):
 
 def bits(x):
     """Raw bits of a torch tensor or jax array as a numpy int array (NaN-exact comparisons)."""
-    a = x.contiguous().view({2: torch.int16, 4: torch.int32}[x.element_size()]).numpy() if isinstance(
-        x, torch.Tensor) else np.asarray(x)
-    return a if a.dtype.kind == "i" else a.view({2: np.int16, 4: np.int32}[a.dtype.itemsize])
+    ints = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}
+    a = x.contiguous().view(ints[x.element_size()][0]).numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    return a if a.dtype.kind in "iu" else a.view(ints[a.dtype.itemsize][1])
 
 
 # -- layout --------------------------------------------------------------------------
@@ -106,6 +106,44 @@ def test_views_tile_the_pool_exactly():
         seen.extend(c.reshape(-1) for c in tcache.layer_caches(pool, layout, layer) if c is not None)
     idx = torch.sort(torch.cat(seen).long()).values
     assert torch.equal(idx, torch.arange(layout.numel))
+
+
+@pytest.mark.parametrize("kv_cache_dtype, index_cache_dtype, dtype, kv_layout", [
+    ("fp8", "auto", "bfloat16", "HND"), ("auto", "float8_e4m3fn", "float32", "NHD"), ("fp8", "fp8", "float16", "HND")])
+def test_fp8_views_tile_the_byte_pool_exactly(kv_cache_dtype, index_cache_dtype, dtype, kv_layout):
+    """A pool with FP8 caches is bytes; every byte belongs to exactly one sub-page, and the torch and
+    JAX views read it as their caches' dtypes (no copy; test_interop.py compares their values)."""
+    layout = PoolLayout(3, (LayerSpec(2, 16, 32), LayerSpec(1, 64), LayerSpec(4, 16, 16)), kv_layout, dtype,
+                        kv_cache_dtype, index_cache_dtype)
+    assert layout.buffer_dtype == "uint8" and layout.numel == layout.nbytes
+    pool = torch.randint(0, 256, layout.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    jpool = jnp.asarray(pool.numpy())
+    covered = []
+    for layer in range(layout.num_layers):
+        lv = layout.layer(layer)
+        views = (lv.k, lv.v, lv.index_k)
+        caches, jcaches = tcache.layer_caches(pool, layout, layer), jcache.layer_views(jpool, layout, layer)
+        for view, cache, jview in zip(views, caches, jcaches):
+            if view is None:
+                continue
+            size = cache.element_size()
+            assert str(cache.dtype) == f"torch.{view.dtype}" and jview.dtype == jnp.dtype(view.dtype)
+            assert cache.data_ptr() == pool.data_ptr() + view.offset * size and jview.buffer is jpool
+            assert (jview.offset, jview.shape, jview.strides) == (view.offset, view.shape, view.strides)
+            element = torch.as_strided(torch.arange(layout.numel // size), view.shape, view.strides, view.offset)
+            covered.append((element.reshape(-1, 1) * size + torch.arange(size)).reshape(-1))
+    assert torch.equal(torch.sort(torch.cat(covered)).values, torch.arange(layout.nbytes))
+
+
+def test_allocate_pool_with_fp8_caches_is_a_zeroed_byte_buffer():
+    layout = layout_for("HND", num_slots=2)
+    fp8 = PoolLayout(2, layout.layers, "HND", "bfloat16", kv_cache_dtype="fp8")
+    assert fp8.nbytes == layout.nbytes - 2 * 3 * 2 * (HK * PAGE * D)   # K/V at one byte per element
+    tpool, jpool = m3_torch.allocate_pool(fp8), m3_jax.allocate_pool(fp8)
+    assert tpool.dtype == torch.uint8 and jpool.dtype == jnp.uint8 and tpool.shape == jpool.shape == fp8.shape
+    assert not tpool.any() and not jpool.any()
+    with pytest.raises(TypeError, match="pool: expected dtype uint8"):
+        tcache.layer_caches(torch.zeros(fp8.numel, dtype=torch.bfloat16), fp8, 0)
 
 
 def test_layout_rejects_bad_specs():

@@ -13,7 +13,7 @@ from cases import ALL_CASES
 from targets import check_twin, grid, reference, run, targets, to_jax, to_torch
 
 
-@pytest.mark.parametrize("case, target", grid(ALL_CASES))
+@pytest.mark.parametrize("case, target", grid([c for c in ALL_CASES if not c.fp8]))   # selection reads no cache
 def test_select_blocks(case, target):
     ids = run(target, "select_blocks", case)   # random scores: no ties
     assert ids.dtype == torch.int32

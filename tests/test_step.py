@@ -16,7 +16,7 @@ from m3_torch import reference as ref
 
 from cases import STEP_CASES, TOLERANCE, Case, make_inputs, rel_err, step
 from targets import (assert_same_bits, attention_reference, check_attention, check_empty_ids, grid, jax_inputs,
-                     selected_blocks, targets, to_jax, to_torch)
+                     kv_scales, selected_blocks, targets, to_jax, to_torch)
 
 
 def step_planner(case: Case, **over) -> planner.StepPlanner:
@@ -41,12 +41,13 @@ def run_step(target, case: Case, plan, sparse: bool, over=None):
             out, ids = m3_torch.msa_attention_step(
                 x["q"], x["idx_q"] if sparse else None, x["k_cache"], x["v_cache"],
                 x["index_k_cache"] if sparse else None, x["block_table"], x["seq_lens"], plan=plan, sparse=sparse,
-                out=torch.full_like(x["q"], math.nan))
+                out=torch.full_like(x["q"], math.nan), **kv_scales(case, "torch", target.torch_device))
             return out.cpu(), None if ids is None else ids.to("cpu", copy=True)  # ids: a view of the arena
         j = dict(jax_inputs(case, target.device), **{k: to_jax(v) for k, v in over.items()})
         out, ids = m3_jax.msa_attention_step(j["q"], j["idx_q"] if sparse else None, j["k_cache"], j["v_cache"],
                                              j["index_k_cache"] if sparse else None, j["block_table"],
-                                             j["seq_lens"], plan=plan, sparse=sparse, kv_layout=j["kv_layout"])
+                                             j["seq_lens"], plan=plan, sparse=sparse, kv_layout=j["kv_layout"],
+                                             **kv_scales(case, "jax"))
         return to_torch(out), None if ids is None else to_torch(ids)
 
 
@@ -68,6 +69,7 @@ def alone(case: Case, r: int, sparse: bool, device: str):
     else:
         kw = dict(decode_query_len=case.q_lens[r])
         msa, dense = m3_torch.msa_decode, m3_torch.dense_decode
+    kw.update(kv_scales(case, "torch", device))
     if sparse:
         return msa(q, idx_q, *caches, x["index_k_cache"], *meta, topk=case.topk, **kw)
     return dense(q, *caches, *meta, **kw), None
