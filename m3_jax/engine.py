@@ -142,6 +142,7 @@ class LLM:
     def __init__(self, model_dir, *, dtype=None, device=None, max_batch: int = 8, max_context: int | None = None,
                  max_cache_pages: int | None = None, max_num_tokens: int | None = None,
                  prefill_chunk: int | None = None, tensor_parallel_size: int = 1):
+        self._closed = False
         self.config = config = model_config.load_config(model_dir)
         self.tp = TPPlan(config, tensor_parallel_size)
         dtype = _resolve_dtype(dtype)
@@ -171,11 +172,11 @@ class LLM:
         # plans are made for one shard's heads (all of them without tensor parallelism)
         heads = dict(num_q_heads=self.tp.num_q_heads, num_kv_heads=self.tp.num_kv_heads, head_dim=config.head_dim,
                      max_blocks=sc.max_blocks, topk=config.index_topk_blocks)
-        self._scheduler_planner = planner.StepPlanner(planner.StepConfig(
+        self.planner = planner.StepPlanner(planner.StepConfig(
             max_batch=sc.max_batch, max_num_tokens=sc.max_num_tokens, graph_batch_sizes=sc.graph_batch_sizes,
             **heads))
         # steps with context rows are re-planned after padding: room for the padding rows and tokens
-        self._planner = planner.StepPlanner(planner.StepConfig(
+        self._prefill_planner = planner.StepPlanner(planner.StepConfig(
             max_batch=next_pow2(sc.max_batch + 1) + sc.max_batch, max_num_tokens=sc.max_num_tokens + sc.max_batch,
             **heads))
         self._token_buckets = _token_buckets(sc.max_num_tokens)
@@ -199,6 +200,18 @@ class LLM:
 
     # -- public ----------------------------------------------------------------------------------
 
+    def close(self):
+        """Release the weights and the pool; later calls of :meth:`generate` raise. (The twin of
+        ``m3_torch.LLM.close``; one process, nothing else to end.) Also run by ``with LLM(...)``."""
+        self.params = self.pool = None
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, *,
                  progress: Callable[[int], None] | None = None) -> list[list[int]]:
@@ -212,13 +225,15 @@ class LLM:
         the vocabulary, ``max_new_tokens < 1``, bad temperature/top_p/seed) raises
         before any work.
         """
+        if self._closed:
+            raise RuntimeError("this LLM is closed (close() was called)")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
             raise ValueError(f"temperature: expected a float >= 0, got {temperature!r}")
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise ValueError(f"top_p: expected a float in (0, 1], got {top_p!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"seed: expected an int or None, got {type(seed).__name__}")
-        self.scheduler = Scheduler(self.scheduler_config, self.config, planner=self._scheduler_planner)
+        self.scheduler = Scheduler(self.scheduler_config, self.config, planner=self.planner)
         ids = self.scheduler.add_requests(prompts, max_new_tokens)
         index = {rid: i for i, rid in enumerate(ids)}
         do_sample = temperature > 0
@@ -291,7 +306,7 @@ class LLM:
         rows = np.where(rows < Tc, rows, rows + Tc_pad).astype(np.int32)
         batch = model.StepBatch(tokens(step.input_ids, 0), tokens(step.positions, 0), tokens(step.slot_mapping, -1),
                                 table, new_seq, np.pad(rows, (0, Rc_new + Rg_new - len(rows))))
-        plan = self._planner.plan(new_seq, q_lens=new_q, num_context=Rc_new)
+        plan = self._prefill_planner.plan(new_seq, q_lens=new_q, num_context=Rc_new)
         spec, maps = step_inputs(plan)
         if Rg_new:
             spec = dataclasses.replace(spec, generation_max_blocks=max_blocks)

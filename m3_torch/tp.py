@@ -56,7 +56,7 @@ import torch.distributed as dist
 from m3_kernels import tuning
 from m3_kernels.tp import TPPlan
 
-__all__ = ["Workers", "all_reduce", "DEFAULT_TIMEOUT"]
+__all__ = ["Workers", "all_reduce", "portable", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # a collective (or start-up) that waits longer fails
 METADATA_TIMEOUT = datetime.timedelta(days=365)   # workers wait this long for the next step (an idle engine)
@@ -69,6 +69,18 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
     """The model's tensor-parallel hook: ``t`` summed over the ranks, in place (the default group)."""
     dist.all_reduce(t)
     return t
+
+
+def portable(step):
+    """``step`` as the workers get it: without the scheduler's request objects, and without the
+    device copies rank 0 may have cached on its prefill plan (a step run twice, e.g. by a benchmark)."""
+    plan = step.plan
+    prefill = plan.context.prefill
+    if prefill is not None and any(key[0] == "torch" for key in prefill._cache):
+        host = {key: value for key, value in prefill._cache.items() if key[0] != "torch"}
+        plan = dataclasses.replace(plan, context=dataclasses.replace(
+            plan.context, prefill=dataclasses.replace(prefill, _cache=host)))
+    return dataclasses.replace(step, rows=(), plan=plan)
 
 
 class Workers:
@@ -150,7 +162,7 @@ class Workers:
         """Broadcast ``step``, run rank 0's part (``runner``) -> float32 logits. Any failure ends the engine."""
         self._check_open()
         try:
-            self._broadcast(("step", (dataclasses.replace(step, rows=()), tuning.current_overrides())))
+            self._broadcast(("step", (portable(step), tuning.current_overrides())))
             logits = runner.run(step).float()
             if logits.is_cuda:
                 self._wait(logits)
