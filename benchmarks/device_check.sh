@@ -3,6 +3,7 @@
 #   bash benchmarks/device_check.sh tests        # pytest -m gpu (kernels, launch layer, model engines)
 #   bash benchmarks/device_check.sh e2e          # benchmarks/e2e.py: model decode step, torch graph vs JAX jit
 #   bash benchmarks/device_check.sh grid OLD     # quick grid of checkout OLD, then of this one (same call)
+#   bash benchmarks/device_check.sh tp           # 2 GPUs: tensor-parallel GPU tests, then e2e.py --tp 2
 # Logs and results go under $OUT (the device tool brings them back).
 set -uo pipefail
 OUT=${OUT:-/tmp/m3-out}; mkdir -p "$OUT"
@@ -15,6 +16,10 @@ case "${1:-tests}" in
   e2e)
     source benchmarks/device_env.sh
     python3 -m benchmarks.e2e --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
+  tp)
+    source benchmarks/device_env.sh
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tp_torch.py -rs 2>&1 | tee "$OUT/tp-tests.log" | tail -25
+    python3 -m benchmarks.e2e --tp 2 --out "$OUT/e2e-tp" 2>&1 | tee "$OUT/e2e-tp.log" | tail -40 ;;
   grid)
     for tree in "$2" "$here"; do
       (cd "$tree" && source benchmarks/device_env.sh && \

@@ -22,6 +22,11 @@ place). What the compile cache is keyed by:
   With the context span's block bound and row tile (powers of two) that is the
   key: it depends on buckets, never on lengths.
 
+With ``tensor_parallel_size=N`` the same jitted function runs the model step
+in ``shard_map`` over a mesh of N devices (``m3_jax.tp``); the scheduler,
+the padding and the compile keys are unchanged (plans are made for one
+shard's heads).
+
 :attr:`LLM.compiled_steps` lists the ``StepSpec`` of every compilation.
 Sampling runs on the device: greedy (argmax) at temperature 0; otherwise
 temperature + top-p (nucleus) with ``jax.random``, keyed per token by

@@ -14,6 +14,12 @@ the persistent maps and workspaces), then the graph is captured for the next
 ones. Prefill and mixed steps run eagerly. On a CPU everything runs eagerly
 (the kernels through Triton's interpreter).
 
+Tensor parallelism (``tensor_parallel_size=N``): the model splits as
+``m3_kernels.tp`` says; this process is rank 0 (scheduler, sampling,
+``lm_head``) and ``m3_torch.tp`` spawns and drives the N-1 workers. Each rank
+is a :class:`Runner` (its weight slices, its pool, its graphs); plans are made
+for one rank's heads, and every rank runs every step.
+
 Sampling: greedy at ``temperature == 0``; otherwise softmax of
 ``logits / temperature`` restricted to the top-``p`` nucleus, drawn with a
 ``torch.Generator`` seeded from ``(seed, prompt index, output index)``, so a
