@@ -18,7 +18,7 @@ case "${1:-tests}" in
     python3 -m benchmarks.e2e --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
   tp)
     source benchmarks/device_env.sh
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tp_torch.py -rs 2>&1 | tee "$OUT/tp-tests.log" | tail -25
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tp_torch.py tests/test_tp_jax.py -rs 2>&1 | tee "$OUT/tp-tests.log" | tail -25
     python3 -m benchmarks.e2e --tp 2 --out "$OUT/e2e-tp" 2>&1 | tee "$OUT/e2e-tp.log" | tail -40 ;;
   grid)
     for tree in "$2" "$here"; do

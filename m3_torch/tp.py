@@ -60,7 +60,7 @@ __all__ = ["Workers", "all_reduce", "portable", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # a collective (or start-up) that waits longer fails
 METADATA_TIMEOUT = datetime.timedelta(days=365)   # workers wait this long for the next step (an idle engine)
-ERROR_GRACE_S = 2.0                               # after a failed step: how long to wait for workers' tracebacks
+ERROR_GRACE_S = 1.0                               # after a failed step: how long to wait for workers' tracebacks
 
 _live: "weakref.WeakSet[Workers]" = weakref.WeakSet()
 
@@ -177,11 +177,18 @@ class Workers:
             self._broadcast(("call", (fn, args)))
         except BaseException as e:
             self._fail(e)
-        mine = fn(runner, *args)
+        mine = error = None
         try:
-            return [mine] + self._expect("result", f"running {getattr(fn, '__name__', fn)}")
+            mine = fn(runner, *args)
+        except Exception as e:   # the workers ran theirs: collect their answers first
+            error = e
+        try:
+            theirs = self._expect("result", f"running {getattr(fn, '__name__', fn)}")
         except BaseException as e:
             self._fail(e)
+        if error is not None:
+            raise error
+        return [mine] + theirs
 
     def _broadcast(self, message):
         dist.broadcast_object_list([message], src=0, group=self.meta_group)

@@ -27,7 +27,8 @@ NEW_TOKENS = 2
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("m3_tp_torch"), seed=1)
+    """Two layers (dense attention + dense MLP, MSA + MoE): every layer type at half the interpreter time."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m3_tp_torch"), seed=1, num_hidden_layers=2)
 
 
 def prompt(n, seed):
@@ -81,7 +82,7 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
                 tp2.generate([[5], []], max_new_tokens=2)
             got = tp2.generate(prompts, max_new_tokens=NEW_TOKENS)
             info = tp2.collective_rpc(tp_helpers.rank_info)
-            caches = tp2.collective_rpc(tp_helpers.layer_caches, 2, [0, 1])   # an MSA layer; the requests' slots
+            caches = tp2.collective_rpc(tp_helpers.layer_caches, 1, [0, 1])   # the MSA layer; the requests' slots
         assert wait_dead(procs, 1.0), "workers outlived the engine"
     assert_same_tokens(want, got, margins)
 
@@ -89,10 +90,10 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
     d, di = c.head_dim, c.index_head_dim
     for rank, rank_info in enumerate(info):
         assert rank_info["rank"] == rank and rank_info["heads"] == (2, 1, 1)
-        assert rank_info["qkv_rows"] == [4 * d] + [4 * d + di + di] * 3   # q 2 heads, k 1, v 1 (+ idx q 1, idx k)
+        assert rank_info["qkv_rows"] == [4 * d, 4 * d + di + di]   # q 2 heads, k 1, v 1 (+ idx q 1, idx k)
         assert rank_info["expert_rows"][1] == (4, 2 * 32 // 2, 128)       # every expert: half its gate/up rows
         assert rank_info["lm_head"] == (rank == 0) and rank_info["pool_kv_heads"] == [1]
-    k1, v1, ik1 = tp_helpers.layer_caches(tp1.runner, 2, [0, 1])
+    k1, v1, ik1 = tp_helpers.layer_caches(tp1.runner, 1, [0, 1])
     for rank, (k, v, ik) in enumerate(caches):   # rank r: KV head r of the TP=1 pool, the whole index-K
         np.testing.assert_allclose(k, k1[:, rank:rank + 1], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(v, v1[:, rank:rank + 1], rtol=1e-4, atol=1e-5)
@@ -173,26 +174,3 @@ def test_gpu_tp2_bf16_gives_the_tokens_of_tp1(gpu_model_dir):
     assert agree >= sum(map(len, want)) // 2
     assert_same_tokens(want, got, margins, near_tie=0.25, min_checked=0)
     assert again == got
-
-
-@pytest.mark.gpu
-@needs_two_gpus
-def test_gpu_tp2_jax_bf16_gives_the_tokens_of_tp1(gpu_model_dir):
-    import jax
-
-    from jax_helpers import jax_gpu_ready
-    if not jax_gpu_ready() or len(jax.devices("gpu")) < 2:
-        pytest.skip("needs a JAX GPU backend with 2 devices and jax_triton")
-    import m3_jax
-
-    prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
-    kwargs = dict(dtype="bfloat16", max_batch=4, max_context=1024, prefill_chunk=500)
-    want = m3_jax.LLM(gpu_model_dir, device=jax.devices("gpu")[0], **kwargs).generate(prompts, max_new_tokens=16)
-    tp2 = m3_jax.LLM(gpu_model_dir, device="gpu", tensor_parallel_size=2, **kwargs)
-    got = tp2.generate(prompts, max_new_tokens=16)
-    agree = sum(next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), len(w)) for w, g in zip(want, got))
-    total = sum(map(len, want))
-    print(f"bf16 JAX TP=2 vs TP=1: {agree}/{total} greedy tokens agree before the first divergence")
-    assert agree >= total // 2
-    decode = [s.generation_rows for s in tp2.compiled_steps if s.context_rows == 0]
-    assert sorted(decode) == sorted(set(decode))   # one decode compilation per batch size
