@@ -6,6 +6,7 @@
 #   bash benchmarks/device_check.sh cute-stage   # CuTeDSL, call 1 (carry .whl-cute1): park the first wheels in /tmp/cute
 #   bash benchmarks/device_check.sh cutedsl      # CuTeDSL, call 2 within 30 s (carry .whl, .whl-cute2): install,
 #                                                #   pytest tests/test_cutedsl.py -m gpu, then benchmarks.indexer --quick
+#   bash benchmarks/device_check.sh tp           # 2 GPUs: tensor-parallel GPU tests, then e2e.py --tp 2
 # Logs and results go under $OUT (the device tool brings them back).
 set -uo pipefail
 OUT=${OUT:-/tmp/m3-out}; mkdir -p "$OUT"
@@ -18,6 +19,10 @@ case "${1:-tests}" in
   e2e)
     source benchmarks/device_env.sh
     python3 -m benchmarks.e2e --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
+  tp)
+    source benchmarks/device_env.sh
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tp_torch.py tests/test_tp_jax.py -rs 2>&1 | tee "$OUT/tp-tests.log" | tail -25
+    python3 -m benchmarks.e2e --tp 2 --out "$OUT/e2e-tp" 2>&1 | tee "$OUT/e2e-tp.log" | tail -40 ;;
   grid)
     for tree in "$2" "$here"; do
       (cd "$tree" && source benchmarks/device_env.sh && \

@@ -19,3 +19,5 @@ CUTE_PATH=""
 [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && CUTE_PATH="/tmp/site/nvidia_cutlass_dsl/dsl_packages:"
 export PYTHONPATH="/tmp/site:$CUTE_PATH$PWD:${PYTHONPATH:-}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# NVLink multicast stays off (the machine's policy; tensor-parallel workers inherit this environment)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -1,4 +1,4 @@
-"""End-to-end decode of the model engines: `python3 -m benchmarks.e2e [--out DIR] [--quick | --tiny]`.
+"""End-to-end decode of the model engines: `python3 -m benchmarks.e2e [--out DIR] [--quick | --tiny] [--tp N]`.
 
 A random bf16 model with MiniMax-M3's real attention shapes (hidden 6144, 64
 query / 4 KV heads of 128, 4 index heads of 128, top-16 blocks, RoPE on 64
@@ -29,6 +29,25 @@ random values; JAX's keeps what ``m3_jax.LLM`` allocates (step times do not
 depend on the values: every request reads its top-16 blocks). Writes e2e.json
 and e2e.md to --out. ``--tiny`` runs the tiny test model on the CPU (Triton's
 interpreter), to check the script, not to measure.
+
+``--tp N``: tensor parallelism, TP=N against TP=1 (issue #14). Batches 8, 32,
+64 at a 32k context (``--tiny``: batches 1, 2 at 256 tokens on the CPU, gloo),
+torch then JAX for each TP size, each engine built with
+``tensor_parallel_size``:
+
+* ``step_us``: wall clock of a decode step (as ``torch_step_us`` /
+  ``jax_step_us`` above; torch: rank 0 broadcasts the step to the workers,
+  every rank replays its CUDA graph); tok/s = batch / step.
+* ``graph_us`` (torch): the captured step alone, replayed on every rank.
+* per layer type (torch, on rank 0, each block in its own CUDA graph with its
+  all-reduce, every rank replaying alike): ``dense_attention_us`` /
+  ``dense_mlp_us`` (layer 0), ``msa_attention_us`` / ``moe_us`` (an MSA + MoE
+  layer), and how many layers of each type the step runs;
+* ``all_reduce_us``: the step's all-reduces alone (2 per layer, ``[T, hidden]``
+  bf16; torch: NCCL in a CUDA graph; JAX: ``psum`` in a jitted ``shard_map``),
+  and ``all_reduce_share`` = that / the step (torch: / ``graph_us``).
+
+Writes e2e_tp.json and e2e_tp.md.
 """
 
 from __future__ import annotations
@@ -48,7 +67,7 @@ import torch
 
 import m3_torch
 from m3_kernels.planner import PAGE_SIZE
-from m3_kernels.scheduler import Scheduler, Step
+from m3_kernels.scheduler import Step
 from m3_kernels import checkpoint
 from m3_kernels.model_config import M3TextConfig
 from m3_kernels.tiny_model import tiny_text_config
@@ -62,6 +81,7 @@ M3_SHAPES = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4
 BATCHES, CONTEXTS = (1, 8, 32, 64), (4096, 32768, 131072)
 QUICK_BATCHES, QUICK_CONTEXTS = (1, 64), (4096, 32768)
 TINY_BATCHES, TINY_CONTEXTS = (1, 2), (256, 384)
+TP_BATCHES, TP_CONTEXT, TINY_TP_CONTEXT = (8, 32, 64), 32768, 256
 
 
 def write_model(path: Path, shapes: dict, max_context: int) -> Path:
@@ -203,7 +223,7 @@ def run_jax(model_dir, context, batches, reps, device) -> dict:
     llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max(batches), max_context=context,
                      max_cache_pages=max(batches) * blocks)
     key = jax.device_put(jax.random.key(0), llm.device)
-    planner = Scheduler(llm.scheduler_config, llm.config).planner   # the engine's graph batch sizes
+    planner = llm.planner   # the engine's graph batch sizes
     out = {}
     with jax.default_device(llm.device):   # the kernels trace their GPU or CPU path from it
         for batch in batches:
@@ -227,6 +247,152 @@ def in_fresh_process(fn, *args):
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
+
+
+# -- tensor parallelism (--tp) ---------------------------------------------------------------------
+
+def run_torch_tp(model_dir, tp: int, context: int, batches, reps: int, device) -> dict:
+    """-> {batch: row} for the torch engine at ``tensor_parallel_size=tp`` (see the module docstring)."""
+    from benchmarks import e2e_ranks
+
+    blocks = -(-context // PAGE_SIZE)
+    out = {}
+    with m3_torch.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max(batches), max_context=context,
+                      max_cache_pages=max(batches) * blocks, tensor_parallel_size=tp) as llm:
+        llm.collective_rpc(e2e_ranks.fill_pool)
+        for batch in batches:
+            step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
+            row = dict(step_us=wall_us(lambda: llm.step_logits(step).argmax(-1).tolist(), reps))
+            graph = llm.collective_rpc(e2e_ranks.graph_replay_us, (step.plan.num_rows,
+                                                                   step.plan.generation.max_blocks), reps)[0]
+            if graph is not None:
+                row["graph_us"] = graph
+            row.update(llm.collective_rpc(e2e_ranks.layer_times, step, reps)[0])
+            row["all_reduce_share"] = row["all_reduce_us"] / row.get("graph_us", row["step_us"])
+            out[batch] = row
+            print(f"  torch tp {tp} batch {batch:3d} context {context:6d}: " +
+                  " ".join(f"{k}={v:.3g}" for k, v in row.items()), flush=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_jax_tp(model_dir, tp: int, context: int, batches, reps: int, device) -> dict:
+    """-> {batch: row} for the JAX engine at ``tensor_parallel_size=tp``: the jitted decode step, and the
+    step's psums alone."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import m3_jax
+
+    blocks = -(-context // PAGE_SIZE)
+    platform = "gpu" if device == "cuda" else "cpu"
+    llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=platform if tp > 1 else jax.devices(platform)[0],
+                     max_batch=max(batches), max_context=context, max_cache_pages=max(batches) * blocks,
+                     tensor_parallel_size=tp)
+    key = llm._put(jax.random.key(0))
+    c = llm.config
+    out = {}
+    with jax.default_device(llm.device):   # the kernels trace their GPU or CPU path from it
+        for batch in batches:
+            step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
+            index = {i: i for i in range(batch)}
+            t0 = time.perf_counter()
+            llm._run_step(step, index, 0.0, 1.0, key, False)   # compiles for this batch
+            row = dict(first_step_s=time.perf_counter() - t0,
+                       step_us=wall_us(lambda: llm._run_step(step, index, 0.0, 1.0, key, False), reps))
+            if llm.mesh is not None:
+                def reduces(x):
+                    for _ in range(2 * c.num_hidden_layers):
+                        x = jax.lax.psum(x, "tp") * 0.5
+                    return x
+                fn = jax.jit(jax.shard_map(reduces, mesh=llm.mesh, in_specs=P("tp"), out_specs=P()))
+                x = jax.device_put(jnp.ones((tp * step.plan.num_tokens, c.hidden_size), jnp.bfloat16),
+                                   jax.sharding.NamedSharding(llm.mesh, P("tp")))
+                row["all_reduce_us"] = wall_us(lambda: fn(x).block_until_ready(), reps)
+            else:
+                row["all_reduce_us"] = 0.0
+            row["all_reduce_share"] = row["all_reduce_us"] / row["step_us"]
+            out[batch] = row
+            print(f"  jax   tp {tp} batch {batch:3d} context {context:6d}: " +
+                  " ".join(f"{k}={v:.3g}" for k, v in row.items()), flush=True)
+    llm.close()
+    del llm
+    gc.collect()
+    return out
+
+
+def markdown_tp(result: dict) -> str:
+    tp = result["tp"]
+    lines = [f"# End-to-end decode, tensor parallel {tp} vs 1, M3 attention shapes ({result['device']})", "",
+             f"Command: `{result['command']}`; device-to-device copy bandwidth in the same run: "
+             f"{result['copy_bandwidth_TBps'] or float('nan'):.2f} TB/s.", "",
+             f"Model: {result['shapes']}", "",
+             "Microseconds per decode step (time per output token); tok/s = batch / step; speedup = TP=1 step / "
+             "this step. Per layer type: one block with its all-reduce (torch, rank 0). All-reduce: the step's "
+             "2 per layer alone, and its share of the step.", "",
+             "| framework | tp | batch | context | step | tok/s | speedup | graph | dense attn | dense MLP | "
+             "MSA attn | MoE | all-reduce | AR share |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def f(v, fmt=None):
+        if v is None:
+            return "-"
+        return (fmt or ("{:.0f}" if abs(v) >= 100 else "{:.3g}")).format(v)
+
+    for r in result["rows"]:
+        context = f"{r['context'] // 1024}k" if r["context"] >= 1024 else str(r["context"])
+        lines.append(f"| {r['framework']} | {r['tp']} | {r['batch']} | {context} | {f(r.get('step_us'))} | "
+                     f"{f(r.get('tok_s'))} | {f(r.get('speedup'), '{:.2f}x')} | {f(r.get('graph_us'))} | "
+                     f"{f(r.get('dense_attention_us'))} | {f(r.get('dense_mlp_us'))} | "
+                     f"{f(r.get('msa_attention_us'))} | {f(r.get('moe_us'))} | {f(r.get('all_reduce_us'))} | "
+                     f"{f(r.get('all_reduce_share'), '{:.0%}')} |")
+    if result.get("errors"):
+        lines += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
+    return "\n".join(lines) + "\n"
+
+
+def main_tp(args, frameworks) -> dict:
+    """``--tp N``: TP=1 and TP=N, torch and JAX, batches 8/32/64 at 32k (see the module docstring)."""
+    tp = args.tp
+    if args.tiny:
+        shapes, batches, context, device, reps = {}, TINY_BATCHES, TINY_TP_CONTEXT, "cpu", args.reps or 2
+    else:
+        if torch.cuda.device_count() < tp:
+            sys.exit(f"benchmarks.e2e --tp {tp}: needs {tp} GPUs, found {torch.cuda.device_count()} "
+                     f"(use --tiny to check the script on the CPU)")
+        shapes, batches, context, device, reps = M3_SHAPES, TP_BATCHES, TP_CONTEXT, "cuda", args.reps or 20
+    rows, errors = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model(Path(args.model_dir or tmp), shapes, context)
+        for size in (1, tp):
+            for name, run in (("torch", run_torch_tp), ("jax", run_jax_tp)):
+                if name not in frameworks:
+                    continue
+                try:
+                    for batch, row in run(model_dir, size, context, batches, reps, device).items():
+                        rows.append(dict(framework=name, tp=size, batch=batch, context=context, **row))
+                except Exception as e:  # one engine failing must not lose the others' numbers
+                    errors.append(f"{name} tp {size}: {type(e).__name__}: {e}")
+                    print("  " + errors[-1], flush=True)
+    base = {(r["framework"], r["batch"]): r["step_us"] for r in rows if r["tp"] == 1}
+    for r in rows:
+        r["tok_s"] = r["batch"] / (r["step_us"] * 1e-6)
+        if (r["framework"], r["batch"]) in base:
+            r["speedup"] = base[r["framework"], r["batch"]] / r["step_us"]
+    result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter, gloo)",
+                  copy_bandwidth_TBps=copy_bandwidth() / 1e12 if device == "cuda" else None,
+                  command="python3 -m benchmarks.e2e " + " ".join(sys.argv[1:]),
+                  tp=tp, shapes=shapes or "tiny test model", rows=rows, errors=errors)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "e2e_tp.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "e2e_tp.md"), "w") as f:
+        f.write(markdown_tp(result))
+    print(markdown_tp(result))
+    return result
 
 
 def markdown(result: dict) -> str:
@@ -263,8 +429,14 @@ def main(argv=None):
     ap.add_argument("--frameworks", default="torch,jax")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--model-dir", default=None, help="where to write the random model (default: a temp dir)")
+    ap.add_argument("--tp", type=int, default=None, metavar="N",
+                    help="tensor parallelism: TP=N vs TP=1, batches 8/32/64 at 32k (writes e2e_tp.*)")
     args = ap.parse_args(argv)
     frameworks = args.frameworks.split(",")
+    if args.tp is not None:
+        if args.tp < 2:
+            ap.error(f"--tp: expected an int >= 2, got {args.tp}")
+        return main_tp(args, frameworks)
     if args.tiny:
         shapes, batches, contexts, device, reps = {}, TINY_BATCHES, TINY_CONTEXTS, "cpu", args.reps or 2
     else:

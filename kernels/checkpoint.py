@@ -41,6 +41,12 @@ transformers (``model.language_model.*``). Vision tower, projector and MTP
 tensors are skipped with one log line; any other unknown tensor, a missing
 one or a wrong shape is a ``ValueError`` naming it.
 
+Tensor parallelism: ``iter_weights(..., shard=TPPlan(config, tp).rank(r))``
+yields rank ``r``'s part of every tensor (``m3_kernels.tp``), read with
+safetensors' ``get_slice`` from each stored piece (a packed gate/up slice
+from the ``gate_proj``/``up_proj`` or ``w1``/``w3`` pieces it covers), so no
+process or device ever holds a whole sharded tensor.
+
 Framework-neutral: tensors are read by ``safetensors`` in the caller's
 framework (``"pt"``: torch tensors, ``"numpy"``: numpy arrays, bfloat16 as
 ``ml_dtypes.bfloat16``) and merged with the caller's ``concatenate``.
@@ -52,11 +58,12 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import numpy as np
 
 from .model_config import M3TextConfig, load_config
+from .tp import RankShard, TensorSlice
 
 __all__ = ["checkpoint_files", "checkpoint_index", "canonical_name", "expected_shapes", "iter_weights",
            "load_weights", "SINGLE_FILE", "INDEX_FILE"]
@@ -183,7 +190,8 @@ def expected_shapes(config: M3TextConfig) -> dict[str, tuple[int, ...]]:
 # -- loading ---------------------------------------------------------------------------
 
 def iter_weights(model_dir, config: M3TextConfig | None = None, *, framework: str = "numpy",
-                 concatenate: Callable | None = None, device: str = "cpu") -> Iterator[tuple[str, Any]]:
+                 concatenate: Callable | None = None, device: str = "cpu", shard: RankShard | None = None,
+                 skip: Collection[str] = ()) -> Iterator[tuple[str, Any]]:
     """Yield ``(canonical name, tensor)`` for every tensor of :func:`expected_shapes`.
 
     model_dir:   a directory with config.json and safetensors (single file or sharded).
@@ -194,11 +202,17 @@ def iter_weights(model_dir, config: M3TextConfig | None = None, *, framework: st
                  merge pieces (experts, gate/up): ``torch.cat`` for ``"pt"``;
                  ``np.concatenate`` by default for ``"numpy"``.
     device:      ``"pt"`` only: where safetensors puts the tensors (``"cuda:0"``, ...).
+    shard:       one tensor-parallel rank (``m3_kernels.tp.TPPlan(config, tp).rank(r)``):
+                 yield that rank's part of each tensor, read with safetensors'
+                 ``get_slice`` (never the whole tensor); None: whole tensors.
+    skip:        canonical names not to read nor yield (e.g. ``"lm_head.weight"`` on a
+                 rank that does not compute logits).
 
     Tensors keep the checkpoint's dtype. Everything is checked before the first
     tensor is read: an unknown, missing or duplicated tensor raises
     ``ValueError`` naming it, skipped ones (vision, projector, ``mtp.*``) are
-    logged once. Shapes are checked as tensors are read.
+    logged once. Shapes are checked against the files' headers before a tensor
+    is read (the whole tensor's shape, also when only a slice is read).
     """
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework: expected one of {FRAMEWORKS}, got {framework!r}")
@@ -207,26 +221,38 @@ def iter_weights(model_dir, config: M3TextConfig | None = None, *, framework: st
             raise ValueError('concatenate: required for framework="pt" (pass torch.cat)')
         concatenate = np.concatenate
     config = load_config(model_dir) if config is None else config
+    if shard is not None and shard.plan.config != config:
+        raise ValueError("shard: its TPPlan was made for another model config")
     shapes = expected_shapes(config)
     plan = _plan(checkpoint_index(model_dir), shapes, config)
     reader = _Reader(framework, device)
     try:
         for name, pieces in plan.items():
-            tensor = _assemble(name, pieces, reader, concatenate)
-            if tuple(tensor.shape) != shapes[name]:
+            if name in skip:
+                continue
+            full = _stored_shape(name, pieces, reader)
+            if full != shapes[name]:
                 raise ValueError(f"tensor {name!r} (from {_sources(pieces)}): expected shape {shapes[name]}, "
+                                 f"got {full}")
+            cut = None if shard is None else shard.slice(name)
+            tensor = _assemble(name, pieces, reader, concatenate, cut)
+            want = shapes[name] if cut is None else cut.shape(shapes[name])
+            if tuple(tensor.shape) != want:   # pieces of inconsistent shapes
+                raise ValueError(f"tensor {name!r} (from {_sources(pieces)}): expected shape {want}, "
                                  f"got {tuple(tensor.shape)}")
             yield name, tensor
-            if name == "model.embed_tokens.weight" and config.tie_word_embeddings:
+            if name == "model.embed_tokens.weight" and config.tie_word_embeddings and "lm_head.weight" not in skip:
                 yield "lm_head.weight", tensor
     finally:
         reader.close()
 
 
 def load_weights(model_dir, config: M3TextConfig | None = None, *, framework: str = "numpy",
-                 concatenate: Callable | None = None, device: str = "cpu") -> dict[str, Any]:
+                 concatenate: Callable | None = None, device: str = "cpu", shard: RankShard | None = None,
+                 skip: Collection[str] = ()) -> dict[str, Any]:
     """``dict(iter_weights(...))``: canonical name -> tensor."""
-    return dict(iter_weights(model_dir, config, framework=framework, concatenate=concatenate, device=device))
+    return dict(iter_weights(model_dir, config, framework=framework, concatenate=concatenate, device=device,
+                             shard=shard, skip=skip))
 
 
 # -- internals -------------------------------------------------------------------------
@@ -292,36 +318,103 @@ def _sources(pieces: dict) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
 
 
-def _assemble(name, pieces: dict, reader: "_Reader", concatenate):
+# How a canonical tensor is made of its stored pieces (piece keys: see canonical_name):
+#   ()             the whole tensor
+#   (half,)        gate_proj / up_proj [I, H] -> gate_up_proj.weight [2I, H] (concatenated on axis 0)
+#   (expert,)      experts.{e}.w2 [H, I] -> experts.down_proj [E, H, I] (stacked)
+#   (expert, half) experts.{e}.w1 / w3 [I, H] -> experts.gate_up_proj [E, 2I, H] (stacked, halves on axis 1)
+
+def _groups(name, pieces: dict):
+    """-> (stacked, [[piece, ...] per stacked entry]): each entry is its pieces concatenated on
+    axis 0 (of the piece); ``stacked``: entries stacked on a new axis 0 (experts)."""
     keys = sorted(pieces)
     if keys == [()]:
-        return reader.get(*pieces[()])
-    if len(keys[0]) == 1 and name.endswith(".down_proj"):   # experts: stack w2
-        return concatenate([reader.get(*pieces[k])[None] for k in keys], 0)
-    if len(keys[0]) == 1:                                   # gate_proj rows, then up_proj rows
-        return concatenate([reader.get(*pieces[k]) for k in keys], 0)
-    experts = sorted({k[0] for k in keys})                  # experts: [w1; w3] per expert, stacked
-    return concatenate([concatenate([reader.get(*pieces[(e, 0)]), reader.get(*pieces[(e, 1)])], 0)[None]
-                        for e in experts], 0)
+        return False, [[pieces[()]]]
+    if len(keys[0]) == 1 and name.endswith(".down_proj"):
+        return True, [[pieces[k]] for k in keys]
+    if len(keys[0]) == 1:
+        return False, [[pieces[k] for k in keys]]
+    experts = sorted({k[0] for k in keys})
+    return True, [[pieces[(e, 0)], pieces[(e, 1)]] for e in experts]
+
+
+def _stored_shape(name, pieces: dict, reader: "_Reader") -> tuple:
+    """The canonical tensor's whole shape, from the files' headers (nothing read); a piece
+    that does not fit the others gives a shape no config expects."""
+    stacked, groups = _groups(name, pieces)
+    shapes = []
+    for group in groups:
+        parts = [reader.shape(*p) for p in group]
+        if any(len(s) != len(parts[0]) or s[1:] != parts[0][1:] for s in parts):
+            return tuple(parts[0]) + ("inconsistent pieces",)
+        shapes.append((sum(s[0] for s in parts),) + tuple(parts[0][1:]))
+    if not stacked:
+        return shapes[0]
+    if any(s != shapes[0] for s in shapes):
+        return (len(shapes),) + shapes[0] + ("inconsistent pieces",)
+    return (len(shapes),) + shapes[0]
+
+
+def _assemble(name, pieces: dict, reader: "_Reader", concatenate, cut: TensorSlice | None = None):
+    """The canonical tensor (``cut``: only that part of it), reading no more of the files than it needs."""
+    stacked, groups = _groups(name, pieces)
+    dim = None if cut is None else cut.dim - int(stacked)   # in the pieces' axes
+    if dim == -1:
+        raise ValueError(f"tensor {name!r}: cannot split the experts' axis")
+    entries = [_read_concatenated(group, dim, None if cut is None else cut.ranges, reader, concatenate)
+               for group in groups]
+    if not stacked:
+        return entries[0]
+    return concatenate([e[None] for e in entries], 0)
+
+
+def _read_concatenated(parts, dim, ranges, reader: "_Reader", concatenate):
+    """``concatenate(parts, 0)`` (parts: ``(file, stored name)``), cut to ``ranges`` along ``dim``
+    when ``dim`` is not None; only the needed slices are read."""
+    if dim is None:
+        arrays = [reader.get(*p) for p in parts]
+    elif dim != 0:
+        arrays = []
+        for p in parts:
+            cuts = [reader.get(*p, dim, start, stop) for start, stop in ranges]
+            arrays.append(cuts[0] if len(cuts) == 1 else concatenate(cuts, dim))
+    else:   # cut along the concatenation axis: map each range onto the parts it covers
+        arrays, offset = [], 0
+        for p in parts:
+            n = reader.shape(*p)[0]
+            for start, stop in ranges:
+                lo, hi = max(start, offset), min(stop, offset + n)
+                if lo < hi:
+                    arrays.append(reader.get(*p, 0, lo - offset, hi - offset))
+            offset += n
+    return arrays[0] if len(arrays) == 1 else concatenate(arrays, 0)
 
 
 class _Reader:
-    """Open safetensors files once each; read tensors in the caller's framework."""
+    """Open safetensors files once each; read tensors, or slices of them, in the caller's framework."""
 
     def __init__(self, framework, device):
         self.framework, self.device = framework, device
         self.files = {}
 
-    def get(self, path: Path, stored: str):
+    def _file(self, path: Path):
         if path not in self.files:
             from safetensors import safe_open
             kwargs = {"device": self.device} if self.framework == "pt" else {}
             self.files[path] = safe_open(path, framework=self.framework, **kwargs)
-        f = self.files[path]
+        return self.files[path]
+
+    def shape(self, path: Path, stored: str) -> tuple:
+        return tuple(self._file(path).get_slice(stored).get_shape())
+
+    def get(self, path: Path, stored: str, dim: int | None = None, start: int = 0, stop: int = 0):
+        """The tensor, or its index range ``[start, stop)`` along ``dim``."""
+        f = self._file(path)
+        index = None if dim is None else (slice(None),) * dim + (slice(start, stop),)
         try:
-            return f.get_tensor(stored)
+            return f.get_tensor(stored) if index is None else f.get_slice(stored)[index]
         except TypeError:  # numpy cannot name bfloat16 / float8: view the raw bytes through ml_dtypes
-            return _read_raw(path, stored)
+            return _read_raw(path, stored, index)
 
     def close(self):
         for f in self.files.values():
@@ -334,11 +427,12 @@ class _Reader:
 _RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
-def _read_raw(path: Path, stored: str) -> np.ndarray:
-    """One tensor of a safetensors file as a numpy array of an ``ml_dtypes`` dtype.
+def _read_raw(path: Path, stored: str, index: tuple | None = None) -> np.ndarray:
+    """One tensor (or ``tensor[index]``) of a safetensors file as a numpy array of an ``ml_dtypes`` dtype.
 
     The format: an 8-byte little-endian header size, a JSON header
     (``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``), the data.
+    The file is memory-mapped: a slice reads only the pages it touches.
     """
     import ml_dtypes
     with open(path, "rb") as f:
@@ -349,4 +443,5 @@ def _read_raw(path: Path, stored: str) -> np.ndarray:
         raise TypeError(f"tensor {stored!r} in {path.name}: unsupported dtype {info['dtype']}")
     begin, end = info["data_offsets"]
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size + begin, shape=(end - begin,))
-    return np.asarray(data).view(getattr(ml_dtypes, dtype)).reshape(info["shape"])
+    array = data.view(getattr(ml_dtypes, dtype)).reshape(info["shape"])
+    return np.array(array if index is None else array[index])

@@ -2,6 +2,7 @@
 
     m3-generate --framework torch --model DIR --prompt "The quick brown fox" --max-new-tokens 32
     python -m m3_kernels.generate --framework jax --model DIR --prompt-ids 1,2,3 --max-new-tokens 8
+    m3-generate --framework torch --model DIR --prompt "..." --tensor-parallel-size 2   # 2 GPUs (or 2 CPU processes)
 
 Text prompts are encoded with ``DIR/tokenizer.json`` (the ``tokenizers``
 package); ``--prompt-ids`` takes token ids as they are. Prints the new token
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from .model_config import load_config
+from .tp import TPPlan
 
 __all__ = ["main", "build_parser", "Progress"]
 
@@ -42,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: the checkpoint's dtype")
-    p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the engine's choice)")
+    p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the engine's choice); with "
+                   "--tensor-parallel-size, rank 0's (torch) or the platform (jax: cpu, gpu)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=1, metavar="N",
+                   help="split the model over N ranks (torch: N processes, jax: a mesh of N devices); default: 1")
     return p
 
 
@@ -53,9 +58,14 @@ def main(argv=None) -> int:
     if not (model_dir / "config.json").is_file():
         parser.error(f"--model: {model_dir} has no config.json (expected a transformers-format checkpoint)")
     try:
-        vocab_size = load_config(model_dir).vocab_size
+        config = load_config(model_dir)
     except (ValueError, TypeError) as e:
         parser.error(f"--model: bad config.json in {model_dir}: {e}")
+    vocab_size = config.vocab_size
+    try:
+        TPPlan(config, args.tensor_parallel_size)
+    except ValueError as e:
+        parser.error(f"--tensor-parallel-size: {e}")
     tokenizer = _tokenizer(model_dir)
     if args.prompt is not None:
         if tokenizer is None:
@@ -69,16 +79,21 @@ def main(argv=None) -> int:
         parser.error(f"{'--prompt' if args.prompt is not None else '--prompt-ids'}: token id {max(prompt_ids)} "
                      f"is outside the vocabulary [0, {vocab_size})")
 
-    llm = engine_class(args.framework)(model_dir, dtype=args.dtype, device=args.device)
-    progress = Progress(args.max_new_tokens)
-    start = time.perf_counter()
-    [new_ids] = llm.generate([prompt_ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_p=args.top_p, seed=args.seed, progress=progress)
-    seconds = time.perf_counter() - start
-    progress.close()
+    kwargs = {} if args.tensor_parallel_size == 1 else dict(tensor_parallel_size=args.tensor_parallel_size)
+    llm = engine_class(args.framework)(model_dir, dtype=args.dtype, device=args.device, **kwargs)
+    try:
+        progress = Progress(args.max_new_tokens)
+        start = time.perf_counter()
+        [new_ids] = llm.generate([prompt_ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_p=args.top_p, seed=args.seed, progress=progress)
+        seconds = time.perf_counter() - start
+        progress.close()
+    finally:
+        llm.close()   # tensor parallelism: ends the worker processes
 
+    tp = f", tensor parallel {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     print(f"prompt: {len(prompt_ids)} tokens; generated {len(new_ids)} tokens in {seconds:.2f} s "
-          f"({len(new_ids) / max(seconds, 1e-9):.1f} tok/s, {args.framework})")
+          f"({len(new_ids) / max(seconds, 1e-9):.1f} tok/s, {args.framework}{tp})")
     print("ids:", " ".join(map(str, new_ids)))
     if tokenizer is not None:
         print("text:", tokenizer.decode(new_ids))

@@ -66,6 +66,12 @@ def max_target_programs() -> int:
     return max(targets(False).target_programs, targets(True).target_programs)
 
 
+def current_overrides() -> dict:
+    """The fields ``override`` has set now (a copy): what a tensor-parallel engine hands its
+    worker processes with each step, so that every rank launches the geometry rank 0 planned."""
+    return dict(_overrides)
+
+
 @contextlib.contextmanager
 def override(**fields):
     """Other program targets (GPU and interpreter alike) inside the ``with`` block (tests; one thread)."""

@@ -22,6 +22,11 @@ place). What the compile cache is keyed by:
   With the context span's block bound and row tile (powers of two) that is the
   key: it depends on buckets, never on lengths.
 
+With ``tensor_parallel_size=N`` the same jitted function runs the model step
+in ``shard_map`` over a mesh of N devices (``m3_jax.tp``); the scheduler,
+the padding and the compile keys are unchanged (plans are made for one
+shard's heads).
+
 :attr:`LLM.compiled_steps` lists the ``StepSpec`` of every compilation.
 Sampling runs on the device: greedy (argmax) at temperature 0; otherwise
 temperature + top-p (nucleus) with ``jax.random``, keyed per token by
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import secrets
 from typing import Callable, NamedTuple, Sequence
 
@@ -43,8 +49,9 @@ import numpy as np
 from m3_kernels import checkpoint, model_config, planner
 from m3_kernels.maps import next_pow2
 from m3_kernels.scheduler import Scheduler, SchedulerConfig, Step
+from m3_kernels.tp import TPPlan
 
-from . import model
+from . import model, tp
 from .api import StepSpec, step_inputs
 from .cache import allocate_pool
 
@@ -126,14 +133,29 @@ class LLM:
                      ``max_context`` tokens: ``ValueError`` here.
     max_num_tokens:  query tokens per step (default ``max(2048, max_batch)``).
     prefill_chunk:   prompt tokens per request per step (default ``max_num_tokens``).
+    tensor_parallel_size: shards the model is split over (``m3_kernels.tp``, ``m3_jax.tp``):
+                     a ``Mesh`` over that many devices (``device``: None for the default
+                     backend's first ones, a platform string, or a sequence of
+                     ``jax.Device``), weights and pool laid out with ``NamedSharding``,
+                     the model step in ``shard_map``. A split that does not exist
+                     (e.g. 3 KV heads over 2 shards), or too few devices, is a
+                     ``ValueError`` here. On a CPU, fake devices come from
+                     ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set
+                     before JAX initialises.
     """
 
     def __init__(self, model_dir, *, dtype=None, device=None, max_batch: int = 8, max_context: int | None = None,
                  max_cache_pages: int | None = None, max_num_tokens: int | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, tensor_parallel_size: int = 1):
+        self._closed = False
         self.config = config = model_config.load_config(model_dir)
+        self.tp = TPPlan(config, tensor_parallel_size)
         dtype = _resolve_dtype(dtype)
-        self.device = _resolve_device(device)
+        if self.tp.size == 1:
+            self.device, self.mesh = _resolve_device(device), None
+        else:
+            devices = _resolve_devices(device, self.tp.size)
+            self.device, self.mesh = devices[0], tp.make_mesh(devices)
         max_batch = _positive_int("max_batch", max_batch)
         max_context = min(DEFAULT_MAX_CONTEXT, config.max_position_embeddings) if max_context is None else \
             _positive_int("max_context", max_context)
@@ -152,28 +174,48 @@ class LLM:
             max_batch=max_batch, max_context=max_context, num_slots=max_cache_pages, max_num_tokens=max_num_tokens,
             prefill_chunk=prefill_chunk, graph_batch_sizes=graph_sizes)
         self.scheduler: Scheduler | None = None   # the one of the running (or last) generate call
+        # plans are made for one shard's heads (all of them without tensor parallelism)
+        heads = dict(num_q_heads=self.tp.num_q_heads, num_kv_heads=self.tp.num_kv_heads, head_dim=config.head_dim,
+                     max_blocks=sc.max_blocks, topk=config.index_topk_blocks)
+        self.planner = planner.StepPlanner(planner.StepConfig(
+            max_batch=sc.max_batch, max_num_tokens=sc.max_num_tokens, graph_batch_sizes=sc.graph_batch_sizes,
+            **heads))
         # steps with context rows are re-planned after padding: room for the padding rows and tokens
-        self._planner = planner.StepPlanner(planner.StepConfig(
-            num_q_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim, max_batch=next_pow2(sc.max_batch + 1) + sc.max_batch,
-            max_num_tokens=sc.max_num_tokens + sc.max_batch, max_blocks=sc.max_blocks,
-            topk=config.index_topk_blocks))
+        self._prefill_planner = planner.StepPlanner(planner.StepConfig(
+            max_batch=next_pow2(sc.max_batch + 1) + sc.max_batch, max_num_tokens=sc.max_num_tokens + sc.max_batch,
+            **heads))
         self._token_buckets = _token_buckets(sc.max_num_tokens)
 
-        weights = checkpoint.load_weights(model_dir, config, framework="numpy")
-        if config.tie_word_embeddings:
-            del weights["lm_head.weight"]   # the head is the embedding
-        self.dtype = dtype or config.dtype or np.dtype(weights["model.embed_tokens.weight"].dtype).name
         with self._on_device():
-            self.params = {name: self._put(np.asarray(w).astype(jnp.dtype(self.dtype)))
-                           for name, w in weights.items()}
-            del weights
-            self.pool_layout = model.pool_layout(config, sc.num_slots, self.dtype)
-            self.pool = allocate_pool(self.pool_layout, self.device)
+            if self.mesh is None:
+                weights = checkpoint.load_weights(model_dir, config, framework="numpy")
+                if config.tie_word_embeddings:
+                    del weights["lm_head.weight"]   # the head is the embedding
+                self.dtype = dtype or config.dtype or np.dtype(weights["model.embed_tokens.weight"].dtype).name
+                self.params = {name: self._put(np.asarray(w).astype(jnp.dtype(self.dtype)))
+                               for name, w in weights.items()}
+                del weights
+            else:
+                self.params, self.dtype = tp.load_params(model_dir, self.tp, self.mesh, dtype)
+            self.pool_layout = model.pool_layout(self.tp.local_config, sc.num_slots, self.dtype)  # one shard's
+            self.pool = allocate_pool(self.pool_layout, self.device) if self.mesh is None else \
+                tp.allocate_pool(self.pool_layout, self.mesh)
         self.compiled_steps: list[StepSpec] = []   # one entry per compilation: the spec it was traced for
         self._step = jax.jit(self._run, static_argnames=("spec", "do_sample"), donate_argnames=("pool",))
 
     # -- public ----------------------------------------------------------------------------------
+
+    def close(self):
+        """Release the weights and the pool; later calls of :meth:`generate` raise. (The twin of
+        ``m3_torch.LLM.close``; one process, nothing else to end.) Also run by ``with LLM(...)``."""
+        self.params = self.pool = None
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, *,
@@ -188,13 +230,15 @@ class LLM:
         the vocabulary, ``max_new_tokens < 1``, bad temperature/top_p/seed) raises
         before any work.
         """
+        if self._closed:
+            raise RuntimeError("this LLM is closed (close() was called)")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
             raise ValueError(f"temperature: expected a float >= 0, got {temperature!r}")
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise ValueError(f"top_p: expected a float in (0, 1], got {top_p!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"seed: expected an int or None, got {type(seed).__name__}")
-        self.scheduler = Scheduler(self.scheduler_config, self.config)
+        self.scheduler = Scheduler(self.scheduler_config, self.config, planner=self.planner)
         ids = self.scheduler.add_requests(prompts, max_new_tokens)
         index = {rid: i for i, rid in enumerate(ids)}
         do_sample = temperature > 0
@@ -225,8 +269,12 @@ class LLM:
 
     def _run(self, params, pool, batch, maps, sampling, *, spec, do_sample):
         self.compiled_steps.append(spec)  # runs once per trace, i.e. per compilation
-        logits, pool = model.forward(params, pool, batch, maps, config=self.config, layout=self.pool_layout,
-                                     spec=spec)
+        if self.mesh is None:
+            logits, pool = model.forward(params, pool, batch, maps, config=self.config, layout=self.pool_layout,
+                                         spec=spec)
+        else:
+            logits, pool = tp.forward(params, pool, batch, maps, plan=self.tp, layout=self.pool_layout, spec=spec,
+                                      mesh=self.mesh)
         return sample(logits, sampling, do_sample=do_sample), pool
 
     def _layout(self, step: Step):
@@ -263,7 +311,7 @@ class LLM:
         rows = np.where(rows < Tc, rows, rows + Tc_pad).astype(np.int32)
         batch = model.StepBatch(tokens(step.input_ids, 0), tokens(step.positions, 0), tokens(step.slot_mapping, -1),
                                 table, new_seq, np.pad(rows, (0, Rc_new + Rg_new - len(rows))))
-        plan = self._planner.plan(new_seq, q_lens=new_q, num_context=Rc_new)
+        plan = self._prefill_planner.plan(new_seq, q_lens=new_q, num_context=Rc_new)
         spec, maps = step_inputs(plan)
         if Rg_new:
             spec = dataclasses.replace(spec, generation_max_blocks=max_blocks)
@@ -276,7 +324,55 @@ class LLM:
         return jax.default_device(self.device) if self.device is not None else contextlib.nullcontext()
 
     def _put(self, tree):
+        """Host data -> this engine's device (tensor parallelism: replicated on every shard)."""
+        if self.mesh is not None:
+            return jax.device_put(tree, tp.replicated(self.mesh))
         return jax.device_put(tree, self.device) if self.device is not None else jax.device_put(tree)
+
+
+def _resolve_devices(device, count: int) -> list:
+    """The devices of a tensor-parallel engine: None (the default backend's first ``count``), a
+    platform string ("cpu", "gpu") or a sequence of ``count`` distinct ``jax.Device``s."""
+    if device is None or isinstance(device, str):
+        platform, _, index = (device or "").partition(":")
+        platform = {"cuda": "gpu"}.get(platform, platform) or None
+        if index:
+            raise ValueError(f"device: with tensor_parallel_size={count}, expected None, a platform ('cpu', 'gpu') "
+                             f"or a list of devices, got {device!r}")
+        try:
+            devices = jax.devices(platform)
+        except RuntimeError as e:
+            raise ValueError(f"device: no JAX {platform!r} backend here ({e})") from None
+        if len(devices) < count:
+            hint = (" (on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX initialises)"
+                    if devices[0].platform == "cpu" else "")
+            raise ValueError(f"tensor_parallel_size={count} needs {count} devices, JAX has {len(devices)} "
+                             f"{devices[0].platform} device(s){hint}")
+        devices = devices[:count]
+    elif isinstance(device, jax.Device):
+        raise ValueError(f"device: tensor_parallel_size={count} needs {count} devices, got one ({device})")
+    else:
+        devices = list(device)
+        if len(devices) != count or len(set(devices)) != count or \
+                not all(isinstance(d, jax.Device) for d in devices):
+            raise ValueError(f"device: expected {count} distinct jax.Devices for tensor_parallel_size={count}, "
+                             f"got {devices!r}")
+    if devices[0].platform == "cpu":
+        _check_cpu_threads(count)
+    return devices
+
+
+def _check_cpu_threads(count: int):
+    """JAX's CPU client runs each device's program on a thread of one pool (``PJRT_NPROC`` or
+    ``NPROC`` threads, else one per core) and copies a ``pure_callback``'s inputs on the same
+    pool: when every thread runs a shard waiting in an interpreted kernel's callback, nothing
+    copies and the step never ends. Refuse that instead of hanging."""
+    threads = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC")
+    threads = int(threads) if threads and threads.isdigit() else len(os.sched_getaffinity(0))
+    if threads <= count:
+        raise ValueError(f"tensor_parallel_size={count} on CPU devices: JAX's CPU client has {threads} threads "
+                         f"and the interpreted kernels' callbacks need one more than the devices: set "
+                         f"PJRT_NPROC={count + 1} (or more) in the environment before JAX initialises")
 
 
 def _positive_int(name, value) -> int:

@@ -59,7 +59,7 @@ tokens against transformers):
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,8 +71,8 @@ from m3_kernels.pool import PoolLayout
 from .cache import layer_views, write_cache
 from .api import StepSpec, msa_attention_step
 
-__all__ = ["StepBatch", "forward", "attention", "mlp", "moe", "rms_norm", "rope_cos_sin", "apply_rope", "swiglu_oai",
-           "inv_freq", "pool_layout", "DTYPES"]
+__all__ = ["StepBatch", "forward", "hidden_states", "logits", "attention", "mlp", "moe", "rms_norm", "rope_cos_sin",
+           "apply_rope", "swiglu_oai", "inv_freq", "pool_layout", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -213,7 +213,7 @@ def _layer_params(params: Mapping, layer: int, part: str) -> dict:
 
 
 def forward(params: Mapping, pool, batch: StepBatch, maps, *, config: M3TextConfig, layout: PoolLayout,
-            spec: StepSpec):
+            spec: StepSpec, all_reduce: Callable | None = None):
     """One step through the model -> ``(logits [L, vocab] float32, pool)``.
 
     params: canonical name -> array (model dtype); ``lm_head.weight`` may be
@@ -223,11 +223,29 @@ def forward(params: Mapping, pool, batch: StepBatch, maps, *, config: M3TextConf
             ``PrefillMaps`` (None without context rows).
     config, layout, spec: static (hashable): the model config, the pool layout
             (one layer per model layer) and the step's ``StepSpec``.
+    all_reduce: see :func:`hidden_states`.
+    """
+    x, pool = hidden_states(params, pool, batch, maps, config=config, layout=layout, spec=spec,
+                            all_reduce=all_reduce)
+    return logits(params, x[batch.logits_rows], config=config), pool
+
+
+def hidden_states(params: Mapping, pool, batch: StepBatch, maps, *, config: M3TextConfig, layout: PoolLayout,
+                  spec: StepSpec, all_reduce: Callable | None = None):
+    """The step through every layer (cache writes included) -> ``(residual stream [T, hidden], pool)``.
+
+    all_reduce: None, or ``all_reduce(x) -> x`` summed over a tensor-parallel
+            axis. The model knows nothing of tensor parallelism: given one
+            shard's slices of the weights (``m3_kernels.tp``) and their config
+            (``TPPlan.local_config``), the outputs of ``o_proj`` and of each
+            MLP are partial sums, which this hook completes (``m3_jax.tp``
+            passes ``jax.lax.psum`` over the mesh axis); ``lm_head`` is not used.
     """
     c = config
     if layout.num_layers != c.num_hidden_layers:
         raise ValueError(f"layout: expected {c.num_hidden_layers} layers (one per model layer), "
                          f"got {layout.num_layers}")
+    reduce = all_reduce or (lambda t: t)
     embed = params["model.embed_tokens.weight"]
     x = embed[batch.input_ids]
     cos, sin = rope_cos_sin(batch.positions, inv_freq(c), x.dtype)
@@ -236,13 +254,18 @@ def forward(params: Mapping, pool, batch: StepBatch, maps, *, config: M3TextConf
         h = rms_norm(x, params[prefix + "input_layernorm.weight"], c.rms_norm_eps)
         out, pool = attention(_layer_params(params, i, "self_attn"), h, cos, sin, pool, batch, maps, layer=i,
                               config=c, layout=layout, spec=spec)
-        x = x + out
+        x = x + reduce(out)
         h = rms_norm(x, params[prefix + "post_attention_layernorm.weight"], c.rms_norm_eps)
         p = _layer_params(params, i, "mlp")
-        x = x + (moe(p, h, c) if c.moe_layers[i] else mlp(h, p["gate_up_proj.weight"], p["down_proj.weight"], c))
-    x = rms_norm(x[batch.logits_rows], params["model.norm.weight"], c.rms_norm_eps)
-    head = params["model.embed_tokens.weight"] if c.tie_word_embeddings else params["lm_head.weight"]
-    return _dot(x, head).astype(jnp.float32), pool
+        x = x + reduce(moe(p, h, c) if c.moe_layers[i] else mlp(h, p["gate_up_proj.weight"], p["down_proj.weight"], c))
+    return x, pool
+
+
+def logits(params: Mapping, x, *, config: M3TextConfig):
+    """Final norm + ``lm_head`` of hidden rows ``x [L, hidden]`` -> ``[L, vocab]`` float32."""
+    x = rms_norm(x, params["model.norm.weight"], config.rms_norm_eps)
+    head = params["model.embed_tokens.weight"] if config.tie_word_embeddings else params["lm_head.weight"]
+    return _dot(x, head).astype(jnp.float32)
 
 
 def pool_layout(config: M3TextConfig, num_slots: int, dtype: str) -> PoolLayout:

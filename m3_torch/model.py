@@ -68,7 +68,7 @@ every token and weight the unchosen ones by 0 (same math, more flops).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -172,20 +172,35 @@ class M3Model:
     """MiniMax-M3 text model over a weights dict (transformers' ``MiniMaxM3VLForCausalLM``
     state-dict names, ``model.layers.{i}.self_attn.q_proj.weight`` ...).
 
-    config:  an ``m3_kernels.model_config.M3TextConfig``.
-    weights: name -> tensor, all on one device in one float dtype (the engine
-             loads and casts them); every expected tensor must be there and
-             no other. A layer's q/k/v (and index q/k) projections are fused
-             into one matrix (one GEMM per layer).
+    config:     an ``m3_kernels.model_config.M3TextConfig``: the shapes of ``weights``.
+    weights:    name -> tensor, all on one device in one float dtype (the engine
+                loads and casts them); every expected tensor must be there and
+                no other. A layer's q/k/v (and index q/k) projections are fused
+                into one matrix (one GEMM per layer).
+    all_reduce: None, or ``all_reduce(t) -> t``, the sum of ``t`` over the ranks
+                of a tensor-parallel group. The model itself knows nothing of
+                tensor parallelism: given one rank's slices of the weights
+                (``m3_kernels.tp``: its heads, its rows of each MLP) and the
+                config of those slices (``TPPlan.local_config``), the outputs
+                of ``o_proj`` and of each MLP are partial sums, and this hook
+                completes them (``m3_torch.tp``), which keeps the residual
+                stream the same on every rank.
+    lm_head:    False: no ``lm_head.weight`` (nor a tied one): the model computes
+                hidden states only (:meth:`hidden_states`), as a tensor-parallel
+                worker that never samples does.
     """
 
-    def __init__(self, config: M3TextConfig, weights: dict):
+    def __init__(self, config: M3TextConfig, weights: dict, *, all_reduce: Optional[Callable] = None,
+                 lm_head: bool = True):
         self.config = c = config
+        self.all_reduce = all_reduce
         weights = dict(weights)
         self.embed = _take(weights, "model.embed_tokens.weight")
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.norm = _take(weights, "model.norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else _take(weights, "lm_head.weight")
+        self.lm_head = None
+        if lm_head:
+            self.lm_head = self.embed if c.tie_word_embeddings else _take(weights, "lm_head.weight")
         weights.pop("lm_head.weight", None)
         self.layers = [self._layer(weights, i) for i in range(c.num_hidden_layers)]
         if weights:
@@ -226,16 +241,32 @@ class M3Model:
         """All tokens of one step through the model -> logits ``[L, vocab]`` (model dtype) of
         ``step.logits_rows``. Writes the step's K/V/index-K rows into ``caches`` (one
         :class:`~m3_torch.cache.LayerCaches` per layer, views of the pool)."""
+        return self.logits(self.hidden_states(step, plan, caches), step.logits_rows)
+
+    @torch.no_grad()
+    def hidden_states(self, step: StepTensors, plan: step_planner.StepPlan,
+                      caches: Sequence[LayerCaches]) -> torch.Tensor:
+        """The step through every layer (cache writes included) -> the residual stream ``[T, hidden]``."""
         c = self.config
         x = F.embedding(step.input_ids, self.embed)
         cos, sin = rope_cos_sin(step.positions, self.inv_freq, self.dtype)
         for layer, cache in zip(self.layers, caches):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            x = x + self._attention(layer, h, cos, sin, step, plan, cache)
+            x = x + self._reduce(self._attention(layer, h, cos, sin, step, plan, cache))
             h = rms_norm(x, layer.post_attn_norm, c.rms_norm_eps)
-            x = x + self._mlp(layer, h)
-        x = rms_norm(x.index_select(0, step.logits_rows), self.norm, c.rms_norm_eps)
+            x = x + self._reduce(self._mlp(layer, h))
+        return x
+
+    @torch.no_grad()
+    def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Final norm + ``lm_head`` of the rows ``rows`` of ``x [T, hidden]`` -> ``[len(rows), vocab]``."""
+        if self.lm_head is None:
+            raise RuntimeError("logits: this model was built with lm_head=False (hidden states only)")
+        x = rms_norm(x.index_select(0, rows), self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head)
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.all_reduce is None else self.all_reduce(partial)
 
     @torch.no_grad()
     def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:

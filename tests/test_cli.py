@@ -21,8 +21,11 @@ class FakeLLM:
     """Records how the CLI builds and calls the engine; generates prompt-derived ids."""
     calls = []
 
-    def __init__(self, model_dir, *, dtype=None, device=None):
-        self.calls.append(("init", model_dir, dtype, device))
+    def __init__(self, model_dir, *, dtype=None, device=None, **kwargs):
+        self.calls.append(("init", model_dir, dtype, device, *(kwargs.items())))
+
+    def close(self):
+        self.calls.append(("close",))
 
     def generate(self, prompts, max_new_tokens=16, temperature=0.0, top_p=1.0, seed=None, *, progress=None):
         self.calls.append(("generate", prompts, max_new_tokens, temperature, top_p, seed))
@@ -48,7 +51,8 @@ def test_prompt_ids_run(model_dir, fake_engine, capsys):
                           "--max-new-tokens", "4", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3",
                           "--dtype", "bfloat16", "--device", "cpu"]) == 0
     assert fake_engine == ["jax"]
-    assert FakeLLM.calls == [("init", model_dir, "bfloat16", "cpu"), ("generate", [[5, 6, 7]], 4, 0.7, 0.9, 3)]
+    assert FakeLLM.calls == [("init", model_dir, "bfloat16", "cpu"), ("generate", [[5, 6, 7]], 4, 0.7, 0.9, 3),
+                             ("close",)]
     out = capsys.readouterr().out
     assert "prompt: 3 tokens; generated 4 tokens" in out
     assert "ids: 10 11 12 13" in out and "text:" in out
@@ -58,11 +62,19 @@ def test_text_prompt_uses_the_tokenizer(model_dir, fake_engine, capsys):
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     generate.main(["--framework", "torch", "--model", str(model_dir), "--prompt", "The quick brown fox"])
-    [_, (_, prompts, max_new, temperature, top_p, seed)] = FakeLLM.calls
+    [_, (_, prompts, max_new, temperature, top_p, seed), _] = FakeLLM.calls
     assert prompts == [tok.encode("The quick brown fox").ids]
     assert (max_new, temperature, top_p, seed) == (16, 0, 1, None)
     new_ids = [(prompts[0][-1] + i) % 300 + 3 for i in range(16)]
     assert f"text: {tok.decode(new_ids)}\n" in capsys.readouterr().out
+
+
+def test_tensor_parallel_size_reaches_the_engine(model_dir, fake_engine, capsys):
+    generate.main(["--framework", "torch", "--model", str(model_dir), "--prompt-ids", "5", "--max-new-tokens", "1",
+                   "--tensor-parallel-size", "2"])
+    assert FakeLLM.calls[0] == ("init", model_dir, None, None, ("tensor_parallel_size", 2))
+    assert FakeLLM.calls[-1] == ("close",)
+    assert "tensor parallel 2" in capsys.readouterr().out
 
 
 def test_prompt_without_tokenizer_fails_clearly(tmp_path, fake_engine, capsys):
@@ -93,6 +105,10 @@ def test_prompt_without_tokenizer_fails_clearly(tmp_path, fake_engine, capsys):
     (["--framework", "torch", "--model", "{m}", "--prompt-ids", "1", "--top-p", "1.5"], r"in \(0, 1\]"),
     (["--framework", "torch", "--model", "{m}", "--prompt-ids", "1", "--dtype", "float64"], "invalid choice"),
     (["--framework", "torch", "--model", "/nonexistent/m3", "--prompt-ids", "1"], "has no config.json"),
+    (["--framework", "torch", "--model", "{m}", "--prompt-ids", "1", "--tensor-parallel-size", "0"],
+     "expected an int >= 1"),
+    (["--framework", "jax", "--model", "{m}", "--prompt-ids", "1", "--tp", "3"],  # tiny: 4 query, 2 KV heads
+     r"--tensor-parallel-size: tensor_parallel_size=3 does not divide num_attention_heads=4"),
 ])
 def test_argument_errors(model_dir, fake_engine, capsys, args, words):
     with pytest.raises(SystemExit) as e:

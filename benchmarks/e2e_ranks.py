@@ -1,0 +1,93 @@
+"""What ``benchmarks/e2e.py --tp N`` runs on EVERY rank of a torch engine (``LLM.collective_rpc``).
+
+Each function gets the rank's ``m3_torch.engine.Runner``; the ranks run them at
+the same time, so the collectives inside (the model's all-reduces, captured in
+CUDA graphs) pair up. A module of its own: spawned workers import it by name.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from m3_torch import tp as torch_tp
+from m3_torch.model import rms_norm, rope_cos_sin
+
+
+def fill_pool(runner, seed: int = 0):
+    """Random caches (step times do not depend on the values: every request reads its top-k blocks)."""
+    runner.pool.normal_(generator=torch.Generator(device=runner.device).manual_seed(seed + runner.rank))
+    return runner.rank
+
+
+def _timed(fn, reps: int, device) -> float:
+    """Median microseconds of ``fn``: CUDA-graph replays timed by events on a GPU, wall clock on a CPU
+    (after one eager warm-up call, which also compiles the kernels and sets up workspaces)."""
+    fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def graph_replay_us(runner, key, reps: int):
+    """The captured decode step ``key`` (batch, block bound) alone, replayed on every rank."""
+    if runner.graphs is None or key not in runner.graphs.graphs:
+        return None
+    graph, _ = runner.graphs.graphs[key]
+    return _timed(graph.replay, reps, runner.device)
+
+
+def layer_times(runner, step, reps: int) -> dict:
+    """One decode step's pieces on this rank, each with its all-reduce (the step's metadata, random
+    hidden states): the attention block and the MLP block of the first layer of each type (dense
+    attention + dense MLP, MSA + MoE), and the step's all-reduces alone (2 per layer)."""
+    model, device = runner.model, runner.device
+    c = model.config
+    tensors = runner.step_tensors(step)
+    T = step.plan.num_tokens
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(T, c.hidden_size, generator=g, device=device).to(model.dtype)
+    cos, sin = rope_cos_sin(tensors.positions, model.inv_freq, model.dtype)
+    out = {}
+    for kind, sparse in (("dense", False), ("msa", True)):
+        i = next((i for i, s in enumerate(c.sparse_layers) if s == sparse), None)
+        if i is None:
+            continue
+        layer = model.layers[i]
+        h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+        mlp_kind = "moe" if layer.moe else "dense_mlp"
+        out[f"{kind}_attention_us"] = _timed(
+            lambda: model._reduce(model._attention(layer, h, cos, sin, tensors, step.plan, runner.caches[i])),
+            reps, device)
+        out[f"{mlp_kind}_us"] = _timed(lambda: model._reduce(model._mlp(layer, h)), reps, device)
+        out[f"{kind}_layers"] = sum(1 for s in c.sparse_layers if s == sparse)
+    if model.all_reduce is not None:
+        buffer = torch.zeros(T, c.hidden_size, dtype=model.dtype, device=device)
+
+        def reduces():
+            for _ in range(2 * c.num_hidden_layers):
+                torch_tp.all_reduce(buffer)
+        out["all_reduce_us"] = _timed(reduces, reps, device)
+    else:
+        out["all_reduce_us"] = 0.0
+    return out

@@ -1,0 +1,128 @@
+"""m3_kernels.tp (how the model splits over tensor-parallel ranks) and the checkpoint's sliced reads."""
+
+import numpy as np
+import pytest
+
+from m3_kernels import checkpoint
+from m3_kernels.model_config import M3TextConfig, load_config
+from m3_kernels.tiny_model import tiny_text_config, write_tiny_checkpoint
+from m3_kernels.tp import TPPlan, TensorSlice
+
+M3 = M3TextConfig.from_dict({"num_hidden_layers": 4, "layer_types": ["full_attention"] + ["minimax_m3_sparse"] * 3,
+                             "mlp_layer_types": ["dense"] + ["sparse"] * 3})
+
+
+def tiny_config(**overrides) -> M3TextConfig:
+    return M3TextConfig.from_dict(tiny_text_config(**overrides))
+
+
+@pytest.mark.parametrize("tp, q, kv, replicas", [(1, 64, 4, 1), (2, 32, 2, 1), (4, 16, 1, 1), (8, 8, 1, 2)])
+def test_m3_heads_per_rank(tp, q, kv, replicas):
+    """Issue #14's rule: 64/tp query heads, max(1, 4/tp) KV (= index-q) heads, replicated once tp > 4."""
+    plan = TPPlan(M3, tp)
+    assert (plan.num_q_heads, plan.num_kv_heads, plan.kv_replicas) == (q, kv, replicas)
+    local = plan.local_config
+    assert (local.num_attention_heads, local.num_key_value_heads, local.index_n_heads) == (q, kv, kv)
+    assert local.intermediate_size == 3072 // tp and local.dense_intermediate_size == 12288 // tp
+    for r in range(tp):   # a rank's query heads all read the KV heads it holds
+        kv_of_q = {h // (64 // 4) for h in plan.q_heads(r)}
+        assert kv_of_q <= set(plan.kv_heads(r)), (r, kv_of_q, plan.kv_heads(r))
+    if tp == 8:
+        assert [plan.kv_heads(r).start for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_m3_slices():
+    plan = TPPlan(M3, 8)
+    p = "model.layers.2."
+    assert plan.slice(p + "self_attn.q_proj.weight", 3) == TensorSlice(0, ((3 * 8 * 128, 4 * 8 * 128),))
+    assert plan.slice(p + "self_attn.k_proj.weight", 3) == TensorSlice(0, ((128, 256),))        # KV head 1
+    assert plan.slice(p + "self_attn.indexer.q_proj.weight", 3) == TensorSlice(0, ((128, 256),))
+    assert plan.slice(p + "self_attn.o_proj.weight", 3) == TensorSlice(1, ((3 * 1024, 4 * 1024),))
+    assert plan.slice(p + "mlp.experts.gate_up_proj", 1) == TensorSlice(1, ((384, 768), (3072 + 384, 3072 + 768)))
+    assert plan.slice(p + "mlp.experts.down_proj", 1) == TensorSlice(2, ((384, 768),))
+    assert plan.slice("model.layers.0.mlp.gate_up_proj.weight", 7) == \
+        TensorSlice(0, ((7 * 1536, 8 * 1536), (12288 + 7 * 1536, 12288 + 8 * 1536)))
+    for replicated in ("self_attn.indexer.k_proj.weight", "self_attn.q_norm.weight", "mlp.gate.weight",
+                       "mlp.gate.e_score_correction_bias", "input_layernorm.weight"):
+        assert plan.slice(p + replicated, 5) is None, replicated
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        assert plan.slice(name, 5) is None
+    assert TPPlan(M3, 1).slice(p + "self_attn.q_proj.weight", 0) is None
+
+
+@pytest.mark.parametrize("overrides, tp, words", [
+    (dict(num_attention_heads=6, num_key_value_heads=3), 2, r"tensor_parallel_size=2 and num_key_value_heads=3"),
+    (dict(num_attention_heads=6, num_key_value_heads=2), 4, r"does not divide num_attention_heads=6"),
+    (dict(intermediate_size=30), 4, r"does not divide intermediate_size=30"),
+    (dict(shared_intermediate_size=18), 4, r"does not divide shared_intermediate_size=18"),
+    (dict(dense_intermediate_size=66), 4, r"does not divide dense_intermediate_size=66"),
+    ({}, 0, r"tensor_parallel_size: expected an int >= 1"),
+    ({}, 2.0, r"tensor_parallel_size: expected an int >= 1"),
+])
+def test_splits_that_do_not_exist_are_rejected(overrides, tp, words):
+    with pytest.raises(ValueError, match=words):
+        TPPlan(tiny_config(**overrides), tp)
+
+
+def test_rank_out_of_range():
+    with pytest.raises(ValueError, match=r"rank: expected an int in \[0, 2\)"):
+        TPPlan(tiny_config(), 2).rank(2)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """bf16: the VL form (gate/up and expert pieces, one file) and the text form (merged tensors, 3 shards)."""
+    root = tmp_path_factory.mktemp("tp")
+    return (write_tiny_checkpoint(root / "vl", seed=4, dtype="bfloat16"),
+            write_tiny_checkpoint(root / "text", seed=4, dtype="bfloat16", form="text", num_shards=3))
+
+
+@pytest.mark.parametrize("form", [0, 1], ids=["vl_pieces", "text_merged"])
+@pytest.mark.parametrize("tp", [2, 4])   # 4 > 2 KV heads: each KV head on two ranks
+def test_sharded_reads_are_the_slices(checkpoints, monkeypatch, form, tp):
+    """Each rank reads exactly its slice of every tensor, and never a whole sharded tensor."""
+    model_dir = checkpoints[form]
+    config = load_config(model_dir)
+    whole = checkpoint.load_weights(model_dir, config)
+    plan = TPPlan(config, tp)
+    reads = []
+    get = checkpoint._Reader.get
+
+    def recording_get(self, path, stored, dim=None, start=0, stop=0):
+        reads.append((stored, dim))
+        return get(self, path, stored, dim, start, stop)
+
+    monkeypatch.setattr(checkpoint._Reader, "get", recording_get)
+    ranks = []
+    for r in range(tp):
+        reads.clear()
+        local = checkpoint.load_weights(model_dir, config, shard=plan.rank(r), skip=("lm_head.weight",))
+        assert "lm_head.weight" not in local
+        for name, w in whole.items():
+            if name == "lm_head.weight":
+                continue
+            cut = plan.slice(name, r)
+            want = w if cut is None else cut.take(w)
+            assert local[name].shape == want.shape, name
+            np.testing.assert_array_equal(local[name].view(np.uint16), want.view(np.uint16), err_msg=name)
+        read_whole = {stored for stored, dim in reads if dim is None}
+        of_sharded = {stored for stored, _ in reads if plan.slice(checkpoint.canonical_name(stored)[0], r)}
+        assert len(of_sharded) > 20 and not read_whole & of_sharded, sorted(read_whole & of_sharded)[:3]
+        ranks.append(local)
+    if tp == 2:   # the ranks' slices put back together are the tensors (one copy of each KV head)
+        for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                     "model.layers.1.mlp.experts.down_proj"):
+            dim = plan.slice(name, 0).dim
+            np.testing.assert_array_equal(np.concatenate([x[name] for x in ranks], dim).view(np.uint16),
+                                          whole[name].view(np.uint16))
+    else:         # ranks 0 and 1 share KV head 0, ranks 2 and 3 KV head 1
+        name = "model.layers.2.self_attn.v_proj.weight"
+        assert np.array_equal(ranks[0][name].view(np.uint16), ranks[1][name].view(np.uint16))
+        assert not np.array_equal(ranks[1][name].view(np.uint16), ranks[2][name].view(np.uint16))
+
+
+def test_shard_of_another_config(checkpoints):
+    config = load_config(checkpoints[0])
+    other = TPPlan(tiny_config(num_attention_heads=8), 2)
+    with pytest.raises(ValueError, match="shard: its TPPlan was made for another model config"):
+        checkpoint.load_weights(checkpoints[0], config, shard=other.rank(0))
