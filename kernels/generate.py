@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--tensor-parallel-size, rank 0's (torch) or the platform (jax: cpu, gpu)")
     p.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=1, metavar="N",
                    help="split the model over N ranks (torch: N processes, jax: a mesh of N devices); default: 1")
+    for cache in ("kv", "index"):
+        p.add_argument(f"--{cache}-cache-dtype", choices=("auto", "fp8"), default="auto",
+                       help=f"{'K/V' if cache == 'kv' else 'index-K'} cache: the model's dtype (auto, default) "
+                            "or float8_e4m3fn (fp8)")
     return p
 
 
@@ -79,7 +83,9 @@ def main(argv=None) -> int:
         parser.error(f"{'--prompt' if args.prompt is not None else '--prompt-ids'}: token id {max(prompt_ids)} "
                      f"is outside the vocabulary [0, {vocab_size})")
 
-    kwargs = {} if args.tensor_parallel_size == 1 else dict(tensor_parallel_size=args.tensor_parallel_size)
+    kwargs = dict(kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype)
+    if args.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     llm = engine_class(args.framework)(model_dir, dtype=args.dtype, device=args.device, **kwargs)
     try:
         progress = Progress(args.max_new_tokens)

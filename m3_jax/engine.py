@@ -142,11 +142,16 @@ class LLM:
                      ``ValueError`` here. On a CPU, fake devices come from
                      ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set
                      before JAX initialises.
+    kv_cache_dtype, index_cache_dtype: the K/V and index-K caches' element type:
+                     ``"auto"`` (the model's dtype) or ``"fp8"`` / ``"float8_e4m3fn"``
+                     (``m3_kernels.pool``: the pool becomes a byte pool). FP8 K/V use
+                     scale 1.0 on every layer; index-K is unscaled.
     """
 
     def __init__(self, model_dir, *, dtype=None, device=None, max_batch: int = 8, max_context: int | None = None,
                  max_cache_pages: int | None = None, max_num_tokens: int | None = None,
-                 prefill_chunk: int | None = None, tensor_parallel_size: int = 1):
+                 prefill_chunk: int | None = None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                 index_cache_dtype: str = "auto"):
         self._closed = False
         self.config = config = model_config.load_config(model_dir)
         self.tp = TPPlan(config, tensor_parallel_size)
@@ -197,7 +202,8 @@ class LLM:
                 del weights
             else:
                 self.params, self.dtype = tp.load_params(model_dir, self.tp, self.mesh, dtype)
-            self.pool_layout = model.pool_layout(self.tp.local_config, sc.num_slots, self.dtype)  # one shard's
+            self.pool_layout = model.pool_layout(self.tp.local_config, sc.num_slots, self.dtype,  # one shard's
+                                                 kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
             self.pool = allocate_pool(self.pool_layout, self.device) if self.mesh is None else \
                 tp.allocate_pool(self.pool_layout, self.mesh)
         self.compiled_steps: list[StepSpec] = []   # one entry per compilation: the spec it was traced for

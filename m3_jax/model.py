@@ -268,8 +268,10 @@ def logits(params: Mapping, x, *, config: M3TextConfig):
     return _dot(x, head).astype(jnp.float32)
 
 
-def pool_layout(config: M3TextConfig, num_slots: int, dtype: str) -> PoolLayout:
+def pool_layout(config: M3TextConfig, num_slots: int, dtype: str, *, kv_cache_dtype: str = "auto",
+                index_cache_dtype: str = "auto") -> PoolLayout:
     """The pool of a model: one layer per model layer, index-K sub-pages on the sparse ones."""
     return PoolLayout.create(num_slots, sparse=config.sparse_layers, num_kv_heads=config.num_key_value_heads,
-                             head_dim=config.head_dim, index_head_dim=config.index_head_dim, dtype=dtype)
+                             head_dim=config.head_dim, index_head_dim=config.index_head_dim, dtype=dtype,
+                             kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
 

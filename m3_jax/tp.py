@@ -99,7 +99,8 @@ def load_params(model_dir, plan: TPPlan, mesh: Mesh, dtype: str | None) -> tuple
 def allocate_pool(layout: PoolLayout, mesh: Mesh) -> jax.Array:
     """A zero-filled ``[tp, layout.numel]`` pool, row ``r`` on shard ``r`` (never whole on one device)."""
     shape = (mesh.devices.size,) + layout.shape
-    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(layout.dtype)), out_shardings=NamedSharding(mesh, P(AXIS)))
+    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(layout.buffer_dtype)),
+                    out_shardings=NamedSharding(mesh, P(AXIS)))
     return zeros()
 
 

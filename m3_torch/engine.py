@@ -126,12 +126,18 @@ class LLM:
                      processes (``m3_torch.tp``), ended by :meth:`close` (or the
                      ``with`` block). A split that does not exist (e.g. 3 KV heads
                      over 2 ranks) is a ``ValueError`` here, before anything starts.
+    kv_cache_dtype, index_cache_dtype: the K/V and index-K caches' element type:
+                     ``"auto"`` (the model's dtype) or ``"fp8"`` / ``"float8_e4m3fn"``
+                     (``m3_kernels.pool``). FP8 K/V use scale 1.0 on every layer
+                     (stored = saturate(x), as vLLM without calibrated scales);
+                     index-K is unscaled (its rows are RMS-normalised).
     """
 
     def __init__(self, model_dir, *, dtype=None, device=None, max_batch: int = 8, max_context: Optional[int] = None,
                  max_cache_pages: Optional[int] = None, prefill_chunk: Optional[int] = None,
                  max_num_tokens: Optional[int] = None, cuda_graphs: bool = True,
-                 graph_batch_sizes: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1):
+                 graph_batch_sizes: Optional[Sequence[int]] = None, tensor_parallel_size: int = 1,
+                 kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto"):
         self._workers = None
         self._closed = False
         self.config = c = load_config(model_dir)
@@ -162,7 +168,8 @@ class LLM:
             topk=c.index_topk_blocks, graph_batch_sizes=sc.graph_batch_sizes))
         dtype = resolve_dtype(dtype, c.dtype)
         runner_args = dict(model_dir=str(model_dir), dtype=dtype, num_slots=num_slots, max_blocks=sc.max_blocks,
-                           cuda_graphs=bool(sc.graph_batch_sizes))
+                           cuda_graphs=bool(sc.graph_batch_sizes), kv_cache_dtype=kv_cache_dtype,
+                           index_cache_dtype=index_cache_dtype)
         all_reduce = None
         if self.tp.size > 1:
             from . import tp   # the worker processes start now and load their slices while rank 0 loads its own
@@ -282,7 +289,8 @@ class Runner:
     """
 
     def __init__(self, *, model_dir, tp: TPPlan, rank: int, device, dtype, num_slots: int, max_blocks: int,
-                 cuda_graphs: bool, all_reduce: Optional[Callable] = None):
+                 cuda_graphs: bool, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
+                 all_reduce: Optional[Callable] = None):
         c = tp.config
         self.rank, self.device, self.max_blocks = rank, rank_device(torch.device(device), rank), max_blocks
         head = rank == 0
@@ -296,7 +304,8 @@ class Runner:
         del weights
         dtype_name = next(n for n, d in DTYPES.items() if d == self.dtype)
         self.layout = PoolLayout.create(num_slots, sparse=c.sparse_layers, num_kv_heads=tp.num_kv_heads,
-                                        head_dim=c.head_dim, index_head_dim=c.index_head_dim, dtype=dtype_name)
+                                        head_dim=c.head_dim, index_head_dim=c.index_head_dim, dtype=dtype_name,
+                                        kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
         self.pool = m3_torch.allocate_pool(self.layout, self.device)
         self.caches = [m3_torch.layer_caches(self.pool, self.layout, i) for i in range(c.num_hidden_layers)]
         self.graphs = _DecodeGraphs(self) if cuda_graphs else None

@@ -51,7 +51,8 @@ def test_prompt_ids_run(model_dir, fake_engine, capsys):
                           "--max-new-tokens", "4", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3",
                           "--dtype", "bfloat16", "--device", "cpu"]) == 0
     assert fake_engine == ["jax"]
-    assert FakeLLM.calls == [("init", model_dir, "bfloat16", "cpu"), ("generate", [[5, 6, 7]], 4, 0.7, 0.9, 3),
+    assert FakeLLM.calls == [("init", model_dir, "bfloat16", "cpu", ("kv_cache_dtype", "auto"),
+                              ("index_cache_dtype", "auto")), ("generate", [[5, 6, 7]], 4, 0.7, 0.9, 3),
                              ("close",)]
     out = capsys.readouterr().out
     assert "prompt: 3 tokens; generated 4 tokens" in out
@@ -71,8 +72,9 @@ def test_text_prompt_uses_the_tokenizer(model_dir, fake_engine, capsys):
 
 def test_tensor_parallel_size_reaches_the_engine(model_dir, fake_engine, capsys):
     generate.main(["--framework", "torch", "--model", str(model_dir), "--prompt-ids", "5", "--max-new-tokens", "1",
-                   "--tensor-parallel-size", "2"])
-    assert FakeLLM.calls[0] == ("init", model_dir, None, None, ("tensor_parallel_size", 2))
+                   "--tensor-parallel-size", "2", "--kv-cache-dtype", "fp8"])
+    assert FakeLLM.calls[0] == ("init", model_dir, None, None, ("kv_cache_dtype", "fp8"), ("index_cache_dtype", "auto"),
+                                ("tensor_parallel_size", 2))
     assert FakeLLM.calls[-1] == ("close",)
     assert "tensor parallel 2" in capsys.readouterr().out
 

@@ -79,3 +79,20 @@ def test_gpu_bf16_engines_agree(tmp_path):
     total = sum(max(len(t), len(j)) for t, j in zip(torch_out, jax_out))
     print(f"bf16 torch vs JAX engines: {agree}/{total} greedy tokens agree before the first divergence")
     assert agree >= total // 2
+
+
+def test_engines_agree_with_fp8_caches(model_dir):
+    """Both engines with e4m3 K/V and index-K caches (a byte pool): the same greedy tokens."""
+    import torch
+    prompts = [prompt(1, seed=2), prompt(130, seed=131)]
+    kwargs = dict(max_batch=2, max_context=256, prefill_chunk=100, kv_cache_dtype="fp8", index_cache_dtype="fp8")
+    with tuning.override(target_programs=1, sparse_target_programs=1):
+        llm = m3_torch.LLM(model_dir, **kwargs)
+        assert llm.pool.dtype == torch.uint8
+        assert {c.k_cache.dtype for c in llm.caches} == {torch.float8_e4m3fn}
+        assert {c.index_k_cache.dtype for c in llm.caches if c.index_k_cache is not None} == {torch.float8_e4m3fn}
+        torch_out = llm.generate(prompts, max_new_tokens=3)
+        jax_llm = m3_jax.LLM(model_dir, **kwargs)
+        assert jax_llm.pool.dtype == np.uint8
+        jax_out = jax_llm.generate(prompts, max_new_tokens=3)
+    assert_same_tokens(model_dir, prompts, torch_out, jax_out, 3)
