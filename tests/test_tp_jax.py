@@ -71,13 +71,15 @@ with tuning.override(target_programs=1, sparse_target_programs=1):
     out["pool"] = [list(tp2.pool.shape), str(tp2.pool.sharding.spec), len(tp2.pool.devices())]
     out["shard_devices"] = sorted(s.device.id for s in tp2.pool.addressable_shards)
     pool2 = np.asarray(tp2.pool)
-    diffs = []
+    diffs, index_k = [], []
     for rank in range(2):
         k, v, ik = caches(tp2, pool2[rank], 1, [0, 1])
-        diffs.append([float(np.abs(k - c1[0][:, rank:rank + 1]).max()), float(np.abs(v - c1[1][:, rank:rank + 1]).max()),
+        head = slice(rank, rank + 1)
+        diffs.append([float(np.abs(k - c1[0][:, head]).max()), float(np.abs(v - c1[1][:, head]).max()),
                       float(np.abs(ik - c1[2]).max()), float(np.abs(ik).sum())])
+        index_k.append(ik)
     out["cache_diffs"] = diffs
-    out["index_k_equal"] = bool(np.array_equal(caches(tp2, pool2[0], 1, [0, 1])[2], caches(tp2, pool2[1], 1, [0, 1])[2]))
+    out["index_k_equal"] = bool(np.array_equal(*index_k))
 print("RESULT " + json.dumps(out))
 """
 
