@@ -161,7 +161,8 @@ def gpu_model_dir(tmp_path_factory):
 def test_gpu_tp2_bf16_gives_the_tokens_of_tp1(gpu_model_dir):
     """bf16 on 2 GPUs (NCCL all-reduces inside the CUDA graphs): TP=2 tokens = TP=1 tokens up to the first
     step whose TP=1 top-2 margin is below bf16's resolution of the logits; the first sampled logits agree up to
-    bf16 rounding (and its expert flips); decode replays are deterministic. Prompts of 1, 127, 129 and 700 tokens (block selection matters), 16 tokens each."""
+    bf16 rounding (and its expert flips); decode replays are deterministic. Prompts of 1, 127, 129 and 700
+    tokens (block selection matters), 16 tokens each."""
     prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
     kwargs = dict(dtype="bfloat16", device="cuda:0", max_batch=4, max_context=1024, prefill_chunk=384)
     tp1 = m3_torch.LLM(gpu_model_dir, **kwargs)
