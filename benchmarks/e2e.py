@@ -56,7 +56,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -72,6 +71,7 @@ from m3_kernels import checkpoint
 from m3_kernels.model_config import M3TextConfig
 from m3_kernels.tiny_model import tiny_text_config
 
+from benchmarks.e2e_ranks import replay_us, timed, wall_us
 from benchmarks.run import copy_bandwidth
 
 M3_SHAPES = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4, head_dim=128, rotary_dim=64,
@@ -132,32 +132,6 @@ def decode_step(planner, max_blocks: int, batch: int, context: int, seed: int) -
                 output_index=np.zeros(batch, np.int32), plan=plan)
 
 
-def wall_us(fn, reps: int) -> float:
-    """Median wall-clock microseconds of ``fn()`` (which returns host data: synchronized), after 2 warm-ups."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
-def replay_us(graph, reps: int) -> float:
-    """Median CUDA-event microseconds of one replay."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def attention_us(llm, step: Step, reps: int) -> float:
     """The step's attention alone: per layer write_cache + msa_attention_step, random q/k/v."""
     c, dev, dt = llm.config, llm.device, llm.dtype
@@ -181,14 +155,7 @@ def attention_us(llm, step: Step, reps: int) -> float:
                                         plan=step.plan, sparse=sparse, init_blocks=c.index_init_blocks,
                                         local_blocks=c.index_local_blocks, sm_scale=c.attention_scale)
 
-    if dev.type != "cuda":
-        return wall_us(run, reps)
-    run()
-    torch.cuda.synchronize(dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return replay_us(graph, reps)
+    return timed(run, reps, dev)
 
 
 def run_torch(model_dir, context, batches, reps, device) -> dict:
@@ -324,12 +291,34 @@ def run_jax_tp(model_dir, tp: int, context: int, batches, reps: int, device) -> 
     return out
 
 
+# -- results as markdown ---------------------------------------------------------------------------
+
+def _num(v, fmt=None) -> str:
+    if v is None:
+        return "-"
+    return (fmt or ("{:.0f}" if abs(v) >= 100 else "{:.3g}")).format(v)
+
+
+def _context(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens >= 1024 else str(tokens)
+
+
+def _header(title: str, result: dict) -> list:
+    return [f"# {title} ({result['device']})", "",
+            f"Command: `{result['command']}`; device-to-device copy bandwidth in the same run: "
+            f"{result['copy_bandwidth_TBps'] or float('nan'):.2f} TB/s.", "",
+            f"Model: {result['shapes']}", ""]
+
+
+def _document(lines: list, result: dict) -> str:
+    if result.get("errors"):
+        lines += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
+    return "\n".join(lines) + "\n"
+
+
 def markdown_tp(result: dict) -> str:
     tp = result["tp"]
-    lines = [f"# End-to-end decode, tensor parallel {tp} vs 1, M3 attention shapes ({result['device']})", "",
-             f"Command: `{result['command']}`; device-to-device copy bandwidth in the same run: "
-             f"{result['copy_bandwidth_TBps'] or float('nan'):.2f} TB/s.", "",
-             f"Model: {result['shapes']}", "",
+    lines = [*_header(f"End-to-end decode, tensor parallel {tp} vs 1, M3 attention shapes", result),
              "Microseconds per decode step (time per output token); tok/s = batch / step; speedup = TP=1 step / "
              "this step. Per layer type: one block with its all-reduce (torch, rank 0). All-reduce: the step's "
              "2 per layer alone, and its share of the step.", "",
@@ -337,21 +326,14 @@ def markdown_tp(result: dict) -> str:
              "MSA attn | MoE | all-reduce | AR share |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
-    def f(v, fmt=None):
-        if v is None:
-            return "-"
-        return (fmt or ("{:.0f}" if abs(v) >= 100 else "{:.3g}")).format(v)
-
     for r in result["rows"]:
-        context = f"{r['context'] // 1024}k" if r["context"] >= 1024 else str(r["context"])
-        lines.append(f"| {r['framework']} | {r['tp']} | {r['batch']} | {context} | {f(r.get('step_us'))} | "
-                     f"{f(r.get('tok_s'))} | {f(r.get('speedup'), '{:.2f}x')} | {f(r.get('graph_us'))} | "
-                     f"{f(r.get('dense_attention_us'))} | {f(r.get('dense_mlp_us'))} | "
-                     f"{f(r.get('msa_attention_us'))} | {f(r.get('moe_us'))} | {f(r.get('all_reduce_us'))} | "
-                     f"{f(r.get('all_reduce_share'), '{:.0%}')} |")
-    if result.get("errors"):
-        lines += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
-    return "\n".join(lines) + "\n"
+        context = _context(r["context"])
+        cells = [_num(r.get(k), fmt) for k, fmt in (
+            ("step_us", None), ("tok_s", None), ("speedup", "{:.2f}x"), ("graph_us", None),
+            ("dense_attention_us", None), ("dense_mlp_us", None), ("msa_attention_us", None), ("moe_us", None),
+            ("all_reduce_us", None), ("all_reduce_share", "{:.0%}"))]
+        lines.append(f"| {r['framework']} | {r['tp']} | {r['batch']} | {context} | " + " | ".join(cells) + " |")
+    return _document(lines, result)
 
 
 def main_tp(args, frameworks) -> dict:
@@ -396,29 +378,19 @@ def main_tp(args, frameworks) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# End-to-end decode, M3 attention shapes ({result['device']})", "",
-             f"Command: `{result['command']}`; device-to-device copy bandwidth in the same run: "
-             f"{result['copy_bandwidth_TBps'] or float('nan'):.2f} TB/s.", "",
-             f"Model: {result['shapes']}", "",
+    lines = [*_header("End-to-end decode, M3 attention shapes", result),
              "Step times in microseconds (time per output token); tokens/s = batch / step.", "",
              "| batch | context | torch step | torch tok/s | graph replay | attention | attn share | "
              "JAX step | JAX tok/s | JAX/torch |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
-    def f(v, fmt=None):
-        if v is None:
-            return "-"
-        return (fmt or ("{:.0f}" if abs(v) >= 100 else "{:.3g}")).format(v)
-
     for r in result["rows"]:
-        context = f"{r['context'] // 1024}k" if r["context"] >= 1024 else str(r["context"])
-        lines.append(f"| {r['batch']} | {context} | {f(r.get('torch_step_us'))} | "
-                     f"{f(r.get('torch_tok_s'))} | {f(r.get('torch_graph_us'))} | {f(r.get('attention_us'))} | "
-                     f"{f(r.get('attention_share'), '{:.0%}')} | {f(r.get('jax_step_us'))} | "
-                     f"{f(r.get('jax_tok_s'))} | {f(r.get('jax_torch'), '{:.2f}')} |")
-    if result.get("errors"):
-        lines += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
-    return "\n".join(lines) + "\n"
+        context = _context(r["context"])
+        cells = [_num(r.get(k), fmt) for k, fmt in (
+            ("torch_step_us", None), ("torch_tok_s", None), ("torch_graph_us", None), ("attention_us", None),
+            ("attention_share", "{:.0%}"), ("jax_step_us", None), ("jax_tok_s", None), ("jax_torch", "{:.2f}"))]
+        lines.append(f"| {r['batch']} | {context} | " + " | ".join(cells) + " |")
+    return _document(lines, result)
 
 
 def main(argv=None):

@@ -22,23 +22,22 @@ def fill_pool(runner, seed: int = 0):
     return runner.rank
 
 
-def _timed(fn, reps: int, device) -> float:
-    """Median microseconds of ``fn``: CUDA-graph replays timed by events on a GPU, wall clock on a CPU
-    (after one eager warm-up call, which also compiles the kernels and sets up workspaces)."""
+def wall_us(fn, reps: int) -> float:
+    """Median wall-clock microseconds of ``fn()`` (which returns host data: synchronized), after 2 warm-ups."""
     fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e6
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
         fn()
-    graph.replay()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def replay_us(graph, reps: int) -> float:
+    """Median CUDA-event microseconds of one replay."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
     times = []
     for _ in range(reps):
         start.record()
@@ -49,12 +48,25 @@ def _timed(fn, reps: int, device) -> float:
     return statistics.median(times)
 
 
+def timed(fn, reps: int, device) -> float:
+    """Median microseconds of ``fn``: CUDA-graph replays timed by events on a GPU (captured after one
+    eager call, which also compiles the kernels and sets up workspaces), wall clock on a CPU."""
+    if device.type != "cuda":
+        return wall_us(fn, reps)
+    fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return replay_us(graph, reps)
+
+
 def graph_replay_us(runner, key, reps: int):
     """The captured decode step ``key`` (batch, block bound) alone, replayed on every rank."""
     if runner.graphs is None or key not in runner.graphs.graphs:
         return None
     graph, _ = runner.graphs.graphs[key]
-    return _timed(graph.replay, reps, runner.device)
+    return replay_us(graph, reps)   # a graph exists only on a GPU
 
 
 def layer_times(runner, step, reps: int) -> dict:
@@ -76,10 +88,10 @@ def layer_times(runner, step, reps: int) -> dict:
         layer = model.layers[i]
         h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
         mlp_kind = "moe" if layer.moe else "dense_mlp"
-        out[f"{kind}_attention_us"] = _timed(
+        out[f"{kind}_attention_us"] = timed(
             lambda: model._reduce(model._attention(layer, h, cos, sin, tensors, step.plan, runner.caches[i])),
             reps, device)
-        out[f"{mlp_kind}_us"] = _timed(lambda: model._reduce(model._mlp(layer, h)), reps, device)
+        out[f"{mlp_kind}_us"] = timed(lambda: model._reduce(model._mlp(layer, h)), reps, device)
         out[f"{kind}_layers"] = sum(1 for s in c.sparse_layers if s == sparse)
     if model.all_reduce is not None:
         buffer = torch.zeros(T, c.hidden_size, dtype=model.dtype, device=device)
@@ -87,7 +99,7 @@ def layer_times(runner, step, reps: int) -> dict:
         def reduces():
             for _ in range(2 * c.num_hidden_layers):
                 torch_tp.all_reduce(buffer)
-        out["all_reduce_us"] = _timed(reduces, reps, device)
+        out["all_reduce_us"] = timed(reduces, reps, device)
     else:
         out["all_reduce_us"] = 0.0
     return out

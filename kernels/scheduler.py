@@ -51,7 +51,15 @@ import numpy as np
 from .model_config import M3TextConfig
 from .planner import PAGE_SIZE, StepConfig, StepPlan, StepPlanner
 
-__all__ = ["SchedulerConfig", "Scheduler", "Step", "Request"]
+__all__ = ["SchedulerConfig", "Scheduler", "Step", "Request", "DEFAULT_MAX_CONTEXT", "default_graph_batch_sizes"]
+
+DEFAULT_MAX_CONTEXT = 8192   # an engine's max_context when none is given (capped by the model's positions)
+
+
+def default_graph_batch_sizes(max_batch: int) -> tuple:
+    """1, 2, 4, 8, then multiples of 16 up to ``max_batch`` (and ``max_batch`` itself)."""
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_batch} | set(range(16, max_batch + 1, 16)) | {max_batch}
+    return tuple(sorted(sizes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +81,32 @@ class SchedulerConfig:
     max_num_tokens: int | None = None
     prefill_chunk: int | None = None
     graph_batch_sizes: tuple[int, ...] = ()
+
+    @classmethod
+    def from_engine_args(cls, config: M3TextConfig, *, max_batch, max_context, max_cache_pages,
+                         max_num_tokens=None, prefill_chunk=None, graph_batch_sizes=None) -> "SchedulerConfig":
+        """The limits of an engine from the keyword arguments both ``LLM`` classes take.
+
+        max_context None: ``min(DEFAULT_MAX_CONTEXT, max_position_embeddings)``; more
+        than the model's positions is an error. max_cache_pages None: ``max_batch``
+        requests of ``max_context`` tokens; fewer pages than one such request is an
+        error. graph_batch_sizes None: :func:`default_graph_batch_sizes`.
+        """
+        max_batch = _int("max_batch", max_batch)
+        max_context = min(DEFAULT_MAX_CONTEXT, config.max_position_embeddings) if max_context is None else \
+            _int("max_context", max_context)
+        if max_context > config.max_position_embeddings:
+            raise ValueError(f"max_context: expected <= max_position_embeddings={config.max_position_embeddings} "
+                             f"of the model, got {max_context}")
+        max_blocks = -(-max_context // PAGE_SIZE)
+        num_slots = max_batch * max_blocks if max_cache_pages is None else _int("max_cache_pages", max_cache_pages)
+        if num_slots < max_blocks:
+            raise ValueError(f"max_cache_pages={num_slots} cannot hold one request of max_context={max_context} "
+                             f"tokens: it needs {max_blocks} pages of {PAGE_SIZE} tokens")
+        if graph_batch_sizes is None:
+            graph_batch_sizes = default_graph_batch_sizes(max_batch)
+        return cls(max_batch=max_batch, max_context=max_context, num_slots=num_slots, max_num_tokens=max_num_tokens,
+                   prefill_chunk=prefill_chunk, graph_batch_sizes=tuple(graph_batch_sizes))
 
     def __post_init__(self):
         if self.max_num_tokens is None:

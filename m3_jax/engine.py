@@ -57,7 +57,6 @@ from .cache import allocate_pool
 
 __all__ = ["LLM"]
 
-DEFAULT_MAX_CONTEXT = 8192
 MIN_TOKEN_BUCKET = 8
 
 
@@ -161,23 +160,9 @@ class LLM:
         else:
             devices = _resolve_devices(device, self.tp.size)
             self.device, self.mesh = devices[0], tp.make_mesh(devices)
-        max_batch = _positive_int("max_batch", max_batch)
-        max_context = min(DEFAULT_MAX_CONTEXT, config.max_position_embeddings) if max_context is None else \
-            _positive_int("max_context", max_context)
-        if max_context > config.max_position_embeddings:
-            raise ValueError(f"max_context: expected <= max_position_embeddings={config.max_position_embeddings} "
-                             f"of the model, got {max_context}")
-        max_blocks = -(-max_context // planner.PAGE_SIZE)
-        if max_cache_pages is None:
-            max_cache_pages = max_batch * max_blocks
-        elif _positive_int("max_cache_pages", max_cache_pages) < max_blocks:
-            raise ValueError(f"max_cache_pages: {max_cache_pages} pages of {planner.PAGE_SIZE} tokens cannot hold one "
-                             f"request of max_context={max_context} tokens ({max_blocks} pages)")
-        graph_sizes = sorted({b for b in (1, 2, 4, 8) if b <= max_batch} | set(range(16, max_batch + 1, 16))
-                             | {max_batch})
-        self.scheduler_config = sc = SchedulerConfig(
-            max_batch=max_batch, max_context=max_context, num_slots=max_cache_pages, max_num_tokens=max_num_tokens,
-            prefill_chunk=prefill_chunk, graph_batch_sizes=graph_sizes)
+        self.scheduler_config = sc = SchedulerConfig.from_engine_args(
+            config, max_batch=max_batch, max_context=max_context, max_cache_pages=max_cache_pages,
+            max_num_tokens=max_num_tokens, prefill_chunk=prefill_chunk)
         self.scheduler: Scheduler | None = None   # the one of the running (or last) generate call
         # plans are made for one shard's heads (all of them without tensor parallelism)
         heads = dict(num_q_heads=self.tp.num_q_heads, num_kv_heads=self.tp.num_kv_heads, head_dim=config.head_dim,
@@ -379,12 +364,6 @@ def _check_cpu_threads(count: int):
         raise ValueError(f"tensor_parallel_size={count} on CPU devices: JAX's CPU client has {threads} threads "
                          f"and the interpreted kernels' callbacks need one more than the devices: set "
                          f"PJRT_NPROC={count + 1} (or more) in the environment before JAX initialises")
-
-
-def _positive_int(name, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    return int(value)
 
 
 def _int32(*parts) -> np.ndarray:

@@ -36,7 +36,7 @@ import torch
 import m3_torch
 from m3_kernels import checkpoint
 from m3_kernels.model_config import load_config
-from m3_kernels.planner import PAGE_SIZE, StepConfig, StepPlanner
+from m3_kernels.planner import StepConfig, StepPlanner
 from m3_kernels.pool import PoolLayout
 from m3_kernels.scheduler import Scheduler, SchedulerConfig, Step
 from m3_kernels.tp import TPPlan
@@ -46,7 +46,6 @@ from .model import M3Model, StepTensors
 __all__ = ["LLM", "Runner"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MAX_CONTEXT = 8192
 
 
 def resolve_dtype(dtype, checkpoint_dtype: Optional[str]) -> torch.dtype:
@@ -63,18 +62,6 @@ def resolve_dtype(dtype, checkpoint_dtype: Optional[str]) -> torch.dtype:
             raise ValueError(f"dtype: expected one of {tuple(DTYPES.values())}, got {dtype}")
         return dtype
     raise TypeError(f"dtype: expected None, a torch dtype or its name, got {type(dtype).__name__}")
-
-
-def _positive_int(name, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    return int(value)
-
-
-def default_graph_batch_sizes(max_batch: int) -> tuple:
-    """1, 2, 4, 8, then multiples of 16 up to ``max_batch`` (and ``max_batch`` itself)."""
-    sizes = {b for b in (1, 2, 4, 8) if b <= max_batch} | set(range(16, max_batch + 1, 16)) | {max_batch}
-    return tuple(sorted(sizes))
 
 
 def resolve_device(device, tensor_parallel_size: int = 1) -> torch.device:
@@ -120,7 +107,7 @@ class LLM:
                      ``max_num_tokens``).
     max_num_tokens:  query tokens per step (default: the scheduler's, ``max(2048, max_batch)``).
     cuda_graphs:     replay pure decode steps from CUDA graphs (GPU only; default True).
-    graph_batch_sizes: decode batch sizes captured (default :func:`default_graph_batch_sizes`).
+    graph_batch_sizes: decode batch sizes captured (default ``m3_kernels.scheduler.default_graph_batch_sizes``).
     tensor_parallel_size: ranks the model is split over (``m3_kernels.tp``: heads,
                      expert rows, all-reduces); > 1 spawns that many - 1 worker
                      processes (``m3_torch.tp``), ended by :meth:`close` (or the
@@ -143,31 +130,18 @@ class LLM:
         self.config = c = load_config(model_dir)
         self.tp = TPPlan(c, tensor_parallel_size)
         self.device = resolve_device(device, self.tp.size)
-        max_batch = _positive_int("max_batch", max_batch)
-        max_context = min(DEFAULT_MAX_CONTEXT, c.max_position_embeddings) if max_context is None else \
-            _positive_int("max_context", max_context)
-        if max_context > c.max_position_embeddings:
-            raise ValueError(f"max_context: expected <= max_position_embeddings={c.max_position_embeddings} of the "
-                             f"model, got {max_context}")
-        max_blocks = -(-max_context // PAGE_SIZE)
-        num_slots = max_batch * max_blocks if max_cache_pages is None else \
-            _positive_int("max_cache_pages", max_cache_pages)
-        if num_slots < max_blocks:
-            raise ValueError(f"max_cache_pages={num_slots} cannot hold one request of max_context={max_context} "
-                             f"tokens: it needs {max_blocks} pages of {PAGE_SIZE} tokens")
         use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
-        if graph_batch_sizes is None:
-            graph_batch_sizes = default_graph_batch_sizes(max_batch) if use_graphs else ()
-        self.scheduler_config = SchedulerConfig(max_batch=max_batch, max_context=max_context, num_slots=num_slots,
-                                                max_num_tokens=max_num_tokens, prefill_chunk=prefill_chunk,
-                                                graph_batch_sizes=tuple(graph_batch_sizes) if use_graphs else ())
+        self.scheduler_config = SchedulerConfig.from_engine_args(
+            c, max_batch=max_batch, max_context=max_context, max_cache_pages=max_cache_pages,
+            max_num_tokens=max_num_tokens, prefill_chunk=prefill_chunk,
+            graph_batch_sizes=graph_batch_sizes if use_graphs else ())
         sc = self.scheduler_config
         self.planner = StepPlanner(StepConfig(   # one rank's heads: every rank runs the plans made here
             num_q_heads=self.tp.num_q_heads, num_kv_heads=self.tp.num_kv_heads, head_dim=c.head_dim,
             max_batch=sc.max_batch, max_num_tokens=sc.max_num_tokens, max_blocks=sc.max_blocks,
             topk=c.index_topk_blocks, graph_batch_sizes=sc.graph_batch_sizes))
         dtype = resolve_dtype(dtype, c.dtype)
-        runner_args = dict(model_dir=str(model_dir), dtype=dtype, num_slots=num_slots, max_blocks=sc.max_blocks,
+        runner_args = dict(model_dir=str(model_dir), dtype=dtype, num_slots=sc.num_slots, max_blocks=sc.max_blocks,
                            cuda_graphs=bool(sc.graph_batch_sizes), kv_cache_dtype=kv_cache_dtype,
                            index_cache_dtype=index_cache_dtype)
         all_reduce = None
