@@ -45,7 +45,10 @@ torch then JAX for each TP size, each engine built with
   layer), and how many layers of each type the step runs;
 * ``all_reduce_us``: the step's all-reduces alone (2 per layer, ``[T, hidden]``
   bf16; torch: NCCL in a CUDA graph; JAX: ``psum`` in a jitted ``shard_map``),
-  and ``all_reduce_share`` = that / the step (torch: / ``graph_us``).
+  and ``all_reduce_share`` = that / the step (torch: / ``graph_us``);
+* ``dense_kernels_us`` / ``msa_kernels_us`` (torch, rank 0): one layer's attention kernels alone
+  (``write_cache`` + ``msa_attention_step``, the rank's heads), with ``*_kernels_bytes`` (the byte floor of
+  ``benchmarks/run.py``: index-K in full on every rank) and ``*_kernels_pct_floor``.
 
 Writes e2e_tp.json and e2e_tp.md.
 """
@@ -321,10 +324,12 @@ def markdown_tp(result: dict) -> str:
     lines = [*_header(f"End-to-end decode, tensor parallel {tp} vs 1, M3 attention shapes", result),
              "Microseconds per decode step (time per output token); tok/s = batch / step; speedup = TP=1 step / "
              "this step. Per layer type: one block with its all-reduce (torch, rank 0). All-reduce: the step's "
-             "2 per layer alone, and its share of the step.", "",
+             "2 per layer alone, and its share of the step. Kernels: one layer's write_cache + "
+             "msa_attention_step alone on rank 0 (its heads), with its share of its byte floor (bytes / copy "
+             "bandwidth; the MSA layer reads all of index-K on every rank).", "",
              "| framework | tp | batch | context | step | tok/s | speedup | graph | dense attn | dense MLP | "
-             "MSA attn | MoE | all-reduce | AR share |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "MSA attn | MoE | all-reduce | AR share | dense kernels (floor) | MSA kernels (floor) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     for r in result["rows"]:
         context = _context(r["context"])
@@ -332,6 +337,8 @@ def markdown_tp(result: dict) -> str:
             ("step_us", None), ("tok_s", None), ("speedup", "{:.2f}x"), ("graph_us", None),
             ("dense_attention_us", None), ("dense_mlp_us", None), ("msa_attention_us", None), ("moe_us", None),
             ("all_reduce_us", None), ("all_reduce_share", "{:.0%}"))]
+        cells += [f"{_num(r[f'{kind}_kernels_us'])} ({_num(r.get(f'{kind}_kernels_pct_floor'), '{:.0%}')})"
+                  if f"{kind}_kernels_us" in r else "-" for kind in ("dense", "msa")]
         lines.append(f"| {r['framework']} | {r['tp']} | {r['batch']} | {context} | " + " | ".join(cells) + " |")
     return _document(lines, result)
 
@@ -359,13 +366,17 @@ def main_tp(args, frameworks) -> dict:
                 except Exception as e:  # one engine failing must not lose the others' numbers
                     errors.append(f"{name} tp {size}: {type(e).__name__}: {e}")
                     print("  " + errors[-1], flush=True)
+    bw = copy_bandwidth() if device == "cuda" else None
     base = {(r["framework"], r["batch"]): r["step_us"] for r in rows if r["tp"] == 1}
     for r in rows:
         r["tok_s"] = r["batch"] / (r["step_us"] * 1e-6)
         if (r["framework"], r["batch"]) in base:
             r["speedup"] = base[r["framework"], r["batch"]] / r["step_us"]
+        for kind in ("dense", "msa"):
+            if bw and f"{kind}_kernels_us" in r:
+                r[f"{kind}_kernels_pct_floor"] = r[f"{kind}_kernels_bytes"] / bw * 1e6 / r[f"{kind}_kernels_us"]
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter, gloo)",
-                  copy_bandwidth_TBps=copy_bandwidth() / 1e12 if device == "cuda" else None,
+                  copy_bandwidth_TBps=bw / 1e12 if bw else None,
                   command="python3 -m benchmarks.e2e " + " ".join(sys.argv[1:]),
                   tp=tp, shapes=shapes or "tiny test model", rows=rows, errors=errors)
     os.makedirs(args.out, exist_ok=True)

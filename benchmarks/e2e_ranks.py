@@ -93,6 +93,7 @@ def layer_times(runner, step, reps: int) -> dict:
             reps, device)
         out[f"{mlp_kind}_us"] = timed(lambda: model._reduce(model._mlp(layer, h)), reps, device)
         out[f"{kind}_layers"] = sum(1 for s in c.sparse_layers if s == sparse)
+    out.update(attention_kernels(runner, step, reps))
     if model.all_reduce is not None:
         buffer = torch.zeros(T, c.hidden_size, dtype=model.dtype, device=device)
 
@@ -102,4 +103,56 @@ def layer_times(runner, step, reps: int) -> dict:
         out["all_reduce_us"] = timed(reduces, reps, device)
     else:
         out["all_reduce_us"] = 0.0
+    return out
+
+
+def attention_kernels(runner, step, reps: int) -> dict:
+    """The attention kernels alone on this rank (``write_cache`` + ``msa_attention_step`` of one dense and
+    one MSA layer, this rank's heads, random q/k/v), and the bytes each must move: the floor of
+    ``benchmarks/run.py`` for a decode step where every request is at the same context. The MSA layer
+    reads all of index-K (the one index head is replicated: TP does not shrink it), the index queries,
+    its KV heads' ``min(topk, blocks)`` chosen blocks of K and V, and q and o; the dense layer reads
+    every visible K/V row of its KV heads."""
+    from m3_torch import msa_attention_step, write_cache
+
+    model, device = runner.model, runner.device
+    c, dt = model.config, model.dtype
+    tensors = runner.step_tensors(step)
+    T = step.plan.num_tokens
+    g = torch.Generator(device=device).manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g, device=device).to(dt)
+
+    q, idx_q = randn(T, c.num_attention_heads, c.head_dim), randn(T, c.index_n_heads, c.index_head_dim)
+    k, v, idx_k = (randn(T, c.num_key_value_heads, c.head_dim), randn(T, c.num_key_value_heads, c.head_dim),
+                   randn(T, c.index_head_dim))
+    lens = tensors.seq_lens[:T].long().cpu()
+    blocks = (lens + 127) // 128
+    elt = torch.finfo(dt).bits // 8
+    qo = 2 * T * c.num_attention_heads * c.head_dim * elt
+    kv_row = 2 * c.num_key_value_heads * c.head_dim * elt       # K and V of one token, this rank's heads
+    out = {}
+    for kind, sparse in (("dense", False), ("msa", True)):
+        i = next((i for i, s in enumerate(c.sparse_layers) if s == sparse), None)
+        if i is None:
+            continue
+        cache = runner.caches[i]
+
+        def run():
+            write_cache(k, v, idx_k if sparse else None, cache.k_cache, cache.v_cache, cache.index_k_cache,
+                        tensors.slot_mapping)
+            msa_attention_step(q, idx_q if sparse else None, cache.k_cache, cache.v_cache,
+                               cache.index_k_cache if sparse else None, tensors.block_table, tensors.seq_lens,
+                               plan=step.plan, sparse=sparse, init_blocks=c.index_init_blocks,
+                               local_blocks=c.index_local_blocks, sm_scale=c.attention_scale)
+        out[f"{kind}_kernels_us"] = timed(run, reps, device)
+        if sparse:
+            chosen = blocks.clamp(max=c.index_topk_blocks)
+            out[f"{kind}_kernels_bytes"] = int(
+                blocks.sum() * 128 * c.index_head_dim * elt                    # index-K, all of it
+                + T * c.index_n_heads * c.index_head_dim * elt                 # index queries
+                + chosen.sum() * 128 * kv_row + qo)                            # chosen K/V blocks, q, o
+        else:
+            out[f"{kind}_kernels_bytes"] = int(lens.sum() * kv_row + qo)
     return out

@@ -148,6 +148,7 @@ class LLM:
         if self.tp.size > 1:
             from . import tp   # the worker processes start now and load their slices while rank 0 loads its own
             self._workers = tp.Workers(self.tp, self.device, runner_args)
+            self._workers.before_destroy = lambda: self.runner.graphs and self.runner.graphs.release()
             all_reduce = tp.all_reduce
         try:
             self.runner = Runner(tp=self.tp, rank=0, device=self.device, all_reduce=all_reduce, **runner_args)
@@ -171,6 +172,8 @@ class LLM:
         self._closed = True
         if self._workers is not None:
             self._workers.close()
+        if self.graphs is not None:
+            self.graphs.release()
 
     def __enter__(self):
         return self
@@ -406,3 +409,11 @@ class _DecodeGraphs:
             graph, out = self.graphs[key]
             graph.replay()
         return out.index_select(0, rows) if head else None
+
+    def release(self):
+        """Free the captured graphs. Under tensor parallelism every rank must do this BEFORE the
+        process group is destroyed: a graph holding NCCL kernels keeps its communicator alive, and
+        NCCL's destroy then waits forever (pytorch/pytorch#115388)."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()

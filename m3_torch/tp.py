@@ -105,6 +105,7 @@ class Workers:
         self.size, self.timeout = plan.size, timeout
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.closed = False
+        self.before_destroy: Callable | None = None   # rank 0's clean-up before the group goes (its graphs)
         self._owns_group = False
         self.procs, self.conns = [], []
         self._dir = tempfile.mkdtemp(prefix="m3-tp-")
@@ -238,9 +239,18 @@ class Workers:
             return
         self.closed = True
         _live.discard(self)
+        if self.before_destroy is not None:
+            try:
+                self.before_destroy()
+            except Exception:
+                force = True
         if not force and self._owns_group and all(p.is_alive() for p in self.procs):
             try:
                 self._broadcast(("stop", None))
+                # NCCL's communicator shutdown pairs up across ranks: destroy ours while the workers
+                # destroy theirs (waiting for them to exit first would wait forever)
+                self._owns_group = False
+                dist.destroy_process_group()
             except Exception:
                 force = True
         for proc in self.procs:
@@ -316,5 +326,7 @@ def _worker_main(rank: int, plan: TPPlan, device: torch.device, runner_args: dic
             os._exit(1)   # no clean-up: the peers' pending collectives fail at once
     if backend == "nccl":
         torch.cuda.synchronize()
+    if runner.graphs is not None:
+        runner.graphs.release()   # before the group (see _DecodeGraphs.release)
     dist.destroy_process_group()
     conn.close()
