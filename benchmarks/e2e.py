@@ -36,7 +36,7 @@ torch then JAX for each TP size, each engine built with
 ``tensor_parallel_size``:
 
 * ``step_us``: wall clock of a decode step (as ``torch_step_us`` /
-  ``jax_step_us`` above; torch: rank 0 broadcasts the step to the workers,
+  ``jax_step_us`` above; torch: rank 0 sends the step to the workers,
   every rank replays its CUDA graph); tok/s = batch / step.
 * ``graph_us`` (torch): the captured step alone, replayed on every rank.
 * per layer type (torch, on rank 0, each block in its own CUDA graph with its
