@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: install
 	$(PY) demo.py
 
+# two pytest-xdist workers: CI's two cores (the interpreted kernels are single-threaded Python)
 test: install
-	$(PY) -m pytest -q -m "not long"
+	$(PY) -m pytest -q -m "not long" -n 2
 
 # On a GPU machine (see benchmarks/README.md for the device-tool command).
 test-gpu:

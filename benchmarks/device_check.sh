@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool call's worth of GPU checks, run from the repo root on the GPU machine:
-#   bash benchmarks/device_check.sh tests        # pytest -m gpu (kernels, launch layer, model engines)
+#   bash benchmarks/device_check.sh tests        # pytest -m gpu (kernels, launch layer, model engines), 4 workers
 #   bash benchmarks/device_check.sh e2e          # benchmarks/e2e.py: model decode step, torch graph vs JAX jit
 #   bash benchmarks/device_check.sh grid OLD     # quick grid of checkout OLD, then of this one (same call)
 #   bash benchmarks/device_check.sh cute-stage   # CuTeDSL, call 1 (carry .whl-cute1): park the first wheels in /tmp/cute
@@ -15,13 +15,16 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 case "${1:-tests}" in
   tests)
     source benchmarks/device_env.sh
-    python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25 ;;
+    # pytest-xdist and pytest-timeout are in the machine's image; the thread method ends a test stuck in C
+    python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 --timeout 300 --timeout-method thread 2>&1 \
+      | tee "$OUT/gpu-tests.log" | tail -25 ;;
   e2e)
     source benchmarks/device_env.sh
     python3 -m benchmarks.e2e --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
   tp)
     source benchmarks/device_env.sh
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tp_torch.py tests/test_tp_jax.py -rs 2>&1 | tee "$OUT/tp-tests.log" | tail -25
+    python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 --timeout-method thread -rs -s \
+      tests/test_tp_torch.py tests/test_tp_jax.py 2>&1 | tee "$OUT/tp-tests.log" | tail -25
     python3 -m benchmarks.e2e --tp 2 --out "$OUT/e2e-tp" 2>&1 | tee "$OUT/e2e-tp.log" | tail -40 ;;
   grid)
     for tree in "$2" "$here"; do

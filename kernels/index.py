@@ -4,7 +4,10 @@
 query tokens of one request times all index heads, packed as MMA rows) and a
 contiguous chunk of logical blocks. Each index-K page is read once for all
 heads and tokens of the tile: for decode with ``TOKENS_PER_TILE >= n`` that is
-once per request. ``tile_map`` rows: ``[request, first token, first token's
+once per request. ``SKIP_BLOCKS > 0`` (the MSA ops pass ``topk``): a tile whose
+tokens all see at most that many blocks writes nothing, since selection takes
+every visible block of such a token without reading its scores; the public
+``index_scores`` passes 0 and scores every tile. ``tile_map`` rows: ``[request, first token, first token's
 position - seq_len, tokens]`` (see attention.py). Lengths are clamped and
 index-K rows past the tile's last visible position never loaded, as in
 attention.py; a NaN/Inf query row scores NaN on the blocks it sees. An FP8
@@ -14,7 +17,8 @@ dot, exactly; an FP8 query widens both to bfloat16.
 ``select_blocks_kernel``: one program per index head and ``BLOCK_T`` tokens (one
 on a GPU, many in the interpreter, whose cost is per program). A row's
 visible scores sit in registers as 64-bit keys (score, then lower id; forced
-init/local blocks rank +inf, NaN ranks -inf but still beats nothing); a
+init/local blocks rank +inf, NaN ranks -inf but still beats nothing; a row with
+at most ``TOPK`` visible blocks takes them all and reads no score); a
 bitonic top-k picks the best ``TOPK`` in log-depth rounds (long rows: first
 the best chunks, then the best blocks inside them), and a sort writes the
 chosen ids ascending, then -1.
@@ -48,6 +52,7 @@ def index_scores_kernel(
     BLOCK_N: tl.constexpr,
     STEP_GROUP: tl.constexpr,
     K_DTYPE: tl.constexpr,            # the index-K cache's element type (float8e4nv: FP8, unscaled)
+    SKIP_BLOCKS: tl.constexpr,        # > 0: tiles that see at most this many blocks write nothing
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)
@@ -80,6 +85,8 @@ def index_scores_kernel(
 
     b_begin = chunk * blocks_per_program
     b_end = tl.minimum(b_begin + blocks_per_program, max_blocks)
+    if SKIP_BLOCKS > 0:
+        b_end = tl.where(tile_blocks <= SKIP_BLOCKS, b_begin, b_end)   # both loops below: no iterations
 
     score_rows = scores_ptr + m_head * stride_si + m_t * stride_st
     # visible blocks, STEP_GROUP at a time: page ids gathered up front so the
@@ -112,8 +119,8 @@ def index_scores_kernel(
 
 
 @triton.jit
-def _rank_keys(row_ptr, stride_sb, blocks, visible_blocks, INIT_BLOCKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr,
-               BLOCKS_PAD: tl.constexpr):
+def _rank_keys(row_ptr, stride_sb, blocks, visible_blocks, TOPK: tl.constexpr, INIT_BLOCKS: tl.constexpr,
+               LOCAL_BLOCKS: tl.constexpr, BLOCKS_PAD: tl.constexpr):
     """One int64 key per block id in ``blocks``: larger = chosen first.
 
     High half: the rank key's order-preserving int32 image (forced blocks +inf,
@@ -122,7 +129,9 @@ def _rank_keys(row_ptr, stride_sb, blocks, visible_blocks, INIT_BLOCKS: tl.const
     id and no two keys are equal.
     """
     visible = blocks < visible_blocks
-    score = tl.load(row_ptr + blocks * stride_sb, mask=visible, other=float("-inf"))
+    # a row with at most TOPK visible blocks takes them all: its scores are not read (the MSA ops skip
+    # scoring such rows), every visible block ranks alike
+    score = tl.load(row_ptr + blocks * stride_sb, mask=visible & (visible_blocks > TOPK), other=float("-inf"))
     rank = tl.where(score != score, float("-inf"), score)
     rank = tl.where(rank == 0.0, 0.0, rank)
     forced = (blocks < INIT_BLOCKS) | (blocks >= visible_blocks - LOCAL_BLOCKS)
@@ -172,8 +181,8 @@ def select_blocks_kernel(
     rows = scores_ptr + head * stride_si + offs_t[:, None] * stride_st
 
     # [BLOCK_T, BLOCKS_PAD]
-    key = _rank_keys(rows, stride_sb, tl.arange(0, BLOCKS_PAD)[None, :], visible_blocks, INIT_BLOCKS, LOCAL_BLOCKS,
-                     BLOCKS_PAD)
+    key = _rank_keys(rows, stride_sb, tl.arange(0, BLOCKS_PAD)[None, :], visible_blocks, TOPK, INIT_BLOCKS,
+                     LOCAL_BLOCKS, BLOCKS_PAD)
     if CHUNK > 0:
         # Long rows: the TOPK_PAD best blocks lie in the TOPK_PAD chunks of CHUNK
         # blocks with the best maxima (a block outside them has TOPK_PAD better
@@ -184,7 +193,7 @@ def select_blocks_kernel(
         # [BLOCK_T, TOPK_PAD, CHUNK] -> [BLOCK_T, TOPK_PAD * CHUNK]
         candidates = chunk[:, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
         key = tl.reshape(_rank_keys(rows[:, :, None], stride_sb, candidates, visible_blocks[:, :, None],
-                                    INIT_BLOCKS, LOCAL_BLOCKS, BLOCKS_PAD), [BLOCK_T, TOPK_PAD * CHUNK])
+                                    TOPK, INIT_BLOCKS, LOCAL_BLOCKS, BLOCKS_PAD), [BLOCK_T, TOPK_PAD * CHUNK])
     # [BLOCK_T, TOPK_PAD], best first (bitonic top-k: log-depth compare-exchange
     # rounds); the first num_chosen of a row are its chosen blocks
     best = _top(key, TOPK_PAD)

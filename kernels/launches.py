@@ -100,10 +100,12 @@ class Launch:
 # -- the indexer ------------------------------------------------------------------------
 
 def index_scores(*, idx_q: Operand, index_k: Operand, block_table: Operand, seq_lens, tile_map, tile: RowTile,
-                 out_strides, dtype: str, interpret: bool) -> Launch:
+                 out_strides, dtype: str, interpret: bool, skip_blocks: int) -> Launch:
     """Per-block causal max scores over ``tile_map``'s row tiles -> ``scores [Hi, T, max_blocks]`` float32.
 
-    ``dtype``: of idx_q (picks the tuning; an FP8 index-K cache reuses its configs)."""
+    ``dtype``: of idx_q (picks the tuning; an FP8 index-K cache reuses its configs). ``skip_blocks``:
+    0 scores every tile; the MSA ops pass ``topk``, and tiles whose tokens see at most that many blocks
+    are left unwritten (selection takes all their blocks without reading scores)."""
     num_tokens, num_heads, head_dim = idx_q.shape
     max_blocks = block_table.shape[1]
     num_tiles = int(tile_map.shape[0])
@@ -115,7 +117,8 @@ def index_scores(*, idx_q: Operand, index_k: Operand, block_table: Operand, seq_
     out = Output("scores", (num_heads, num_tokens, max_blocks), "float32", tuple(out_strides))
     return Launch("index.index_scores_kernel", (cfg.num_chunks, num_tiles), args, (out,),
                   dict(NUM_HEADS=num_heads, HEADS_PAD=tile.heads_pad, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
-                       BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, K_DTYPE=index_k.triton_dtype),
+                       BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, K_DTYPE=index_k.triton_dtype,
+                       SKIP_BLOCKS=int(skip_blocks)),
                   cfg.num_warps, cfg.num_stages)
 
 

@@ -42,11 +42,11 @@ __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "ms
 
 # -- the launches, shared by decode, prefill and the mixed step (each public op runs them) ----
 
-def _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile) -> launches.Launch:
+def _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile, skip_blocks) -> launches.Launch:
     shape = (idx_q.shape[1], idx_q.shape[0], block_table.shape[1])
     return launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k), block_table=operand(block_table),
                                  seq_lens=seq_lens, tile_map=tile_map, tile=tile, out_strides=strides(shape),
-                                 dtype=str(idx_q.dtype), interpret=not ops.on_gpu())
+                                 dtype=str(idx_q.dtype), interpret=not ops.on_gpu(), skip_blocks=skip_blocks)
 
 
 def _backend(backend, idx_q, index_k) -> str:
@@ -62,11 +62,13 @@ def _backend(backend, idx_q, index_k) -> str:
                                           device="cuda" if ops.on_gpu() else "cpu", capability=capability)
 
 
-def _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile):
-    """scores [Hi, T, max_blocks] with the resolved ``backend``'s kernel."""
+def _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, skip_blocks=0):
+    """scores [Hi, T, max_blocks] with the resolved ``backend``'s kernel. ``skip_blocks``: the MSA ops
+    pass ``topk``; the Triton scorer then leaves tiles that see at most that many blocks unscored
+    (selection takes all their blocks unread); the CuTeDSL one scores all."""
     if backend == "cutedsl":
         return cute_call.index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile)
-    return run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile))["scores"]
+    return run(_index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile, skip_blocks))["scores"]
 
 
 def _select_blocks(scores, seq_lens, token_map, topk, init_blocks, local_blocks) -> launches.Launch:
@@ -185,7 +187,7 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     n, topk = int(decode_query_len), int(topk)
     tile = _maps.row_tile(call.num_index_heads, n)
     tile_map, token_map = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
-    scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
+    scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, topk)
     block_ids = run(_select_blocks(scores, seq_lens, token_map, topk, int(init_blocks), int(local_blocks)))["block_ids"]
     tile = _maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk)
     tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
@@ -283,7 +285,7 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
                                  block_table=block_table, seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k)
     tile, tile_map = maps_.tile(call.num_index_heads)
-    scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
+    scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, int(topk))
     launch = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
     block_ids = run(launch)["block_ids"]
     tile, tile_map = maps_.tile(call.group)
@@ -380,7 +382,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
         block_ids = None
         if sparse:
             tile, tile_map, token_map = index_maps
-            scores = _scores(backend, idx_q[toks], index_k, table, lens, tile_map, tile)
+            scores = _scores(backend, idx_q[toks], index_k, table, lens, tile_map, tile, cfg.topk)
             launch = _select_blocks(scores, lens, token_map, cfg.topk, int(init_blocks), int(local_blocks))
             block_ids = run(launch)["block_ids"]
             ids.append(block_ids)

@@ -18,6 +18,8 @@ values written into it). The index-K cache is unscaled.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from m3_kernels import backends, maps, planner, validate
@@ -42,15 +44,17 @@ def _empty(shape, dtype, device, out):
     return out if out is not None else torch.empty(shape, dtype=dtype, device=device)
 
 
-def _scorer(backend, idx_q, index_k_cache):
+def _scorer(backend, idx_q, index_k_cache, skip_blocks: int = 0):
     """The indexer op of ``backend`` (None: ``$M3_INDEXER_SCORE``, else "triton") for these shapes,
-    dtypes and device: ``ops.index_scores`` or ``cute_ops.index_scores`` (m3_kernels.backends)."""
+    dtypes and device: ``ops.index_scores`` or ``cute_ops.index_scores`` (m3_kernels.backends).
+    ``skip_blocks``: the MSA ops pass ``topk``; the Triton scorer then leaves tiles that see at most
+    that many blocks unscored (selection takes all their blocks unread); the CuTeDSL one scores all."""
     device = idx_q.device
     name = backends.check_indexer_backend(
         backend, num_heads=int(idx_q.shape[1]), head_dim=int(idx_q.shape[2]), dtype=validate.dtype_name(idx_q),
         cache_dtype=validate.dtype_name(index_k_cache), device=device.type,
         capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
-    return ops.index_scores if name == "triton" else cute_ops.index_scores
+    return functools.partial(ops.index_scores, skip_blocks=skip_blocks) if name == "triton" else cute_ops.index_scores
 
 
 def _kv_scales(k_cache, k_scale, v_scale, device):
@@ -170,7 +174,7 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
                       block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                             block_table=block_table, seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
-    scorer = _scorer(backend, idx_q, index_k_cache)
+    scorer = _scorer(backend, idx_q, index_k_cache, skip_blocks=int(topk))
     n, topk = int(decode_query_len), int(topk)
     out = _empty(q.shape, q.dtype, device, out)
     scores = ops.workspace(device, "index_scores", (call.num_kv_heads, call.num_tokens, call.max_blocks))
@@ -281,7 +285,7 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
                       block_table=block_table, seq_lens=seq_lens)
     device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                             block_table=block_table, seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
-    scorer = _scorer(backend, idx_q, index_k_cache)
+    scorer = _scorer(backend, idx_q, index_k_cache, skip_blocks=int(topk))
     topk = int(topk)
     out = _empty(q.shape, q.dtype, device, out)
     scores = torch.empty((call.num_kv_heads, call.num_tokens, call.max_blocks), dtype=torch.float32, device=device)
@@ -330,7 +334,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     device = _check_devices(q=q, idx_q=idx_q if sparse else None, k_cache=k_cache, v_cache=v_cache,
                             index_k_cache=index_k_cache if sparse else None, block_table=block_table,
                             seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
-    scorer = _scorer(backend, idx_q, index_k_cache) if sparse else None
+    scorer = _scorer(backend, idx_q, index_k_cache, skip_blocks=cfg.topk) if sparse else None
     out = _empty(q.shape, q.dtype, device, out)
     kv_scales = _kv_scales(k_cache, k_scale, v_scale, device)
     arena = arena if arena is not None else ops.step_arena(plan.layout, device)

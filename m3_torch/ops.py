@@ -163,11 +163,13 @@ def step_arena(layout, device) -> StepArena:
 
 @torch.library.custom_op("m3::index_scores", mutates_args=("out",))
 def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor, tokens_per_tile: int) -> None:
+                 seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor, tokens_per_tile: int,
+                 skip_blocks: int = 0) -> None:
     tile = maps.row_tile(idx_q.shape[1], tokens_per_tile)
     run(launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k_cache),
                               block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map, tile=tile,
-                              out_strides=out.stride(), dtype=str(idx_q.dtype), interpret=out.device.type != "cuda"),
+                              out_strides=out.stride(), dtype=str(idx_q.dtype), interpret=out.device.type != "cuda",
+                              skip_blocks=skip_blocks),
         {"scores": out})
 
 

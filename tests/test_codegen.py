@@ -57,11 +57,11 @@ def attention_case(sparse, kv_dtype="bfloat16"):
     return m3_kernels.kernel_module("attention", False).paged_attention_kernel, consts, launch
 
 
-def index_case(index_dtype="bfloat16"):
+def index_case(index_dtype="bfloat16", skip_blocks=0):
     launch = launches.index_scores(idx_q=operand(64, 4, 128), index_k=operand(9000, 128, 128, dtype=index_dtype),
                                    block_table=operand(64, 141), seq_lens=None, tile_map=np.zeros((64, 4), np.int32),
                                    tile=maps.row_tile(4, 1), out_strides=(64 * 141, 141, 1), dtype="bfloat16",
-                                   interpret=False)
+                                   interpret=False, skip_blocks=skip_blocks)
     consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_bb=1, stride_sb=1)
     return m3_kernels.kernel_module("index", False).index_scores_kernel, consts, launch
 
@@ -79,9 +79,13 @@ def fresh_compile_after_an_interpreted_op(tmp_path_factory):
         yield
 
 
-@pytest.mark.parametrize("case", ["sparse_n1", "dense_n1", "index"])
+@pytest.mark.parametrize("case", ["sparse_n1", "dense_n1", "index", "index_msa"])
 def test_loads_pipeline_without_divisibility_facts(case):
-    fn, consts, launch = index_case() if case == "index" else attention_case(case == "sparse_n1")
+    """index_msa: the scorer variant of the MSA ops, which skips tiles that see at most topk blocks."""
+    if case.startswith("index"):
+        fn, consts, launch = index_case(skip_blocks=16 if case == "index_msa" else 0)
+    else:
+        fn, consts, launch = attention_case(case == "sparse_n1")
     kernels = [compile_for_hopper(fn, consts, launch.num_warps, launch.num_stages, divisible)
                for divisible in (True, False)]
     as_torch, as_jax = (k.asm["ptx"] for k in kernels)
