@@ -56,7 +56,7 @@ def timed(fn, reps: int, device) -> float:
     fn()
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):   # as the engine (m3_torch.engine)
         fn()
     return replay_us(graph, reps)
 

@@ -25,7 +25,6 @@ import os
 import statistics
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -65,7 +64,7 @@ def time_graph(steps, reps=30):
         s()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):   # as the engine (m3_torch.engine)
         for s in steps:
             s()
     ms = time_fn(graph.replay, reps)

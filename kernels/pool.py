@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from .maps import PAGE_SIZE, next_pow2
+from .maps import PAGE_SIZE
 
 KV_LAYOUTS = ("HND", "NHD")
 MODEL_DTYPES = ("bfloat16", "float16", "float32")

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3_kernels.maps import PAGE_SIZE, contiguous_strides
+from m3_kernels.maps import contiguous_strides
 
 __all__ = ["PagedView", "kv_cache_view", "index_k_view", "as_kv_view", "as_index_k_view", "KV_LAYOUTS"]
 

@@ -402,7 +402,9 @@ class _DecodeGraphs:
             out = self._forward(static, step.plan)   # eager warm-up: a real step
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.mempool):
+            # thread_local: CUDA calls of OTHER host threads (JAX/XLA's runtime threads in a process that
+            # also runs JAX, NCCL watchdogs) do not invalidate this capture; this thread's still do
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
                 captured = self._forward(static, step.plan)
             self.graphs[key] = (graph, captured)
         else:

@@ -14,7 +14,7 @@ from m3_torch import reference as ref
 
 from cases import ALL_CASES, TOLERANCE, decode, make_inputs, prefill, random_block_ids, rel_err
 from targets import (assert_same_bits, attention_reference, check_attention, check_empty_ids, check_twin, grid,
-                     jax_inputs, kv_scales, run, selected_blocks, targets, to_jax, to_torch)
+                     jax_gpu_ready, jax_inputs, kv_scales, run, selected_blocks, targets, to_jax, to_torch)
 
 
 @pytest.mark.parametrize("case, target", grid(ALL_CASES))
@@ -126,6 +126,42 @@ def test_prefill_plan_replaces_cu_seqlens(target):
             out, ids = m3_jax.msa_prefill(*_msa_args(jax_inputs(case, target.device)), cu_seqlens_q=None, **kw)
             assert_same_bits(to_torch(out), want_out)
             assert_same_bits(to_torch(ids), want_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, batch", [(2, 4), (8, 128)])
+def test_cuda_graph_capture_after_jax_ran(n, batch):
+    """Issue #15: captures of our steps failed (cudaErrorStreamCaptureInvalidated) in processes that had run
+    JAX, at these shapes with 1k contexts. JAX runs our kernels on the GPU first (its runtime threads stay
+    alive), then msa_decode is captured as the engine captures (capture_error_mode="thread_local") and
+    replays new lengths like an eager call."""
+    if not jax_gpu_ready():
+        pytest.skip("needs JAX on the GPU with jax_triton")
+    case = decode("graph_after_jax", (1000,) * batch, n=n, hq=64, hk=4, d=128, di=128, topk=16, gpu_only=True)
+    x = {k: v.clone() for k, v in make_inputs(case, "cuda").items()}
+    jax_out, _ = m3_jax.msa_decode(*_msa_args(jax_inputs(case, "gpu")), decode_query_len=n, topk=16)
+    jax_out.block_until_ready()
+    out = torch.empty_like(x["q"])
+
+    def msa():
+        return m3_torch.msa_decode(x["q"], x["idx_q"], x["k_cache"], x["v_cache"], x["index_k_cache"],
+                                   x["block_table"], x["seq_lens"], decode_query_len=n, topk=16, out=out)
+
+    msa()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        msa()
+    x["seq_lens"].copy_(torch.randint(1, 1001, (batch,), dtype=torch.int32))
+    x["q"].copy_(torch.randn_like(x["q"]))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    eager, _ = m3_torch.msa_decode(x["q"], x["idx_q"], x["k_cache"], x["v_cache"], x["index_k_cache"],
+                                   x["block_table"], x["seq_lens"], decode_query_len=n, topk=16)
+    assert not torch.isnan(replayed).any()
+    assert torch.equal(replayed, eager)
 
 
 @pytest.mark.gpu
