@@ -31,8 +31,11 @@ Values (SPEC.md, "Values the kernels must survive"):
 * Rows that see nothing get zeros (lse -inf). A row with NaN or Inf in q is
   all NaN (its lse too, which the merge keeps), on every split count.
 
-FP8 caches (``KV_DTYPE`` float8e4nv): K/V tiles are widened to q's dtype
-(exact) for the same MMAs; ``K = stored * k_scale`` is folded into the score
+FP8 caches (``KV_DTYPE`` float8e4nv): K/V tiles are widened (exactly) to
+float16 with a bfloat16 q (``common.fp16_operand``: one conversion instruction
+per pair; q goes to float16 once, scaled by a power of two folded into the
+score scale if it is large), to q's dtype otherwise, for the same MMAs (the
+probabilities go to float16 too); ``K = stored * k_scale`` is folded into the score
 scale and ``V = stored * v_scale`` applied once to each output row the program
 writes (the output, and every split's partial, is linear in V). Both scales
 are read from memory, so a captured graph or jitted step takes new values.
@@ -41,7 +44,7 @@ are read from memory, so a captured graph or jitted step takes new values.
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, mma, multiple_of_16, pick, tile_row, typed, visible_len
+from .common import PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_row, typed, visible_len
 
 
 @triton.jit
@@ -142,6 +145,9 @@ def paged_attention_kernel(
     # Their scores are NaN or +-Inf anyway, but an Inf whose scores are all -inf
     # would look like an empty row. (Rewriting q itself costs ~10% in 128-row tiles.)
     q_bad = (tl.max(((q != q) | (tl.abs(q) == float("inf"))).to(tl.int32), axis=1) > 0) & (m_pos >= 0)
+    if KV_FP8 and q.dtype == tl.bfloat16:
+        q, q_unscale = fp16_operand(q)   # FP8 K/V then widen to float16 in one instruction per pair
+        qk_scale = qk_scale * q_unscale
 
     if SPARSE:
         if TOKENS_PER_TILE == 1:

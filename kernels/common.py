@@ -37,6 +37,22 @@ def to_e4m3(x, scale):
 
 
 @triton.jit
+def fp16_operand(x):
+    """``x`` (bfloat16 or float8e4nv, a tile) as float16, for MMAs with FP8 tiles: e4m3 widens to
+    float16 in one instruction per pair, to bfloat16 in one more per element (sm_90; the FP8 kernels
+    were ALU-bound on it). -> (x16, unscale): ``x16 * unscale == x`` exactly wherever ``|x| >= 2^-14``
+    (float16's normal range; below it, float16 keeps fewer bits: an absolute error under 2^-25 of the
+    tile's magnitude). When the largest finite ``|x|`` exceeds 2^15, ``x`` is first scaled by a power
+    of two, ``1 / unscale``, so nothing overflows; the caller multiplies its dot by ``unscale``.
+    NaN and Inf stay NaN and Inf (the kernels' NaN rules apply unchanged)."""
+    x32 = x.to(tl.float32)
+    finite = tl.abs(x32) < float("inf")   # false for NaN
+    amax = tl.max(tl.max(tl.where(finite, tl.abs(x32), 0.0), axis=1), axis=0)
+    e = tl.maximum(tl.ceil(tl.log2(amax)) - 15.0, 0.0)   # amax * 2^-e <= 2^15 (log2(0) = -inf: e = 0)
+    return (x32 * tl.exp2(-e)).to(tl.float16), tl.exp2(e)
+
+
+@triton.jit
 def mma(a, b):
     """a @ b with float32 accumulation.
 

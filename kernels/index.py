@@ -11,8 +11,10 @@ every visible block of such a token without reading its scores; the public
 position - seq_len, tokens]`` (see attention.py). Lengths are clamped and
 index-K rows past the tile's last visible position never loaded, as in
 attention.py; a NaN/Inf query row scores NaN on the blocks it sees. An FP8
-(float8e4nv, unscaled) index-K cache is widened to the query's dtype for the
-dot, exactly; an FP8 query widens both to bfloat16.
+(float8e4nv, unscaled) index-K cache is widened for the dot, exactly: to
+float16 with a bfloat16 or FP8 query (``common.fp16_operand``: one conversion
+instruction per pair of keys), to the query's dtype otherwise; an FP8 query
+with a 16-bit cache widens to bfloat16.
 
 ``select_blocks_kernel``: one program per index head and ``BLOCK_T`` tokens (one
 on a GPU, many in the interpreter, whose cost is per program). A row's
@@ -27,7 +29,7 @@ chosen ids ascending, then -1.
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, mma, multiple_of_16, pick, tile_row, typed, visible_len
+from .common import PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_row, typed, visible_len
 
 
 @triton.jit(do_not_specialize=["max_blocks", "blocks_per_program"])
@@ -78,10 +80,13 @@ def index_scores_kernel(
     # [BLOCK_M, Di]
     q = tl.load(q_ptr + m_t[:, None] * stride_qt + m_head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_valid[:, None], other=0.0)
-    if q.dtype == tl.float8e4nv:
-        q = q.to(tl.bfloat16)   # FP8 x FP8: both widened (exactly) to bfloat16
     # [BLOCK_M]: NaN or Inf in a row's query makes its visible blocks' scores NaN
     q_bad = tl.max(((q != q) | (tl.abs(q) == float("inf"))).to(tl.int32), axis=1) > 0
+    q_unscale = 1.0
+    if K_DTYPE == tl.float8e4nv and (q.dtype == tl.bfloat16 or q.dtype == tl.float8e4nv):
+        q, q_unscale = fp16_operand(q)   # FP8 keys widen to float16 in one instruction per pair
+    elif q.dtype == tl.float8e4nv:
+        q = q.to(tl.bfloat16)            # an FP8 query with a 16-bit cache: widened (exactly)
 
     b_begin = chunk * blocks_per_program
     b_end = tl.minimum(b_begin + blocks_per_program, max_blocks)
@@ -111,7 +116,7 @@ def index_scores_kernel(
                 s = mma(q, tl.trans(k))
                 s = tl.where(kv_pos[None, :] <= m_pos[:, None], s, float("-inf"))
                 best = tl.maximum(best, tl.max(s, axis=1))
-            best = tl.where(q_bad & (block * PAGE_SIZE <= m_pos), float("nan"), best)
+            best = tl.where(q_bad & (block * PAGE_SIZE <= m_pos), float("nan"), best * q_unscale)
             tl.store(score_rows + block * stride_sb, best, mask=m_valid)
     # blocks no token of the tile sees
     for block in range(tl.maximum(b_begin, tile_blocks), b_end):

@@ -117,7 +117,9 @@ def test_select_and_cache_write_compile_for_hopper(max_blocks):
 @pytest.mark.parametrize("kernel", ["sparse", "index", "cache_write"])
 def test_fp8_variants_compile_for_hopper_from_a_byte_pool(kernel):
     """FP8 caches read and written through a uint8 pointer (a JAX byte pool), without divisibility
-    facts (jax-triton): the variants compile for sm_90, and the K/V and index-K loads still pipeline."""
+    facts (jax-triton): the variants compile for sm_90, the K/V and index-K loads still pipeline, and
+    with a bf16 query the FP8 tiles widen to float16 (one cvt per pair), not through float16 to bfloat16
+    (one more cvt per element, which made the FP8 kernels ALU-bound)."""
     fp8, byte_pool = "float8_e4m3fn", {"k_ptr": "*u8", "v_ptr": "*u8", "pool_in_ptr": "*u8", "pool_ptr": "*u8",
                                        "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     if kernel == "cache_write":
@@ -135,3 +137,4 @@ def test_fp8_variants_compile_for_hopper_from_a_byte_pool(kernel):
     fn, consts, launch = index_case(fp8) if kernel == "index" else attention_case(True, fp8)
     ptx = compile_for_hopper(fn, consts, launch.num_warps, launch.num_stages, False, byte_pool).asm["ptx"]
     assert ptx.count("cp.async.cg") + ptx.count("cp.async.ca") > 0
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx

@@ -185,6 +185,37 @@ def test_scales_are_read_from_memory(target):
     assert rel_err(unit, out.double() / case.scales[1]) < TOLERANCE["bfloat16"]
 
 
+# -- queries past float16's range ----------------------------------------------------------------
+
+@pytest.mark.parametrize("target", targets())
+def test_queries_past_float16_range_with_fp8_caches(target):
+    """The kernels widen FP8 tiles to float16 and move a bf16 query to float16 for the MMA
+    (common.fp16_operand), scaled first by a power of two when it would overflow (|q| > 65504).
+    One token's q and idx_q are 2^17 times the others': its scores and output, and the ordinary
+    token's beside it, still match the references."""
+    from test_hardening import call, msa_args
+
+    case = decode("fp8_big_q", (300, 129), hq=4, hk=1, d=32, di=16, topk=2, kv_dtype="float8_e4m3fn",
+                  index_dtype="float8_e4m3fn", kv_scales=(0.02, 0.01))
+    x = dict(make_inputs(case))
+    big = torch.ones(x["q"].shape[0], 1, 1)
+    big[0] = 2.0 ** 17
+    x["q"], x["idx_q"] = ((x[n].float() * big).to(x[n].dtype) for n in ("q", "idx_q"))
+    assert x["idx_q"][0].float().abs().max() > 2 ** 17   # past float16's largest finite value, 65504
+    scales = dict(k_scale=torch.tensor(case.scales[0]), v_scale=torch.tensor(case.scales[1]))
+    scores = call(target, "index_scores", x["idx_q"], x["index_k_cache"], x["block_table"], x["seq_lens"],
+                  decode_query_len=1)
+    want = ref.index_scores_ref(x["idx_q"], x["index_k_cache"], x["block_table"], x["seq_lens"], case.q_lens)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(scores), finite)
+    torch.testing.assert_close(scores[finite].double(), want[finite], rtol=1e-3, atol=1e-3 * want[finite].abs().max())
+    out, ids = call(target, "msa_decode", *msa_args(x), decode_query_len=1, topk=case.topk, **scales)
+    ref_out, ref_ids = ref.msa_decode_ref(*msa_args(x), case.q_lens, topk=case.topk, **scales)
+    assert torch.equal(ids, ref_ids)
+    for t in range(2):   # each token on its own scale
+        assert rel_err(out[t], ref_out[t]) < TOLERANCE["bfloat16"], t
+
+
 # -- stale rows -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("target", targets())
