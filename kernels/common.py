@@ -48,7 +48,7 @@ def fp16_operand(x):
     x32 = x.to(tl.float32)
     finite = tl.abs(x32) < float("inf")   # false for NaN
     amax = tl.max(tl.max(tl.where(finite, tl.abs(x32), 0.0), axis=1), axis=0)
-    e = tl.maximum(tl.ceil(tl.log2(amax)) - 15.0, 0.0)   # amax * 2^-e <= 2^15 (log2(0) = -inf: e = 0)
+    e = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0))) - 15.0, 0.0)   # amax * 2^-e <= 2^15
     return (x32 * tl.exp2(-e)).to(tl.float16), tl.exp2(e)
 
 
