@@ -129,15 +129,15 @@ def test_prefill_plan_replaces_cu_seqlens(target):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, batch", [(2, 4), (8, 128)])
-def test_cuda_graph_capture_after_jax_ran(n, batch):
+@pytest.mark.parametrize("n, batch, hq, hk", [(2, 4, 64, 4), (8, 128, 8, 1)])   # M3; a TP8 rank
+def test_cuda_graph_capture_after_jax_ran(n, batch, hq, hk):
     """Issue #15: captures of our steps failed (cudaErrorStreamCaptureInvalidated) in processes that had run
     JAX, at these shapes with 1k contexts. JAX runs our kernels on the GPU first (its runtime threads stay
     alive), then msa_decode is captured as the engine captures (capture_error_mode="thread_local") and
     replays new lengths like an eager call."""
     if not jax_gpu_ready():
         pytest.skip("needs JAX on the GPU with jax_triton")
-    case = decode("graph_after_jax", (1000,) * batch, n=n, hq=64, hk=4, d=128, di=128, topk=16, gpu_only=True)
+    case = decode("graph_after_jax", (1000,) * batch, n=n, hq=hq, hk=hk, d=128, di=128, topk=16, gpu_only=True)
     x = {k: v.clone() for k, v in make_inputs(case, "cuda").items()}
     jax_out, _ = m3_jax.msa_decode(*_msa_args(jax_inputs(case, "gpu")), decode_query_len=n, topk=16)
     jax_out.block_until_ready()
