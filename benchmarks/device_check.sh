@@ -7,6 +7,7 @@
 #   bash benchmarks/device_check.sh cutedsl      # CuTeDSL, call 2 within 30 s (carry .whl, .whl-cute2): install,
 #                                                #   pytest tests/test_cutedsl.py -m gpu, then benchmarks.indexer --quick
 #   bash benchmarks/device_check.sh tp           # 2 GPUs: tensor-parallel GPU tests, then e2e.py --tp 2
+#   bash benchmarks/device_check.sh fp8          # benchmarks.fp8: the decode grid with FP8 caches beside bf16
 # Logs and results go under $OUT (the device tool brings them back).
 set -uo pipefail
 OUT=${OUT:-/tmp/m3-out}; mkdir -p "$OUT"
@@ -26,6 +27,9 @@ case "${1:-tests}" in
     python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 --timeout-method thread -rs -s \
       tests/test_tp_torch.py tests/test_tp_jax.py 2>&1 | tee "$OUT/tp-tests.log" | tail -25
     python3 -m benchmarks.e2e --tp 2 --out "$OUT/e2e-tp" 2>&1 | tee "$OUT/e2e-tp.log" | tail -40 ;;
+  fp8)
+    source benchmarks/device_env.sh
+    python3 -m benchmarks.fp8 ${FP8_ARGS:-} --out "$OUT/fp8" 2>&1 | tee "$OUT/fp8.log" | tail -40 ;;
   grid)
     for tree in "$2" "$here"; do
       (cd "$tree" && source benchmarks/device_env.sh && \
