@@ -70,7 +70,7 @@ def main():
         schedule, update = scheduler_us(batch, context)
         print(f"scheduler, batch {batch} at {context // 1024}k: schedule {schedule:.0f} us, update {update:.0f} us",
               flush=True)
-    print(f"TP=2 hand-off (CPU, gloo group), collective_rpc with 64 KiB: {tp_round_trip_us():.0f} us")
+    print(f"TP=2 step hand-off round trip (CPU), collective_rpc with 64 KiB: {tp_round_trip_us():.0f} us")
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ Values (SPEC.md, "Values the kernels must survive"):
 
 FP8 caches (``KV_DTYPE`` float8e4nv): K/V tiles are widened (exactly) to
 float16 with a bfloat16 q (``common.fp16_operand``: one conversion instruction
-per pair; q goes to float16 once, scaled by a power of two folded into the
-score scale if it is large), to q's dtype otherwise, for the same MMAs (the
+per pair; q goes to float16 once, each row scaled by a power of two folded
+into its score scale), to q's dtype otherwise, for the same MMAs (the
 probabilities go to float16 too); ``K = stored * k_scale`` is folded into the score
 scale and ``V = stored * v_scale`` applied once to each output row the program
 writes (the output, and every split's partial, is linear in V). Both scales
@@ -145,9 +145,10 @@ def paged_attention_kernel(
     # Their scores are NaN or +-Inf anyway, but an Inf whose scores are all -inf
     # would look like an empty row. (Rewriting q itself costs ~10% in 128-row tiles.)
     q_bad = (tl.max(((q != q) | (tl.abs(q) == float("inf"))).to(tl.int32), axis=1) > 0) & (m_pos >= 0)
+    row_scale = qk_scale
     if KV_FP8 and q.dtype == tl.bfloat16:
         q, q_unscale = fp16_operand(q)   # FP8 K/V then widen to float16 in one instruction per pair
-        qk_scale = qk_scale * q_unscale
+        row_scale = (qk_scale * q_unscale)[:, None]   # [BLOCK_M, 1]: each row's power of two
 
     if SPARSE:
         if TOKENS_PER_TILE == 1:
@@ -221,7 +222,7 @@ def paged_attention_kernel(
             v = tl.load(v_base + page * stride_vp + kv_tok[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                         mask=(block_ok & (kv_pos < tile_kv_len))[:, None], other=0.0).to(q.dtype)
             # [BLOCK_M, BLOCK_N]
-            s = mma(q, tl.trans(k)) * qk_scale
+            s = mma(q, tl.trans(k)) * row_scale
             visible = m_member[:, None] & (kv_pos[None, :] <= m_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
             # -- online softmax; a row with nothing visible yet keeps m = -inf

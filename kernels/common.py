@@ -38,18 +38,20 @@ def to_e4m3(x, scale):
 
 @triton.jit
 def fp16_operand(x):
-    """``x`` (bfloat16 or float8e4nv, a tile) as float16, for MMAs with FP8 tiles: e4m3 widens to
-    float16 in one instruction per pair, to bfloat16 in one more per element (sm_90; the FP8 kernels
-    were ALU-bound on it). -> (x16, unscale): ``x16 * unscale == x`` exactly wherever ``|x| >= 2^-14``
-    (float16's normal range; below it, float16 keeps fewer bits: an absolute error under 2^-25 of the
-    tile's magnitude). When the largest finite ``|x|`` exceeds 2^15, ``x`` is first scaled by a power
-    of two, ``1 / unscale``, so nothing overflows; the caller multiplies its dot by ``unscale``.
-    NaN and Inf stay NaN and Inf (the kernels' NaN rules apply unchanged)."""
+    """``x`` (bfloat16 or float8e4nv, ``[rows, cols]``) as float16, for MMAs with FP8 tiles: e4m3
+    widens to float16 in one instruction per pair, to bfloat16 in one more per element (sm_90; the
+    FP8 kernels were ALU-bound on it). -> (x16, unscale ``[rows]``), ``x[r] == x16[r] * unscale[r]``:
+    each row is scaled by a power of two (exact) that brings its largest finite magnitude into
+    [2^14, 2^15], so nothing overflows, and every element of at least 2^-28 of that magnitude stays
+    a normal float16 (exact for bfloat16 values; smaller ones round within 2^-39 of the row's
+    magnitude; rows below 2^-85, where the scale stops at 2^100, keep less). The caller multiplies each row's dot by its ``unscale``. NaN and Inf stay NaN and
+    Inf (the kernels' NaN rules apply unchanged); an all-zero row is left as it is."""
     x32 = x.to(tl.float32)
     finite = tl.abs(x32) < float("inf")   # false for NaN
-    amax = tl.max(tl.max(tl.where(finite, tl.abs(x32), 0.0), axis=1), axis=0)
-    e = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1.0))) - 15.0, 0.0)   # amax * 2^-e <= 2^15
-    return (x32 * tl.exp2(-e)).to(tl.float16), tl.exp2(e)
+    amax = tl.max(tl.where(finite, tl.abs(x32), 0.0), axis=1)
+    e = tl.where(amax > 0, tl.ceil(tl.log2(tl.where(amax > 0, amax, 1.0))) - 15.0, 0.0)
+    e = tl.maximum(e, -100.0)   # 2^100 stays finite in float32 (bfloat16 subnormals reach 2^-133)
+    return (x32 * tl.exp2(-e)[:, None]).to(tl.float16), tl.exp2(e)
 
 
 @triton.jit

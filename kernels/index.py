@@ -84,7 +84,7 @@ def index_scores_kernel(
     q_bad = tl.max(((q != q) | (tl.abs(q) == float("inf"))).to(tl.int32), axis=1) > 0
     q_unscale = 1.0
     if K_DTYPE == tl.float8e4nv and (q.dtype == tl.bfloat16 or q.dtype == tl.float8e4nv):
-        q, q_unscale = fp16_operand(q)   # FP8 keys widen to float16 in one instruction per pair
+        q, q_unscale = fp16_operand(q)   # FP8 keys widen to float16 in one instruction per pair; [BLOCK_M]
     elif q.dtype == tl.float8e4nv:
         q = q.to(tl.bfloat16)            # an FP8 query with a 16-bit cache: widened (exactly)
 

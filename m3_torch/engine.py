@@ -148,11 +148,12 @@ class LLM:
         if self.tp.size > 1:
             from . import tp   # the worker processes start now and load their slices while rank 0 loads its own
             self._workers = tp.Workers(self.tp, self.device, runner_args)
-            self._workers.before_destroy = self._release_graphs   # also when a failed step ends the engine
             all_reduce = tp.all_reduce
         try:
             self.runner = Runner(tp=self.tp, rank=0, device=self.device, all_reduce=all_reduce, **runner_args)
             if self._workers is not None:
+                if self.runner.graphs is not None:   # freed before the group goes, also when a step fails
+                    self._workers.before_destroy = self.runner.graphs.release
                 self._workers.wait_ready()
         except BaseException:
             self._closed = True
@@ -172,12 +173,8 @@ class LLM:
         self._closed = True
         if self._workers is not None:
             self._workers.close()   # frees rank 0's graphs first (before_destroy)
-        self._release_graphs()
-
-    def _release_graphs(self):
-        runner = getattr(self, "runner", None)   # None while the constructor is still building it
-        if runner is not None and runner.graphs is not None:
-            runner.graphs.release()
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.release()
 
     def __enter__(self):
         return self

@@ -18,9 +18,9 @@ What ``LLM(..., tensor_parallel_size=N)`` does, as vLLM's ``LLM`` does:
   overrides) to every worker through the worker's pipe, then every rank runs
   the same model step. (Pipes, not ``broadcast_object_list`` over a gloo
   group: on the H200 machine that cost ~1.4 ms a step at batch 8, more than
-  the step's CUDA graph; a pipe hands a 64 KiB step over in ~0.1 ms. A
-  worker whose rank 0 is gone sees the pipe close and exits.) the partial sums of ``o_proj`` and of
-  each MLP are summed by :func:`all_reduce` (``torch.distributed.all_reduce``,
+  the step's CUDA graph; a round trip of a 64 KiB step through a pipe takes
+  ~0.25 ms on a CPU, ``benchmarks.host``. A worker whose rank 0 is gone sees
+  the pipe close and exits.) The partial sums of ``o_proj`` and of each MLP are summed by :func:`all_reduce` (``torch.distributed.all_reduce``,
   inside the captured graphs on GPUs);
 * only rank 0 holds ``lm_head`` and computes logits (it samples); the
   embedding is replicated. (A vocab-parallel head would spread the head's
@@ -249,6 +249,7 @@ class Workers:
         if not force and self._owns_group and all(p.is_alive() for p in self.procs):
             try:
                 self._broadcast(("stop", None))
+                self._expect("stopping", "freeing its graphs")   # bounded: a worker that dies here is seen
                 # NCCL's communicator shutdown pairs up across ranks: destroy ours while the workers
                 # destroy theirs (waiting for them to exit first would wait forever)
                 self._owns_group = False
@@ -310,6 +311,11 @@ def _worker_main(rank: int, plan: TPPlan, device: torch.device, runner_args: dic
             except EOFError:   # rank 0 is gone without saying "stop"
                 os._exit(0)
             if kind == "stop":
+                if backend == "nccl":
+                    torch.cuda.synchronize()
+                if runner.graphs is not None:
+                    runner.graphs.release()   # before the group (see _DecodeGraphs.release)
+                conn.send(("stopping", None))
                 break
             if kind == "step":
                 step, overrides = payload
@@ -326,9 +332,5 @@ def _worker_main(rank: int, plan: TPPlan, device: torch.device, runner_args: dic
             conn.close()
         finally:
             os._exit(1)   # no clean-up: the peers' pending collectives fail at once
-    if backend == "nccl":
-        torch.cuda.synchronize()
-    if runner.graphs is not None:
-        runner.graphs.release()   # before the group (see _DecodeGraphs.release)
     dist.destroy_process_group()
     conn.close()

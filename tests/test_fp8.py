@@ -188,32 +188,40 @@ def test_scales_are_read_from_memory(target):
 # -- queries past float16's range ----------------------------------------------------------------
 
 @pytest.mark.parametrize("target", targets())
-def test_queries_past_float16_range_with_fp8_caches(target):
-    """The kernels widen FP8 tiles to float16 and move a bf16 query to float16 for the MMA
-    (common.fp16_operand), scaled first by a power of two when it would overflow (|q| > 65504).
-    One token's q and idx_q are 2^17 times the others': its scores and output, and the ordinary
-    token's beside it, still match the references."""
+def test_queries_of_any_magnitude_with_fp8_caches(target):
+    """With FP8 caches the kernels widen tiles to float16 and move a bf16 query there too
+    (common.fp16_operand), each row scaled by its own power of two. In one token, one head's q and
+    idx_q are 2^17 times the usual (past float16's 65504) and its neighbour's, in the same tiles,
+    2^-20 times (below float16's normal range); the other token is ordinary. Every score row and
+    every output row matches the references on its own scale."""
     from test_hardening import call, msa_args
 
-    case = decode("fp8_big_q", (300, 129), hq=4, hk=1, d=32, di=16, topk=2, kv_dtype="float8_e4m3fn",
+    case = decode("fp8_q_range", (300, 129), hq=4, hk=2, d=32, di=16, topk=2, kv_dtype="float8_e4m3fn",
                   index_dtype="float8_e4m3fn", kv_scales=(0.02, 0.01))
     x = dict(make_inputs(case))
-    big = torch.ones(x["q"].shape[0], 1, 1)
-    big[0] = 2.0 ** 17
-    x["q"], x["idx_q"] = ((x[n].float() * big).to(x[n].dtype) for n in ("q", "idx_q"))
-    assert x["idx_q"][0].float().abs().max() > 2 ** 17   # past float16's largest finite value, 65504
+    scale = {"q": torch.ones(2, 4, 1), "idx_q": torch.ones(2, 2, 1)}
+    scale["q"][0, 0], scale["q"][0, 1] = 2.0 ** 17, 2.0 ** -20       # one KV head's group: one tile
+    scale["idx_q"][0, 0], scale["idx_q"][0, 1] = 2.0 ** 17, 2.0 ** -20
+    for name, sc in scale.items():
+        x[name] = (x[name].float() * sc).to(x[name].dtype)
+    assert x["idx_q"][0, 0].float().abs().max() > 65504 and x["idx_q"][0, 1].float().abs().max() < 2 ** -14
     scales = dict(k_scale=torch.tensor(case.scales[0]), v_scale=torch.tensor(case.scales[1]))
     scores = call(target, "index_scores", x["idx_q"], x["index_k_cache"], x["block_table"], x["seq_lens"],
                   decode_query_len=1)
     want = ref.index_scores_ref(x["idx_q"], x["index_k_cache"], x["block_table"], x["seq_lens"], case.q_lens)
-    finite = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(scores), finite)
-    torch.testing.assert_close(scores[finite].double(), want[finite], rtol=1e-3, atol=1e-3 * want[finite].abs().max())
+    assert torch.equal(torch.isfinite(scores), torch.isfinite(want))
+    for h in range(2):
+        for t in range(2):
+            got_row, want_row = scores[h, t], want[h, t]
+            finite = torch.isfinite(want_row)
+            torch.testing.assert_close(got_row[finite].double(), want_row[finite], rtol=1e-3,
+                                       atol=1e-3 * want_row[finite].abs().max(), msg=f"head {h} token {t}")
     out, ids = call(target, "msa_decode", *msa_args(x), decode_query_len=1, topk=case.topk, **scales)
     ref_out, ref_ids = ref.msa_decode_ref(*msa_args(x), case.q_lens, topk=case.topk, **scales)
     assert torch.equal(ids, ref_ids)
-    for t in range(2):   # each token on its own scale
-        assert rel_err(out[t], ref_out[t]) < TOLERANCE["bfloat16"], t
+    for t in range(2):
+        for h in range(4):
+            assert rel_err(out[t, h], ref_out[t, h]) < TOLERANCE["bfloat16"], (t, h)
 
 
 # -- stale rows -----------------------------------------------------------------------------------
