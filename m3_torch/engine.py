@@ -32,6 +32,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
+# torch imports torch._dynamo on the first custom-op call, and torch.fx.wrap, run by that import, leaves a
+# frame cycle holding the calling stack until the garbage collector runs: imported from inside an engine's
+# first step, a dropped LLM kept its pool (and its workers) that long. Imported here, only module frames.
+import torch._dynamo  # noqa: F401
 
 import m3_torch
 from m3_kernels import checkpoint

@@ -323,3 +323,27 @@ def test_gpu_cuda_graph_decode_equals_eager(gpu_tiny_dir):
     assert eager_llm.graphs is None
     agree = sum(a == b for o, e in zip(outputs, eager_llm.generate(prompts, max_new_tokens=24)) for a, b in zip(o, e))
     print(f"CUDA-graph vs eager engine tokens: {agree}/{sum(map(len, outputs))} equal")
+
+
+def test_a_dropped_engine_frees_its_pool_at_once(tmp_path):
+    """``del llm`` frees the engine's pool without the garbage collector, also after generate(): torch
+    imports torch._dynamo on the first custom-op call, and that import leaves a frame cycle holding the
+    calling stack (m3_torch.engine imports it up front). A fresh process, the collector off."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import gc, sys, weakref
+        gc.disable()
+        import m3_torch
+        from m3_kernels.tiny_model import write_tiny_checkpoint
+        llm = m3_torch.LLM(write_tiny_checkpoint({str(tmp_path)!r}, seed=0), device="cpu", max_batch=2,
+                           max_context=256)
+        llm.generate([[5, 6, 7]], max_new_tokens=1)
+        pool = weakref.ref(llm.pool)
+        del llm
+        sys.exit(0 if pool() is None else 3)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"the pool outlived its engine (exit {done.returncode})\n{done.stderr[-2000:]}"
