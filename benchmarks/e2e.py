@@ -74,8 +74,9 @@ from m3_kernels import checkpoint
 from m3_kernels.model_config import M3TextConfig
 from m3_kernels.tiny_model import tiny_text_config
 
+from benchmarks import e2e_ranks
 from benchmarks.e2e_ranks import replay_us, timed, wall_us
-from benchmarks.run import copy_bandwidth
+from benchmarks.run import copy_bandwidth, save_results
 
 M3_SHAPES = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4, head_dim=128, rotary_dim=64,
                  index_head_dim=128, index_topk_blocks=16, num_hidden_layers=4, num_dense_layers=1,
@@ -136,29 +137,9 @@ def decode_step(planner, max_blocks: int, batch: int, context: int, seed: int) -
 
 
 def attention_us(llm, step: Step, reps: int) -> float:
-    """The step's attention alone: per layer write_cache + msa_attention_step, random q/k/v."""
-    c, dev, dt = llm.config, llm.device, llm.dtype
-    st = llm.step_tensors(step)
-    T = step.plan.num_tokens
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(shape, generator=g, device=dev, dtype=torch.float32).to(dt)
-
-    q, idx_q = randn(T, c.num_attention_heads, c.head_dim), randn(T, c.index_n_heads, c.index_head_dim)
-    k, v, idx_k = randn(T, c.num_key_value_heads, c.head_dim), randn(T, c.num_key_value_heads, c.head_dim), \
-        randn(T, c.index_head_dim)
-
-    def run():
-        for sparse, cache in zip(c.sparse_layers, llm.caches):
-            m3_torch.write_cache(k, v, idx_k if sparse else None, cache.k_cache, cache.v_cache, cache.index_k_cache,
-                                 st.slot_mapping)
-            m3_torch.msa_attention_step(q, idx_q if sparse else None, cache.k_cache, cache.v_cache,
-                                        cache.index_k_cache if sparse else None, st.block_table, st.seq_lens,
-                                        plan=step.plan, sparse=sparse, init_blocks=c.index_init_blocks,
-                                        local_blocks=c.index_local_blocks, sm_scale=c.attention_scale)
-
-    return timed(run, reps, dev)
+    """The step's attention alone: every layer's write_cache + msa_attention_step, random q/k/v."""
+    layers = range(llm.config.num_hidden_layers)
+    return timed(e2e_ranks.attention_call(llm.runner, step, layers), reps, llm.device)
 
 
 def run_torch(model_dir, context, batches, reps, device) -> dict:
@@ -223,7 +204,6 @@ def in_fresh_process(fn, *args):
 
 def run_torch_tp(model_dir, tp: int, context: int, batches, reps: int, device) -> dict:
     """-> {batch: row} for the torch engine at ``tensor_parallel_size=tp`` (see the module docstring)."""
-    from benchmarks import e2e_ranks
 
     blocks = -(-context // PAGE_SIZE)
     out = {}
@@ -379,12 +359,7 @@ def main_tp(args, frameworks) -> dict:
                   copy_bandwidth_TBps=bw / 1e12 if bw else None,
                   command="python3 -m benchmarks.e2e " + " ".join(sys.argv[1:]),
                   tp=tp, shapes=shapes or "tiny test model", rows=rows, errors=errors)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "e2e_tp.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "e2e_tp.md"), "w") as f:
-        f.write(markdown_tp(result))
-    print(markdown_tp(result))
+    save_results(args.out, "e2e_tp", result, markdown_tp(result))
     return result
 
 
@@ -452,12 +427,7 @@ def main(argv=None):
                   copy_bandwidth_TBps=in_fresh_process(copy_bandwidth) / 1e12 if device == "cuda" else None,
                   command="python3 -m benchmarks.e2e " + " ".join(argv if argv is not None else sys.argv[1:]),
                   shapes=shapes or "tiny test model", rows=list(rows.values()), errors=errors)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "e2e.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "e2e.md"), "w") as f:
-        f.write(markdown(result))
-    print(markdown(result))
+    save_results(args.out, "e2e", result, markdown(result))
     return result
 
 

@@ -106,20 +106,15 @@ def layer_times(runner, step, reps: int) -> dict:
     return out
 
 
-def attention_kernels(runner, step, reps: int) -> dict:
-    """The attention kernels alone on this rank (``write_cache`` + ``msa_attention_step`` of one dense and
-    one MSA layer, this rank's heads, random q/k/v), and the bytes each must move: the floor of
-    ``benchmarks/run.py`` for a decode step where every request is at the same context. The MSA layer
-    reads all of index-K (the one index head is replicated: TP does not shrink it), the index queries,
-    its KV heads' ``min(topk, blocks)`` chosen blocks of K and V, and q and o; the dense layer reads
-    every visible K/V row of its KV heads."""
+def attention_call(runner, step, layers):
+    """A callable running the attention kernels alone for ``step`` on this rank: per layer in ``layers``
+    (indices), ``write_cache`` + ``msa_attention_step`` of the rank's heads, on random q/k/v."""
     from m3_torch import msa_attention_step, write_cache
 
-    model, device = runner.model, runner.device
-    c, dt = model.config, model.dtype
+    c, device, dt = runner.model.config, runner.device, runner.model.dtype
     tensors = runner.step_tensors(step)
     T = step.plan.num_tokens
-    g = torch.Generator(device=device).manual_seed(1)
+    g = torch.Generator(device=device).manual_seed(0)
 
     def randn(*shape):
         return torch.randn(shape, generator=g, device=device).to(dt)
@@ -127,7 +122,28 @@ def attention_kernels(runner, step, reps: int) -> dict:
     q, idx_q = randn(T, c.num_attention_heads, c.head_dim), randn(T, c.index_n_heads, c.index_head_dim)
     k, v, idx_k = (randn(T, c.num_key_value_heads, c.head_dim), randn(T, c.num_key_value_heads, c.head_dim),
                    randn(T, c.index_head_dim))
-    lens = tensors.seq_lens[:T].long().cpu()
+
+    def run():
+        for i in layers:
+            sparse, cache = c.sparse_layers[i], runner.caches[i]
+            write_cache(k, v, idx_k if sparse else None, cache.k_cache, cache.v_cache, cache.index_k_cache,
+                        tensors.slot_mapping)
+            msa_attention_step(q, idx_q if sparse else None, cache.k_cache, cache.v_cache,
+                               cache.index_k_cache if sparse else None, tensors.block_table, tensors.seq_lens,
+                               plan=step.plan, sparse=sparse, init_blocks=c.index_init_blocks,
+                               local_blocks=c.index_local_blocks, sm_scale=c.attention_scale)
+    return run
+
+
+def attention_kernels(runner, step, reps: int) -> dict:
+    """The attention kernels alone on this rank (:func:`attention_call` of one dense and one MSA layer),
+    and the bytes each must move: the floor of ``benchmarks/run.py`` for a decode step where every
+    request is at the same context. The MSA layer reads all of index-K (the one index head is
+    replicated: TP does not shrink it), the index queries, its KV heads' ``min(topk, blocks)`` chosen
+    blocks of K and V, and q and o; the dense layer reads every visible K/V row of its KV heads."""
+    c, dt = runner.model.config, runner.model.dtype
+    T = step.plan.num_tokens
+    lens = runner.step_tensors(step).seq_lens[:T].long().cpu()
     blocks = (lens + 127) // 128
     elt = torch.finfo(dt).bits // 8
     qo = 2 * T * c.num_attention_heads * c.head_dim * elt
@@ -137,16 +153,7 @@ def attention_kernels(runner, step, reps: int) -> dict:
         i = next((i for i, s in enumerate(c.sparse_layers) if s == sparse), None)
         if i is None:
             continue
-        cache = runner.caches[i]
-
-        def run():
-            write_cache(k, v, idx_k if sparse else None, cache.k_cache, cache.v_cache, cache.index_k_cache,
-                        tensors.slot_mapping)
-            msa_attention_step(q, idx_q if sparse else None, cache.k_cache, cache.v_cache,
-                               cache.index_k_cache if sparse else None, tensors.block_table, tensors.seq_lens,
-                               plan=step.plan, sparse=sparse, init_blocks=c.index_init_blocks,
-                               local_blocks=c.index_local_blocks, sm_scale=c.attention_scale)
-        out[f"{kind}_kernels_us"] = timed(run, reps, device)
+        out[f"{kind}_kernels_us"] = timed(attention_call(runner, step, [i]), reps, runner.device)
         if sparse:
             chosen = blocks.clamp(max=c.index_topk_blocks)
             out[f"{kind}_kernels_bytes"] = int(

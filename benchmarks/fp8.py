@@ -21,7 +21,6 @@ Writes ``fp8.json`` and ``fp8.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -29,7 +28,7 @@ import sys
 import torch
 
 import m3_torch
-from benchmarks.run import CONFIGS, L2_BYTES, PAGE, TOPK, copy_bandwidth, make_step_inputs, time_graph
+from benchmarks.run import CONFIGS, L2_BYTES, PAGE, TOPK, copy_bandwidth, make_step_inputs, save_results, time_graph
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -170,12 +169,7 @@ def main(argv=None):
     result = dict(device=torch.cuda.get_device_name(), copy_bandwidth_TBps=bw / 1e12,
                   command="python3 -m benchmarks.fp8 " + " ".join(argv if argv is not None else sys.argv[1:]),
                   rows=rows)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fp8.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "fp8.md"), "w") as f:
-        f.write(markdown(result))
-    print(markdown(result))
+    save_results(args.out, "fp8", result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
   prompts are prefilled (tiny model config, 1024 block-table columns), at batch 8 / 4k and batch 64 / 32k.
   The engines run both between steps with the GPU idle.
 * ``tp_round_trip``: ``m3_torch.LLM(tensor_parallel_size=2)`` on the CPU (gloo), median of 100
-  ``collective_rpc`` calls carrying a 64 KiB array (a batch-64 decode step's block table): how long rank 0
+  ``collective_rpc`` calls (after 2 warm-ups) carrying a 64 KiB array (a batch-64 decode step's block table): how long rank 0
   takes to hand a step to a worker and hear back.
 """
 
@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from benchmarks.e2e_ranks import wall_us
 from m3_kernels.model_config import M3TextConfig
 from m3_kernels.scheduler import Scheduler, SchedulerConfig
 from m3_kernels.tiny_model import tiny_text_config, write_tiny_checkpoint
@@ -57,12 +58,7 @@ def tp_round_trip_us(calls: int = 100) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(tmp, seed=0)
         with m3_torch.LLM(model_dir, tensor_parallel_size=2, device="cpu", max_batch=4, max_context=512) as llm:
-            times = []
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                llm.collective_rpc(_rank, payload)
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+            return wall_us(lambda: llm.collective_rpc(_rank, payload), calls)
 
 
 def main():

@@ -329,6 +329,16 @@ def matmul_rate():
     return 2 * 8192 ** 3 / (ms * 1e-3)
 
 
+def save_results(out_dir, name: str, result: dict, markdown: str):
+    """``result`` as ``<out_dir>/<name>.json`` and its ``markdown`` as ``<name>.md``; the markdown is printed."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(markdown)
+    print(markdown)
+
+
 def write_outputs(out_dir, meta, rows):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
