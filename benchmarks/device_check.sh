@@ -8,6 +8,8 @@
 #                                                #   pytest tests/test_cutedsl.py -m gpu, then benchmarks.indexer --quick
 #   bash benchmarks/device_check.sh tp           # 2 GPUs: tensor-parallel GPU tests, then e2e.py --tp 2
 #   bash benchmarks/device_check.sh fp8          # benchmarks.fp8: the decode grid with FP8 caches beside bf16
+#   bash benchmarks/device_check.sh profile "ARGS" ...  # Nsight Compute on one msa_decode per ARGS
+#                                                #   (benchmarks.profile_kernels arguments), ncu-*.log
 # Logs and results go under $OUT (the device tool brings them back).
 set -uo pipefail
 OUT=${OUT:-/tmp/m3-out}; mkdir -p "$OUT"
@@ -30,6 +32,17 @@ case "${1:-tests}" in
   fp8)
     source benchmarks/device_env.sh
     python3 -m benchmarks.fp8 ${FP8_ARGS:-} --out "$OUT/fp8" 2>&1 | tee "$OUT/fp8.log" | tail -40 ;;
+  profile)
+    source benchmarks/device_env.sh
+    shift; i=0
+    for case in "$@"; do
+      i=$((i + 1))
+      ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
+        --section WarpStateStats --section Occupancy --section LaunchStats \
+        python3 -m benchmarks.profile_kernels $case > "$OUT/ncu-$i.log" 2>&1
+      echo "== $case"; grep -E "^  [a-z_]+_kernel|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Issue Slots Busy|No Eligible|Achieved Occupancy|Registers Per" "$OUT/ncu-$i.log"
+    done ;;
   grid)
     for tree in "$2" "$here"; do
       (cd "$tree" && source benchmarks/device_env.sh && \

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -38,14 +39,18 @@ def wall_us(fn, sync, calls=50, reps=5):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/latest"))
+    ap.add_argument("--cases", default="1:32,1:64,1:128,8:32,8:64", help="decode_query_len:batch, comma-separated")
+    ap.add_argument("--context", type=int, default=16384)
     args = ap.parse_args()
+    cases = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
+    xla_flags = os.environ.get("XLA_FLAGS", "")
     bw = copy_bandwidth()
     cfg = CONFIGS["M3"]
     pool = Pool(cfg, 128 * 150 + 64)
     jpool = [jax.dlpack.from_dlpack(t) for t in (pool.k, pool.v, pool.ik)]
     rows = []
-    for n, batch in ((1, 32), (1, 64), (1, 128), (8, 32), (8, 64)):
-        x = make_step_inputs(pool, cfg, batch, 16384, n, seed=1)
+    for n, batch in cases:
+        x = make_step_inputs(pool, cfg, batch, args.context, n, seed=1)
         out = torch.empty_like(x["q"])
         torch_step = lambda: m3_torch.msa_decode(x["q"], x["idx_q"], pool.k, pool.v, pool.ik, x["block_table"],
                                                  x["seq_lens"], decode_query_len=n, topk=TOPK, out=out)[0]
@@ -56,7 +61,7 @@ def main():
         jax_sync = jax.block_until_ready
         torch_sync = lambda r: torch.cuda.synchronize()
         same = bool((torch.from_dlpack(jax_step()[0]) == torch_step()).all())
-        row = dict(n=n, batch=batch, context=16384, bit_identical=same,
+        row = dict(n=n, batch=batch, context=args.context, bit_identical=same,
                    torch_graph_us=time_graph([torch_step]),
                    torch_eager_us=wall_us(torch_step, torch_sync),
                    jax_jit_us=wall_us(jax_step, jax_sync),
@@ -64,7 +69,7 @@ def main():
                    jax_jit_blocking_us=wall_us(jax_step, jax_sync, calls=1, reps=30))
         # Eight input sets per call on both sides: torch one CUDA graph of eight
         # steps, JAX one jitted function of eight steps, called back to back.
-        sets = [x] + [make_step_inputs(pool, cfg, batch, 16384, n, seed=s) for s in range(2, 9)]
+        sets = [x] + [make_step_inputs(pool, cfg, batch, args.context, n, seed=s) for s in range(2, 9)]
         outs = [torch.empty_like(s["q"]) for s in sets]
         row["torch_graph_8_us"] = time_graph([
             lambda s=s, o=o: m3_torch.msa_decode(s["q"], s["idx_q"], pool.k, pool.v, pool.ik, s["block_table"],
@@ -75,10 +80,13 @@ def main():
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "jax_vs_torch.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, rows=rows), f, indent=1)
+        json.dump(dict(gpu=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, xla_flags=xla_flags,
+                       command="python3 -m " + " ".join(["benchmarks.jax_vs_torch"] + sys.argv[1:]), rows=rows),
+                  f, indent=1)
     lines = [f"# torch vs JAX launch of the same msa_decode kernels ({torch.cuda.get_device_name()}, "
              f"copy {bw / 1e12:.2f} TB/s)", "",
-             "Microseconds per step, M3 shapes, context 16k. Throughput = 50 back-to-back calls / 50; "
+             f"XLA_FLAGS: `{xla_flags or '(none)'}`.", "",
+             f"Microseconds per step, M3 shapes, context {args.context // 1024}k. Throughput = 50 back-to-back calls / 50; "
              "blocking = one call then wait; x8 = eight steps on eight input sets per call (torch: one CUDA "
              "graph replay; JAX: one jitted function, 20 calls back to back).", "",
              "| n | batch | bit-identical | torch graph | torch eager | JAX jit | torch eager blocking "

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -401,19 +402,26 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few cases only")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/latest"))
     ap.add_argument("--budget-s", type=float, default=400, help="stop starting new cases after this")
+    ap.add_argument("--batches", help="comma-separated batch sizes (instead of the grid's)")
+    ap.add_argument("--contexts", help="comma-separated context lengths (instead of the grid's)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="head configs, of " + ", ".join(CONFIGS))
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
     args = ap.parse_args()
     t_start = time.time()
     bw = copy_bandwidth()
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_tbps=bw / 1e12,
-                command="python3 -m benchmarks.run" + (" --quick" if args.quick else ""),
+                command="python3 -m " + " ".join(["benchmarks.run"] + sys.argv[1:]),
                 torch=torch.__version__, triton=__import__("triton").__version__)
     flops = matmul_rate()
     meta["bf16_matmul_tflops"] = flops / 1e12
     print(f"{meta['gpu']}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
     batches = [8, 64] if args.quick else [1, 8, 32, 64, 128]
     contexts = [4096, 32768] if args.quick else [1024, 4096, 16384, 65536, 131072]
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else batches
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else contexts
     rows = []
-    for cfg_name, cfg in CONFIGS.items():
+    for cfg_name in args.configs.split(","):
+        cfg = CONFIGS[cfg_name]
         pages = max(batches) * -(-int(max(contexts) * 1.1) // PAGE) + 64
         pool = Pool(cfg, pages)
         for n in (1, 8):
@@ -438,7 +446,7 @@ def main():
         del pool
         torch.cuda.empty_cache()
     try:
-        rows += prefill_rows(bw, flops)
+        rows += [] if args.no_prefill else prefill_rows(bw, flops)
     except Exception as exc:
         print(f"prefill timing FAILED {type(exc).__name__}: {exc}")
     write_outputs(args.out, meta, rows)

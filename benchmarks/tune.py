@@ -5,6 +5,7 @@
     python3 -m benchmarks.tune select   # select_blocks: one- or two-level top-k x warps
     python3 -m benchmarks.tune mtp      # sparse_decode n=8: packed vs per-token row tiles
     python3 -m benchmarks.tune index    # index_scores and dense_decode: warps x stages x BLOCK_N, batch 64, 32k
+    python3 -m benchmarks.tune fp8      # e4m3 caches: the index_scores, sparse_decode, dense_decode knobs
 
 Prints one line per variant (median microseconds over a graph of rotated input
 sets; % of the copy-bandwidth floor where it has one). The winners go into
@@ -180,7 +181,47 @@ def sweep_index(bw):
         print(f"{warps:5d} {stages:6d} {block_n:5d} {t_idx:9.1f} {t_de:9.1f}  {resources()}", flush=True)
 
 
-SWEEPS = dict(sparse=sweep_sparse, small=sweep_small, select=sweep_select, mtp=sweep_mtp, index=sweep_index)
+def sweep_fp8(bw):
+    """The knobs of the three cache-bound kernels reading e4m3 caches (tiles of half the bytes:
+    more stages fit the same shared memory). Floors count one byte per element."""
+    fp8 = torch.float8_e4m3fn
+    cases = ((8, 16384), (64, 16384), (64, 131072))
+    cache = Cache(64 * 1160)
+    k8, v8, ik8 = (t.to(fp8) for t in (cache.k, cache.v, cache.ik))
+    scale = torch.ones(1, device="cuda")
+    orig_index = tuning.index_scores
+    for batch, context in cases:
+        sets = [cache.step(batch, context, seed=s) for s in range(2)]
+        x = sets[0]
+        blocks = int(x["sl"].sum()) / PAGE
+        idx_floor = blocks * PAGE * D / bw * 1e6
+        print(f"-- e4m3, batch {batch}, {context // 1024}k: index floor {idx_floor:.1f} us, "
+              f"sparse K/V floor {kv_floor_us(batch, bw) / 2:.1f} us, dense K/V floor "
+              f"{blocks * HK * PAGE * D * 2 / bw * 1e6:.1f} us", flush=True)
+        for warps, stages, block_n in itertools.product((4, 8), (3, 4, 6), (64, 128)):
+            knobs = dict(num_warps=warps, num_stages=stages, block_n=block_n)
+            tuning.index_scores = lambda **kw: dataclasses.replace(orig_index(**kw), **knobs)
+            undo = with_plan(**knobs)
+            line = f"warps {warps} stages {stages} BLOCK_N {block_n:3d}:"
+            for name, fn in (
+                    ("index", lambda x: m3_torch.index_scores(x["iq"], ik8, x["bt"], x["sl"], decode_query_len=1,
+                                                              out=x["scores"])),
+                    ("sparse", lambda x: m3_torch.sparse_decode(x["q"], k8, v8, x["ids"], x["bt"], x["sl"],
+                                                                decode_query_len=1, out=x["out"], k_scale=scale,
+                                                                v_scale=scale)),
+                    ("dense", lambda x: m3_torch.dense_decode(x["q"], k8, v8, x["bt"], x["sl"], decode_query_len=1,
+                                                              out=x["out"], k_scale=scale, v_scale=scale))):
+                try:
+                    line += f" {name} {time_graph([lambda x=x: fn(x) for x in sets], reps=10):7.1f}"
+                except Exception as exc:  # e.g. out of shared memory
+                    line += f" {name} failed ({type(exc).__name__})"
+            tuning.index_scores = orig_index
+            undo()
+            print(line, flush=True)
+
+
+SWEEPS = dict(sparse=sweep_sparse, small=sweep_small, select=sweep_select, mtp=sweep_mtp, index=sweep_index,
+              fp8=sweep_fp8)
 
 
 def main():

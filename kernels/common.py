@@ -38,7 +38,7 @@ def to_e4m3(x, scale):
 
 @triton.jit
 def fp16_operand(x):
-    """``x`` (bfloat16 or float8e4nv, ``[rows, cols]``) as float16, for MMAs with FP8 tiles: e4m3
+    """``x`` (bfloat16, ``[rows, cols]``) as float16, for MMAs with FP8 tiles: e4m3
     widens to float16 in one instruction per pair, to bfloat16 in one more per element (sm_90; the
     FP8 kernels were ALU-bound on it). -> (x16, unscale ``[rows]``), ``x[r] == x16[r] * unscale[r]``:
     each row is scaled by a power of two (exact) that brings its largest finite magnitude into

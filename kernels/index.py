@@ -12,9 +12,9 @@ position - seq_len, tokens]`` (see attention.py). Lengths are clamped and
 index-K rows past the tile's last visible position never loaded, as in
 attention.py; a NaN/Inf query row scores NaN on the blocks it sees. An FP8
 (float8e4nv, unscaled) index-K cache is widened for the dot, exactly: to
-float16 with a bfloat16 or FP8 query (``common.fp16_operand``: one conversion
-instruction per pair of keys), to the query's dtype otherwise; an FP8 query
-with a 16-bit cache widens to bfloat16.
+float16 with a bfloat16 query (``common.fp16_operand``: one conversion
+instruction per pair of keys) or an FP8 one (whose cache is always FP8), to
+the query's dtype otherwise.
 
 ``select_blocks_kernel``: one program per index head and ``BLOCK_T`` tokens (one
 on a GPU, many in the interpreter, whose cost is per program). A row's
@@ -83,10 +83,10 @@ def index_scores_kernel(
     # [BLOCK_M]: NaN or Inf in a row's query makes its visible blocks' scores NaN
     q_bad = tl.max(((q != q) | (tl.abs(q) == float("inf"))).to(tl.int32), axis=1) > 0
     q_unscale = 1.0
-    if K_DTYPE == tl.float8e4nv and (q.dtype == tl.bfloat16 or q.dtype == tl.float8e4nv):
+    if K_DTYPE == tl.float8e4nv and q.dtype == tl.bfloat16:
         q, q_unscale = fp16_operand(q)   # FP8 keys widen to float16 in one instruction per pair; [BLOCK_M]
     elif q.dtype == tl.float8e4nv:
-        q = q.to(tl.bfloat16)            # an FP8 query with a 16-bit cache: widened (exactly)
+        q = q.to(tl.float16)             # an FP8 query (so FP8 keys): every e4m3 value is a float16
 
     b_begin = chunk * blocks_per_program
     b_end = tl.minimum(b_begin + blocks_per_program, max_blocks)
