@@ -80,13 +80,13 @@ def index_scores_kernel(
     # [BLOCK_M, Di]
     q = tl.load(q_ptr + m_t[:, None] * stride_qt + m_head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_valid[:, None], other=0.0)
-    # [BLOCK_M]: NaN or Inf in a row's query makes its visible blocks' scores NaN
-    q_bad = tl.max(((q != q) | (tl.abs(q) == float("inf"))).to(tl.int32), axis=1) > 0
     q_unscale = 1.0
-    if K_DTYPE == tl.float8e4nv and q.dtype == tl.bfloat16:
-        q, q_unscale = fp16_operand(q)   # FP8 keys widen to float16 in one instruction per pair; [BLOCK_M]
-    elif q.dtype == tl.float8e4nv:
+    if q.dtype == tl.float8e4nv:
         q = q.to(tl.float16)             # an FP8 query (so FP8 keys): every e4m3 value is a float16
+    elif K_DTYPE == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q, q_unscale = fp16_operand(q)   # FP8 keys widen to float16 in one instruction per pair; [BLOCK_M]
+    # [BLOCK_M]: NaN or Inf in a row's query makes its visible blocks' scores NaN (widening keeps both)
+    q_bad = tl.max(((q != q) | (tl.abs(q) == float("inf"))).to(tl.int32), axis=1) > 0
 
     b_begin = chunk * blocks_per_program
     b_end = tl.minimum(b_begin + blocks_per_program, max_blocks)

@@ -157,7 +157,7 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
     num_tiles = int(tile_map.shape[0])
     cfg = tuning.attention(tile=tile, num_tiles=num_tiles, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            topk=topk if sparse else 0, max_blocks=max_blocks, sparse=sparse, interpret=interpret,
-                           dtype=out_dtype)
+                           dtype=out_dtype, kv_fp8=k.triton_dtype == tl.float8e4nv)
     check_cache_layout("k_cache", k.offset, k.strides)
     check_cache_layout("v_cache", v.offset, v.strides)
     out = Output("out", (num_tokens, num_q_heads, head_dim), out_dtype, tuple(out_strides))

@@ -98,8 +98,10 @@ def wide(dtype: str) -> bool:
 
 
 def attention(*, tile: RowTile, num_tiles: int, num_kv_heads: int, head_dim: int, topk: int, max_blocks: int,
-              sparse: bool, interpret: bool, dtype: str = "bfloat16") -> AttentionConfig:
-    """Splits, block size, warps and stages of one paged-attention launch (H200: batch 64, 32k, bf16)."""
+              sparse: bool, interpret: bool, dtype: str = "bfloat16", kv_fp8: bool = False) -> AttentionConfig:
+    """Splits, block size, warps and stages of one paged-attention launch (H200: batch 64, 32k, bf16).
+    ``kv_fp8``: e4m3 K/V, whose tiles are half the bytes: sparse ones take BLOCK_N = 128 too
+    (``benchmarks.tune fp8``, batch 8 / 64 at 16k: 18.6 / 57.9 us against 19.6 / 62.2 with 64)."""
     # blocks one tile visits: about topk (its tokens mostly agree) or every block
     num_entries = topk if sparse else max_blocks
     work = max(num_tiles * num_kv_heads, 1)
@@ -109,7 +111,7 @@ def attention(*, tile: RowTile, num_tiles: int, num_kv_heads: int, head_dim: int
     num_warps = 8 if tile.block_m >= 64 else 4
     if wide(dtype):  # 228 KB of shared memory per SM: K + V tiles of 128 x 128 fp32 take 128 KB a stage
         return AttentionConfig(splits, 64 if tile.block_m <= 16 else 32, num_warps, num_stages=2)
-    return AttentionConfig(splits, 64 if sparse or head_dim > 128 else 128, num_warps, num_stages=3)
+    return AttentionConfig(splits, 64 if (sparse and not kv_fp8) or head_dim > 128 else 128, num_warps, num_stages=3)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,9 @@ def as_scale(scale, device) -> torch.Tensor:
 
     A tensor is used as it is (the kernels read it at run time). None is 1.0: one
     persistent tensor per device, so a graph captured after a warm-up call keeps
-    its address. A Python float becomes a new tensor (a host-to-device copy, which
-    a CUDA-graph capture cannot do: pass a tensor in captured steps).
+    its address. A Python float becomes a new tensor filled on the device (a fill
+    kernel, not a host-to-device copy, so a CUDA-graph capture takes it, with the
+    value fixed in the graph: pass a tensor for scales that change between replays).
     """
     if isinstance(scale, torch.Tensor):
         return scale
@@ -48,7 +49,7 @@ def as_scale(scale, device) -> torch.Tensor:
             if one is None:
                 one = _ones[key] = torch.ones((), dtype=torch.float32, device=device)
         return one
-    return torch.tensor(float(scale), dtype=torch.float32, device=device)
+    return torch.full((), float(scale), dtype=torch.float32, device=device)
 
 
 def run(launch: launches.Launch, outputs: dict) -> None:

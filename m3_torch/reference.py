@@ -40,15 +40,31 @@ def _gather(cache, block_table, r, num_blocks, scale=None):
     return rows.reshape(num_blocks * PAGE_SIZE, *rows.shape[2:])
 
 
+class _Rows:
+    """``_gather`` once per request (at its last token's length); each token slices its prefix.
+    A prefill token then costs its dot products, not a gather of its whole context."""
+
+    def __init__(self, cache, block_table, seq_lens, scale=None):
+        self.args, self.scale, self.rows = (cache, block_table), scale, {}
+        width = block_table.shape[1]
+        self.blocks = [min(-(-max(int(s), 0) // PAGE_SIZE), width) for s in seq_lens.tolist()]
+
+    def __call__(self, r, num_blocks):
+        if r not in self.rows:
+            self.rows[r] = _gather(*self.args, r, max(self.blocks[r], num_blocks), self.scale)
+        return self.rows[r][:num_blocks * PAGE_SIZE]
+
+
 def index_scores_ref(idx_q, index_k_cache, block_table, seq_lens, q_lens):
     num_heads, max_blocks = idx_q.shape[1], block_table.shape[1]
     scores = torch.full((num_heads, idx_q.shape[0], max_blocks), -math.inf, dtype=torch.float64)
+    index_rows = _Rows(index_k_cache, block_table, seq_lens)
     for t, (r, pos) in enumerate(token_positions(seq_lens, q_lens)):
         kv_len = max(pos + 1, 0)
         if kv_len == 0:
             continue
         nb = -(-kv_len // PAGE_SIZE)
-        keys = _gather(index_k_cache, block_table, r, nb)                   # [nb*128, Di]
+        keys = index_rows(r, nb)                                        # [nb*128, Di]
         dots = idx_q[t].double().cpu() @ keys.T                         # [Hi, nb*128]
         dots[:, kv_len:] = -math.inf
         scores[:, t, :nb] = dots.reshape(num_heads, nb, PAGE_SIZE).amax(-1)
@@ -82,13 +98,15 @@ def attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, block_ids=
     group = num_q_heads // num_kv_heads
     scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float64)
+    key_rows = _Rows(k_cache, block_table, seq_lens, k_scale)
+    value_rows = _Rows(v_cache, block_table, seq_lens, v_scale)
     for t, (r, pos) in enumerate(token_positions(seq_lens, q_lens)):
         kv_len = max(pos + 1, 0)
         if kv_len == 0:
             continue
         nb = -(-kv_len // PAGE_SIZE)
-        keys = _gather(k_cache, block_table, r, nb, k_scale)      # [nb*128, Hk, D]
-        values = _gather(v_cache, block_table, r, nb, v_scale)
+        keys = key_rows(r, nb)                                    # [nb*128, Hk, D]
+        values = value_rows(r, nb)
         for kh in range(num_kv_heads):
             allowed = torch.zeros(nb * PAGE_SIZE, dtype=torch.bool)
             allowed[:kv_len] = True

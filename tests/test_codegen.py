@@ -57,10 +57,11 @@ def attention_case(sparse, kv_dtype="bfloat16"):
     return m3_kernels.kernel_module("attention", False).paged_attention_kernel, consts, launch
 
 
-def index_case(index_dtype="bfloat16", skip_blocks=0):
-    launch = launches.index_scores(idx_q=operand(64, 4, 128), index_k=operand(9000, 128, 128, dtype=index_dtype),
+def index_case(index_dtype="bfloat16", skip_blocks=0, query_dtype="bfloat16"):
+    launch = launches.index_scores(idx_q=operand(64, 4, 128, dtype=query_dtype),
+                                   index_k=operand(9000, 128, 128, dtype=index_dtype),
                                    block_table=operand(64, 141), seq_lens=None, tile_map=np.zeros((64, 4), np.int32),
-                                   tile=maps.row_tile(4, 1), out_strides=(64 * 141, 141, 1), dtype="bfloat16",
+                                   tile=maps.row_tile(4, 1), out_strides=(64 * 141, 141, 1), dtype=query_dtype,
                                    interpret=False, skip_blocks=skip_blocks)
     consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_bb=1, stride_sb=1)
     return m3_kernels.kernel_module("index", False).index_scores_kernel, consts, launch
@@ -114,12 +115,13 @@ def test_select_and_cache_write_compile_for_hopper(max_blocks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["sparse", "index", "cache_write"])
+@pytest.mark.parametrize("kernel", ["sparse", "index", "index_fp8_query", "cache_write"])
 def test_fp8_variants_compile_for_hopper_from_a_byte_pool(kernel):
     """FP8 caches read and written through a uint8 pointer (a JAX byte pool), without divisibility
     facts (jax-triton): the variants compile for sm_90, the K/V and index-K loads still pipeline, and
     with a bf16 query the FP8 tiles widen to float16 (one cvt per pair), not through float16 to bfloat16
-    (one more cvt per element, which made the FP8 kernels ALU-bound)."""
+    (one more cvt per element, which made the FP8 kernels ALU-bound). index_fp8_query: an e4m3 index
+    query (its NaN check once failed to lower: an fcmp on i8)."""
     fp8, byte_pool = "float8_e4m3fn", {"k_ptr": "*u8", "v_ptr": "*u8", "pool_in_ptr": "*u8", "pool_ptr": "*u8",
                                        "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     if kernel == "cache_write":
@@ -134,7 +136,11 @@ def test_fp8_variants_compile_for_hopper_from_a_byte_pool(kernel):
                                  1, False, byte_pool).asm["ptx"]
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
         return
-    fn, consts, launch = index_case(fp8) if kernel == "index" else attention_case(True, fp8)
+    if kernel.startswith("index"):
+        fn, consts, launch = index_case(fp8, query_dtype=fp8 if kernel == "index_fp8_query" else "bfloat16")
+        byte_pool["q_ptr"] = "*fp8e4nv" if kernel == "index_fp8_query" else "*bf16"
+    else:
+        fn, consts, launch = attention_case(True, fp8)
     ptx = compile_for_hopper(fn, consts, launch.num_warps, launch.num_stages, False, byte_pool).asm["ptx"]
     assert ptx.count("cp.async.cg") + ptx.count("cp.async.ca") > 0
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
