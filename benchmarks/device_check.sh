@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool call's worth of GPU checks, run from the repo root on the GPU machine:
-#   bash benchmarks/device_check.sh tests        # pytest -m gpu (kernels, launch layer, model engines), 4 workers
+#   bash benchmarks/device_check.sh tests        # pytest -m gpu (kernels, launch layer, model engines), 6 workers
 #   bash benchmarks/device_check.sh e2e          # benchmarks/e2e.py: model decode step, torch graph vs JAX jit
 #   bash benchmarks/device_check.sh grid OLD     # quick grid of checkout OLD, then of this one (same call)
 #   bash benchmarks/device_check.sh cute-stage   # CuTeDSL, call 1 (carry .whl-cute1): park the first wheels in /tmp/cute
@@ -18,8 +18,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 case "${1:-tests}" in
   tests)
     source benchmarks/device_env.sh
-    # pytest-xdist and pytest-timeout are in the machine's image; the thread method ends a test stuck in C
-    python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 --timeout 300 --timeout-method thread 2>&1 \
+    # pytest-xdist and pytest-timeout are in the machine's image; the thread method ends a test stuck in C.
+    # Two OpenMP threads per worker: with torch's default (one per core) in every worker the float64
+    # references of the M3 prefill cases ran past 280 s; with two, the whole suite takes minutes.
+    OMP_NUM_THREADS=2 python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 --timeout 300 --timeout-method thread 2>&1 \
       | tee "$OUT/gpu-tests.log" | tail -25 ;;
   e2e)
     source benchmarks/device_env.sh
