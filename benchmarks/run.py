@@ -406,6 +406,8 @@ def main():
     ap.add_argument("--contexts", help="comma-separated context lengths (instead of the grid's)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="head configs, of " + ", ".join(CONFIGS))
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="M3 too without dense_decode and the torch baselines (the MSA kernels only)")
     args = ap.parse_args()
     t_start = time.time()
     bw = copy_bandwidth()
@@ -430,7 +432,7 @@ def main():
                     if time.time() - t_start > args.budget_s:
                         print(f"time budget reached: stopping before {cfg_name} n={n} b={batch} L={context}")
                         break
-                    full = cfg_name == "M3"
+                    full = cfg_name == "M3" and not args.no_baselines
                     try:
                         case_rows = run_case(pool, cfg_name, cfg, batch, context, n, bw, full)
                     except Exception as exc:  # report and go on: one broken case must not lose the rest
