@@ -12,10 +12,12 @@ A program owns one (row tile, KV head, split):
   ``cu_seqlens_q`` for prefill):
   ``[request, first token (global index), first token's position - seq_len, tokens]``.
 * split: a contiguous share of the tile's block list. Dense: every visible
-  block. Sparse, one token per tile: its TOPK slots (-1 and out-of-range ids
-  are masked). Sparse, several tokens per tile: the distinct blocks they chose
-  (a block chosen by several tokens is done once, for all of them), so the
-  tile reads each distinct chosen block once.
+  block. Sparse, one token per tile: its TOPK slots, of which the split visits
+  only the valid ones (-1 and out-of-range ids are skipped: a token that sees
+  fewer than TOPK blocks costs its blocks, not TOPK). Sparse, several tokens
+  per tile: the distinct blocks they chose (a block chosen by several tokens
+  is done once, for all of them), so the tile reads each distinct chosen
+  block once.
 
 Each program writes its softmax-normalised partial output and log-sum-exp
 (base 2); ``merge.merge_splits_kernel`` combines the splits. With one split the
@@ -186,11 +188,18 @@ def paged_attention_kernel(
     for g0 in range(lo, hi, STEP_GROUP):
         g_step = g0 + offs_g
         g_in = g_step < hi
+        g_len = tl.minimum(hi - g0, STEP_GROUP)   # blocks this group visits
         if SPARSE:
             if TOKENS_PER_TILE == 1:
                 # [STEP_GROUP]
                 g_block = tl.load(ids_base + g_step * stride_is, mask=g_in, other=-1)
                 g_ok = g_in & (g_block >= 0) & (g_block < req_blocks)
+                # the valid slots only, in slot order: a token that sees fewer than TOPK blocks
+                # (short contexts) runs fewer iterations (an empty slot's would change nothing)
+                g_len = tl.sum(g_ok.to(tl.int32), axis=0)
+                nth = g_ok[None, :] & ((tl.cumsum(g_ok.to(tl.int32), axis=0) - 1)[None, :] == offs_g[:, None])
+                g_block = tl.max(tl.where(nth, g_block[None, :], -1), axis=1)
+                g_ok = offs_g < g_len
             else:
                 # [STEP_GROUP, ENTRIES_PAD] -> the g_step-th distinct block
                 nth = e_ok[None, :] & (e_rank[None, :] == g_step[:, None])
@@ -200,7 +209,7 @@ def paged_attention_kernel(
             g_block = g_step
             g_ok = g_in
         g_page = tl.load(block_table_ptr + req * stride_br + g_block * stride_bb, mask=g_ok, other=0)
-        for it in range(0, tl.minimum(hi - g0, STEP_GROUP) * SUBTILES):
+        for it in range(0, g_len * SUBTILES):
             j = it // SUBTILES
             kv_tok = (it - j * SUBTILES) * BLOCK_N + offs_n
             block = pick(g_block, offs_g, j)
