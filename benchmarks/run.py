@@ -404,6 +404,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=400, help="stop starting new cases after this")
     ap.add_argument("--batches", help="comma-separated batch sizes (instead of the grid's)")
     ap.add_argument("--contexts", help="comma-separated context lengths (instead of the grid's)")
+    ap.add_argument("--ns", default="1,8", help="comma-separated decode_query_len values")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="head configs, of " + ", ".join(CONFIGS))
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
     ap.add_argument("--no-baselines", action="store_true",
@@ -426,7 +427,7 @@ def main():
         cfg = CONFIGS[cfg_name]
         pages = max(batches) * -(-int(max(contexts) * 1.1) // PAGE) + 64
         pool = Pool(cfg, pages)
-        for n in (1, 8):
+        for n in (int(x) for x in args.ns.split(",")):
             for batch in batches:
                 for context in contexts:
                     if time.time() - t_start > args.budget_s:
