@@ -100,8 +100,7 @@ def wide(dtype: str) -> bool:
 def attention(*, tile: RowTile, num_tiles: int, num_kv_heads: int, head_dim: int, topk: int, max_blocks: int,
               sparse: bool, interpret: bool, dtype: str = "bfloat16", kv_fp8: bool = False) -> AttentionConfig:
     """Splits, block size, warps and stages of one paged-attention launch (H200: batch 64, 32k, bf16).
-    ``kv_fp8``: e4m3 K/V, whose tiles are half the bytes: sparse ones take BLOCK_N = 128 too
-    (``benchmarks.tune fp8``, batch 8 / 64 at 16k: 18.6 / 57.9 us against 19.6 / 62.2 with 64)."""
+    ``kv_fp8``: e4m3 K/V, whose tiles are half the bytes."""
     # blocks one tile visits: about topk (its tokens mostly agree) or every block
     num_entries = topk if sparse else max_blocks
     work = max(num_tiles * num_kv_heads, 1)
@@ -111,7 +110,14 @@ def attention(*, tile: RowTile, num_tiles: int, num_kv_heads: int, head_dim: int
     num_warps = 8 if tile.block_m >= 64 else 4
     if wide(dtype):  # 228 KB of shared memory per SM: K + V tiles of 128 x 128 fp32 take 128 KB a stage
         return AttentionConfig(splits, 64 if tile.block_m <= 16 else 32, num_warps, num_stages=2)
-    return AttentionConfig(splits, 64 if (sparse and not kv_fp8) or head_dim > 128 else 128, num_warps, num_stages=3)
+    if sparse and tile.tokens_per_tile == 1 and head_dim <= 128:
+        # one token per tile (decode): BLOCK_N 128, with 3 stages while the launch has about one program
+        # per SM or fewer, else 2 (`benchmarks.tune sparse`, batch 32 / 64 / 128 at 16k: 40.0 / 69.6 /
+        # 131.8 us, against 45.9 / 70.9 / 133.3 with BLOCK_N 64 and 3 stages); FP8 tiles, half the bytes,
+        # keep 3 (`tune fp8`, batch 8 / 64: 18.6 / 57.9 us, against 19.6 / 62.2 with BLOCK_N 64)
+        stages = 3 if kv_fp8 or splits * work <= t.sparse_target_programs else 2
+        return AttentionConfig(splits, 128, num_warps, stages)
+    return AttentionConfig(splits, 64 if sparse or head_dim > 128 else 128, num_warps, num_stages=3)
 
 
 @dataclasses.dataclass(frozen=True)
