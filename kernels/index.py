@@ -82,7 +82,8 @@ def index_scores_kernel(
                 mask=m_valid[:, None], other=0.0)
     q_unscale = 1.0
     if q.dtype == tl.float8e4nv:
-        q = q.to(tl.float16)             # an FP8 query (so FP8 keys): every e4m3 value is a float16
+        tl.static_assert(K_DTYPE == tl.float8e4nv, "an FP8 index query needs an FP8 index-K cache")
+        q = q.to(tl.float16)             # every e4m3 value is a float16
     elif K_DTYPE == tl.float8e4nv and q.dtype == tl.bfloat16:
         q, q_unscale = fp16_operand(q)   # FP8 keys widen to float16 in one instruction per pair; [BLOCK_M]
     # [BLOCK_M]: NaN or Inf in a row's query makes its visible blocks' scores NaN (widening keeps both)

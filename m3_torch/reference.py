@@ -42,17 +42,19 @@ def _gather(cache, block_table, r, num_blocks, scale=None):
 
 class _Rows:
     """``_gather`` once per request (at its last token's length); each token slices its prefix.
-    A prefill token then costs its dot products, not a gather of its whole context."""
+    A prefill token then costs its dot products, not a gather of its whole context. Tokens
+    come request by request, so only the current request's rows are kept."""
 
     def __init__(self, cache, block_table, seq_lens, scale=None):
-        self.args, self.scale, self.rows = (cache, block_table), scale, {}
+        self.args, self.scale, self.request, self.rows = (cache, block_table), scale, None, None
         width = block_table.shape[1]
         self.blocks = [min(-(-max(int(s), 0) // PAGE_SIZE), width) for s in seq_lens.tolist()]
 
     def __call__(self, r, num_blocks):
-        if r not in self.rows:
-            self.rows[r] = _gather(*self.args, r, max(self.blocks[r], num_blocks), self.scale)
-        return self.rows[r][:num_blocks * PAGE_SIZE]
+        if r != self.request or self.rows.shape[0] < num_blocks * PAGE_SIZE:
+            self.request = r
+            self.rows = _gather(*self.args, r, max(self.blocks[r], num_blocks), self.scale)
+        return self.rows[:num_blocks * PAGE_SIZE]
 
 
 def index_scores_ref(idx_q, index_k_cache, block_table, seq_lens, q_lens):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import m3_torch
-from m3_kernels import tuning
+from m3_kernels import maps, tuning
 from m3_torch import reference as ref
 
 from cases import ALL_CASES, TOLERANCE, decode, make_inputs, random_block_ids, rel_err
@@ -37,12 +37,13 @@ def test_workspace_reuse_across_calls(target):
         assert rel_err(out, expected) < TOLERANCE["bfloat16"]
 
 
-@pytest.mark.parametrize("splits", ["one", "several"])
+@pytest.mark.parametrize("topk, splits", [(6, 1), (6, 6), (21, 1), (21, 3), (40, 2)])
 @pytest.mark.parametrize("target", targets(["torch"]))
-def test_sparse_decode_skips_empty_and_out_of_range_slots_anywhere(target, splits):
+def test_sparse_decode_skips_empty_and_out_of_range_slots_anywhere(target, topk, splits):
     """Valid ids need not come first: -1 and out-of-range ids scattered among them are skipped
-    (a split visits only its valid slots) and the output is the reference over the valid ones."""
-    case = decode("scattered", (300, 129, 1000, 5), hq=4, hk=2, d=16, di=16, topk=6)
+    (a split visits only its valid slots, 16 slots a group) and the output is the reference over
+    the valid ones; one split, one slot per split, and splits ending inside a group."""
+    case = decode("scattered", (300, 129, 5400, 5), hq=4, hk=2, d=16, di=16, topk=topk)
     dev = target.torch_device
     x = make_inputs(case, dev)
     ids = random_block_ids(case)                           # valid ids first, then -1
@@ -54,7 +55,13 @@ def test_sparse_decode_skips_empty_and_out_of_range_slots_anywhere(target, split
     ids[1, 0, (ids[1, 0] == -1).nonzero()[0]] = 8          # past request 0's 3 blocks
     lens = x["seq_lens"].cpu()
     expected = ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], x["block_table"], lens, [1] * 4, ids)
-    with tuning.override(sparse_target_programs=1 if splits == "one" else 64):
+    # 4 tiles x 2 KV heads: a target of 8 * splits programs gives `splits` splits
+    with tuning.override(sparse_target_programs=8 * splits):
+        launch_splits = tuning.attention(tile=maps.decode_tile(2, 1, True, max_blocks=x["block_table"].shape[1],
+                                                               topk=topk),
+                                         num_tiles=4, num_kv_heads=2, head_dim=16, topk=topk, max_blocks=1,
+                                         sparse=True, interpret=target.device == "interpreter").num_splits
+        assert launch_splits == splits
         out = torch.full_like(x["q"], float("nan"))
         m3_torch.sparse_decode(x["q"], x["k_cache"], x["v_cache"], ids.to(dev), x["block_table"],
                                x["seq_lens"], decode_query_len=1, out=out)

@@ -250,6 +250,24 @@ def test_nan_codes_in_stale_fp8_rows_never_reach_outputs(target):
     assert rel_err(out, ref_out) < TOLERANCE["bfloat16"]
 
 
+@pytest.mark.parametrize("target", targets())
+def test_nan_in_an_fp8_index_query_scores_nan(target):
+    """An e4m3 index query with a NaN code in one token's head: that row's visible blocks score NaN,
+    every other score equals the reference on the same e4m3 data (the query widens before the check)."""
+    from test_hardening import call, make_batch, sizes
+
+    seq_lens = (300, 0, 129) if target.device == "interpreter" else (5000, 0, 2177)
+    x = make_batch(seq_lens, [1] * len(seq_lens), dtype=torch.bfloat16, **sizes(target))
+    idx_q, index_k = x["idx_q"].to(E4M3), quantise(x["index_k_cache"])
+    codes = idx_q.view(torch.uint8).clone()
+    codes[0, -1, 3] = 0x7F   # NaN in token 0's last index head
+    idx_q = codes.view(E4M3)
+    scores = call(target, "index_scores", idx_q, index_k, x["block_table"], x["seq_lens"], decode_query_len=1)
+    want = ref.index_scores_ref(idx_q, index_k, x["block_table"], x["seq_lens"], [1] * len(seq_lens))
+    assert want[-1, 0, :-(-seq_lens[0] // PAGE)].isnan().all() and not want[:, 2].isnan().any()
+    torch.testing.assert_close(scores.double(), want, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
 # -- block selection from FP8 index keys ----------------------------------------------------------
 
 def rms_normalised(x):
