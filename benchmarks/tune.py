@@ -59,9 +59,18 @@ def kv_floor_us(batch, bw):
 
 def with_plan(**changes):
     """Patch tuning.attention to return its config with ``changes``; returns the undo."""
-    orig = tuning.attention
-    tuning.attention = lambda **kw: dataclasses.replace(orig(**kw), **changes)
-    return lambda: setattr(tuning, "attention", orig)
+    return _patch("attention", changes)
+
+
+def with_index_plan(**changes):
+    """Patch tuning.index_scores to return its config with ``changes``; returns the undo."""
+    return _patch("index_scores", changes)
+
+
+def _patch(name, changes):
+    orig = getattr(tuning, name)
+    setattr(tuning, name, lambda **kw: dataclasses.replace(orig(**kw), **changes))
+    return lambda: setattr(tuning, name, orig)
 
 
 def sweep_sparse(bw):
@@ -160,12 +169,10 @@ def sweep_index(bw):
     batch, context = 64, 32768
     cache = Cache(64 * 290)
     x = cache.step(batch, context)
-    orig_index = tuning.index_scores
     print(f"{'warps':>5} {'stages':>6} {'bn':>5} {'index us':>9} {'dense us':>9}"
           "  regs/spills/smem of the last-compiled index, attention kernels")
     for warps, stages, block_n in itertools.product([4, 8], [3, 4], [32, 64, 128]):
-        tuning.index_scores = lambda **kw: dataclasses.replace(orig_index(**kw), num_warps=warps,
-                                                               num_stages=stages, block_n=block_n)
+        undo_index = with_index_plan(num_warps=warps, num_stages=stages, block_n=block_n)
         undo = with_plan(num_warps=warps, num_stages=stages, block_n=block_n)
         try:
             t_idx = time_graph([lambda: m3_torch.index_scores(x["iq"], cache.ik, x["bt"], x["sl"], decode_query_len=1,
@@ -176,7 +183,7 @@ def sweep_index(bw):
             print(f"{warps:5d} {stages:6d} {block_n:5d}  failed: {type(exc).__name__}: {str(exc)[:80]}")
             continue
         finally:
-            tuning.index_scores = orig_index
+            undo_index()
             undo()
         print(f"{warps:5d} {stages:6d} {block_n:5d} {t_idx:9.1f} {t_de:9.1f}  {resources()}", flush=True)
 
@@ -189,7 +196,6 @@ def sweep_fp8(bw):
     cache = Cache(64 * 1160)
     k8, v8, ik8 = (t.to(fp8) for t in (cache.k, cache.v, cache.ik))
     scale = torch.ones(1, device="cuda")
-    orig_index = tuning.index_scores
     for batch, context in cases:
         sets = [cache.step(batch, context, seed=s) for s in range(2)]
         x = sets[0]
@@ -200,8 +206,7 @@ def sweep_fp8(bw):
               f"{blocks * HK * PAGE * D * 2 / bw * 1e6:.1f} us", flush=True)
         for warps, stages, block_n in itertools.product((4, 8), (3, 4, 6), (64, 128)):
             knobs = dict(num_warps=warps, num_stages=stages, block_n=block_n)
-            tuning.index_scores = lambda **kw: dataclasses.replace(orig_index(**kw), **knobs)
-            undo = with_plan(**knobs)
+            undo_index, undo = with_index_plan(**knobs), with_plan(**knobs)
             line = f"warps {warps} stages {stages} BLOCK_N {block_n:3d}:"
             for name, fn in (
                     ("index", lambda x: m3_torch.index_scores(x["iq"], ik8, x["bt"], x["sl"], decode_query_len=1,
@@ -215,7 +220,7 @@ def sweep_fp8(bw):
                     line += f" {name} {time_graph([lambda x=x: fn(x) for x in sets], reps=10):7.1f}"
                 except Exception as exc:  # e.g. out of shared memory
                     line += f" {name} failed ({type(exc).__name__})"
-            tuning.index_scores = orig_index
+            undo_index()
             undo()
             print(line, flush=True)
 

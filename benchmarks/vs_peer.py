@@ -6,9 +6,10 @@ RESULTS_JSON: a ``benchmarks.run`` output covering the anchors' cases (M3, n in 
 batch 1-128, 1k-128k: ``--ns 1,2,4,8 --batches 1,4,8,32,64,128 --contexts
 1024,4096,16384,65536,131072 --configs M3 --no-prefill --no-baselines``). Both sides are put
 against the anchors' floor (scaled to each run's copy bandwidth), so % of floor compares runs
-of different bandwidths; the time ratio is printed too. Each row is checked against issue #15's targets: level with the peer's % of floor (within
-3 points, the run-to-run noise) everywhere; at batch <= 8 and context >= 16k, 1.5x the peer or
-85% of the floor, whichever is lower; at contexts <= 2k, 1.3x the peer or 85% of the floor.
+of different bandwidths; the time ratio is printed too. Each row is checked against issue #15's
+targets: level with the peer's % of floor (within 3 points, the run-to-run noise) everywhere; at
+batch <= 8 and context >= 16k, 1.5x the peer or 85% of the floor, whichever is lower; at
+contexts <= 2k, 1.3x the peer or 85% of the floor.
 Writes vs_peer.md and vs_peer.json to --out.
 """
 

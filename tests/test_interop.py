@@ -66,9 +66,9 @@ def kv_scales(layout, framework, device="cpu"):
     """The k_scale/v_scale keywords of a layout with FP8 K/V caches (none otherwise)."""
     if layout.kv_cache_dtype != "float8_e4m3fn":
         return {}
-    if framework == "torch":
-        return {n: torch.tensor(s, dtype=torch.float32, device=device) for n, s in zip(("k_scale", "v_scale"),
-                                                                                        FP8_SCALES)}
+    if framework == "torch":   # filled on the device: a host-to-device copy could not be graph-captured
+        return {n: torch.full((), s, dtype=torch.float32, device=device) for n, s in zip(("k_scale", "v_scale"),
+                                                                                          FP8_SCALES)}
     return {n: jnp.float32(s) for n, s in zip(("k_scale", "v_scale"), FP8_SCALES)}
 
 
@@ -212,19 +212,17 @@ def step_inputs(shapes, device, seed, kv_layout="HND"):
     return layout, meta, x
 
 
-def torch_write(pool, layout, meta, x, scales=None):
-    """The step's rows into both layers (dense layer 0, sparse layer 1) of a torch pool. ``scales``:
-    ``kv_scales``' tensors, made before a graph capture (a host-to-device copy cannot be captured)."""
-    scales = kv_scales(layout, "torch", pool.device) if scales is None else scales
+def torch_write(pool, layout, meta, x):
+    """The step's rows into both layers (dense layer 0, sparse layer 1) of a torch pool."""
     for layer in (0, 1):
         k, v, ik = tcache.layer_caches(pool, layout, layer)
         m3_torch.write_cache(x["k"], x["v"], x["index_k"] if layer else None, k, v, ik, meta.slot_mapping,
-                             **scales)
+                             **kv_scales(layout, "torch", pool.device))
 
 
-def torch_decode(pool, layout, meta, x, shapes, scales=None):
+def torch_decode(pool, layout, meta, x, shapes):
     """dense_decode (layer 0) and msa_decode (layer 1) on views of a torch pool -> (dense, out, ids)."""
-    scales = kv_scales(layout, "torch", pool.device) if scales is None else scales
+    scales = kv_scales(layout, "torch", pool.device)
     k, v, _ = tcache.layer_caches(pool, layout, 0)
     dense = m3_torch.dense_decode(x["q"], k, v, meta.block_table, meta.seq_lens, decode_query_len=shapes["n"],
                                   **scales)
@@ -234,9 +232,9 @@ def torch_decode(pool, layout, meta, x, shapes, scales=None):
     return dense, out, ids
 
 
-def torch_step(pool, layout, meta, x, shapes, scales=None):
-    torch_write(pool, layout, meta, x, scales)
-    return torch_decode(pool, layout, meta, x, shapes, scales)
+def torch_step(pool, layout, meta, x, shapes):
+    torch_write(pool, layout, meta, x)
+    return torch_decode(pool, layout, meta, x, shapes)
 
 
 def jax_decode(pool, layout, meta, x, shapes):
@@ -354,13 +352,12 @@ def test_cuda_graph_write_cache_and_msa_decode(caches):
     eager_pool = pool.clone()
     static = {name: t.clone() for name, t in x.items()}
     smeta = StepMetadata(meta.block_table.clone(), meta.seq_lens.clone(), meta.slot_mapping.clone())
-    scales = kv_scales(layout, "torch", "cuda")
-    torch_step(pool, layout, smeta, static, shapes, scales)     # warm-up: compiles, creates workspaces and maps
-    torch_step(eager_pool, layout, smeta, static, shapes, scales)
+    torch_step(pool, layout, smeta, static, shapes)     # warm-up: compiles, creates workspaces and maps
+    torch_step(eager_pool, layout, smeta, static, shapes)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_outs = torch_step(pool, layout, smeta, static, shapes, scales)
+        graph_outs = torch_step(pool, layout, smeta, static, shapes)
     g = torch.Generator().manual_seed(7)
     lens = list(shapes["seq_lens"])
     for step in range(4):
@@ -376,7 +373,7 @@ def test_cuda_graph_write_cache_and_msa_decode(caches):
         for name, t in static.items():
             t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
         graph.replay()
-        eager_outs = torch_step(eager_pool, layout, smeta, static, shapes, scales)
+        eager_outs = torch_step(eager_pool, layout, smeta, static, shapes)
         torch.cuda.synchronize()
         assert torch.equal(bits_t(pool), bits_t(eager_pool)), f"step {step}: pools differ"
         for got, want in zip(graph_outs, eager_outs):
