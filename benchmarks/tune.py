@@ -6,6 +6,7 @@
     python3 -m benchmarks.tune mtp      # sparse_decode n=8: packed vs per-token row tiles
     python3 -m benchmarks.tune index    # index_scores and dense_decode: warps x stages x BLOCK_N, batch 64, 32k
     python3 -m benchmarks.tune fp8      # e4m3 caches: the index_scores, sparse_decode, dense_decode knobs
+    python3 -m benchmarks.tune prefill  # dense_prefill and index_scores_prefill knobs, one 32k prompt
 
 Prints one line per variant (median microseconds over a graph of rotated input
 sets; % of the copy-bandwidth floor where it has one). The winners go into
@@ -225,8 +226,43 @@ def sweep_fp8(bw):
             print(line, flush=True)
 
 
+def sweep_prefill(bw):
+    """Knobs of the two matmul-bound prefill launches on one causal 32k prompt (eager: each runs for ms)."""
+    from benchmarks.run import matmul_rate, time_fn
+    T = 32768
+    rate = matmul_rate()
+    cache = Cache(T // PAGE)
+    bt = torch.arange(T // PAGE, device="cuda", dtype=torch.int32)[None]
+    sl = torch.tensor([T], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    iq = torch.randn(T, HK, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    plan = m3_torch.prefill_plan(cu)
+    pairs = T * (T + 1) / 2
+    print(f"-- 32k prompt, matmul {rate / 1e12:.0f} TFLOP/s: dense floor {4 * pairs * D * HQ / rate * 1e3:.2f} ms, "
+          f"index floor {2 * pairs * D * HK / rate * 1e3:.2f} ms", flush=True)
+    for warps, stages, block_n in itertools.product((4, 8), (2, 3, 4), (64, 128)):
+        knobs = dict(num_warps=warps, num_stages=stages, block_n=block_n)
+        undo_index, undo = with_index_plan(**knobs), with_plan(**knobs)
+        line = f"warps {warps} stages {stages} BLOCK_N {block_n:3d}:"
+        for name, fn, flops in (
+                ("dense", lambda: m3_torch.dense_prefill(q, cache.k, cache.v, bt, sl, cu_seqlens_q=cu, plan=plan,
+                                                         out=out), 4 * pairs * D * HQ),
+                ("index", lambda: m3_torch.index_scores_prefill(iq, cache.ik, bt, sl, cu_seqlens_q=cu, plan=plan),
+                 2 * pairs * D * HK)):
+            try:
+                ms = time_fn(fn, reps=5)
+                line += f" {name} {ms:6.2f} ms ({flops / ms / 1e9:4.0f} TFLOP/s)"
+            except Exception as exc:  # e.g. out of shared memory
+                line += f" {name} failed ({type(exc).__name__})"
+        undo_index()
+        undo()
+        print(f"{line}  {resources()}", flush=True)
+
+
 SWEEPS = dict(sparse=sweep_sparse, small=sweep_small, select=sweep_select, mtp=sweep_mtp, index=sweep_index,
-              fp8=sweep_fp8)
+              fp8=sweep_fp8, prefill=sweep_prefill)
 
 
 def main():

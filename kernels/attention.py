@@ -3,7 +3,7 @@
 One kernel serves ``sparse_decode`` (the blocks each token's indexer chose),
 ``dense_decode`` (every visible block) and the prefill ops.
 
-A program owns one (row tile, KV head, split):
+A program owns one (row tile, KV head, split) (grid: ``(tiles x splits, KV heads)``):
 
 * row tile: up to ``TOKENS_PER_TILE`` consecutive query tokens of ONE request
   times the ``GROUP`` query heads that read the KV head, packed as the rows of
@@ -29,7 +29,9 @@ Values (SPEC.md, "Values the kernels must survive"):
   reads past its request's row of ``block_table``; negative lengths are padding.
 * K/V rows past the tile's last visible position (stale rows of the last page,
   which may hold NaN/Inf) are never loaded: the loads are masked by the tile's
-  KV length, the scores by each row's own position (exact causality).
+  KV length, the scores by each row's own position (exact causality). Dense
+  tiles run the blocks that end before their first token without the mask
+  (every row sees them whole): in a long prefill that is nearly every block.
 * Rows that see nothing get zeros (lse -inf). A row with NaN or Inf in q is
   all NaN (its lse too, which the merge keeps), on every split count.
 
@@ -108,9 +110,11 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     KV_DTYPE: tl.constexpr,           # the caches' element type; float8e4nv: FP8, scaled
 ):
-    split = tl.program_id(0)
-    tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    # axis 0 enumerates (tile, split), split fastest: grid axis 1 could not hold the row tiles
+    # of a long prompt (at most 65535)
+    split = tl.program_id(0) % NUM_SPLITS
+    tile = tl.program_id(0) // NUM_SPLITS
+    kv_head = tl.program_id(1)
     KV_FP8: tl.constexpr = KV_DTYPE == tl.float8e4nv
     k_ptr, v_ptr = typed(k_ptr, KV_DTYPE), typed(v_ptr, KV_DTYPE)
     qk_scale = tl.full([], qk_scale, tl.float32)  # jax-triton passes Python floats as fp64
@@ -184,64 +188,79 @@ def paged_attention_kernel(
     per_split = tl.cdiv(num_steps, NUM_SPLITS)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, num_steps)
+    # Dense: the blocks before `whole` are seen in full by every row of the tile (they end at or
+    # before its first token), so they run without the causal mask (phase 0); the rest with it
+    # (phase 1). Sparse tiles run phase 1 only.
+    if SPARSE:
+        whole = lo
+    else:
+        whole = tl.minimum(tl.maximum(tl.maximum(seq_len + pos0_minus_len + 1, 0) // PAGE_SIZE, lo), hi)
     offs_g = tl.arange(0, STEP_GROUP)
-    for g0 in range(lo, hi, STEP_GROUP):
-        g_step = g0 + offs_g
-        g_in = g_step < hi
-        g_len = tl.minimum(hi - g0, STEP_GROUP)   # blocks this group visits
-        if SPARSE:
-            if TOKENS_PER_TILE == 1:
-                # [STEP_GROUP]
-                g_block = tl.load(ids_base + g_step * stride_is, mask=g_in, other=-1)
-                g_ok = g_in & (g_block >= 0) & (g_block < req_blocks)
-                # the valid slots only, in slot order: a token that sees fewer than TOPK blocks
-                # (short contexts) runs fewer iterations (an empty slot's would change nothing)
-                g_len = tl.sum(g_ok.to(tl.int32), axis=0)
-                nth = g_ok[None, :] & ((tl.cumsum(g_ok.to(tl.int32), axis=0) - 1)[None, :] == offs_g[:, None])
-                g_block = tl.max(tl.where(nth, g_block[None, :], -1), axis=1)
-                g_ok = offs_g < g_len
-            else:
-                # [STEP_GROUP, ENTRIES_PAD] -> the g_step-th distinct block
-                nth = e_ok[None, :] & (e_rank[None, :] == g_step[:, None])
-                g_block = tl.max(tl.where(nth, e_block[None, :], -1), axis=1)
-                g_ok = g_in & (g_block >= 0)
-        else:
-            g_block = g_step
-            g_ok = g_in
-        g_page = tl.load(block_table_ptr + req * stride_br + g_block * stride_bb, mask=g_ok, other=0)
-        for it in range(0, g_len * SUBTILES):
-            j = it // SUBTILES
-            kv_tok = (it - j * SUBTILES) * BLOCK_N + offs_n
-            block = pick(g_block, offs_g, j)
-            page = pick(g_page, offs_g, j).to(tl.int64)
-            block_ok = pick(g_ok.to(tl.int32), offs_g, j) > 0
+    for phase in tl.static_range(1 if SPARSE else 0, 2):
+        p_lo = whole if phase == 1 else lo
+        p_hi = hi if phase == 1 else whole
+        for g0 in range(p_lo, p_hi, STEP_GROUP):
+            g_step = g0 + offs_g
+            g_in = g_step < p_hi
+            g_len = tl.minimum(p_hi - g0, STEP_GROUP)   # blocks this group visits
             if SPARSE:
                 if TOKENS_PER_TILE == 1:
-                    m_member = m_valid & block_ok
+                    # [STEP_GROUP]
+                    g_block = tl.load(ids_base + g_step * stride_is, mask=g_in, other=-1)
+                    g_ok = g_in & (g_block >= 0) & (g_block < req_blocks)
+                    # the valid slots only, in slot order: a token that sees fewer than TOPK blocks
+                    # (short contexts) runs fewer iterations (an empty slot's would change nothing)
+                    g_len = tl.sum(g_ok.to(tl.int32), axis=0)
+                    nth = g_ok[None, :] & ((tl.cumsum(g_ok.to(tl.int32), axis=0) - 1)[None, :] == offs_g[:, None])
+                    g_block = tl.max(tl.where(nth, g_block[None, :], -1), axis=1)
+                    g_ok = offs_g < g_len
                 else:
-                    m_member = tl.max((m_ids == block).to(tl.int32), axis=1) > 0
+                    # [STEP_GROUP, ENTRIES_PAD] -> the g_step-th distinct block
+                    nth = e_ok[None, :] & (e_rank[None, :] == g_step[:, None])
+                    g_block = tl.max(tl.where(nth, e_block[None, :], -1), axis=1)
+                    g_ok = g_in & (g_block >= 0)
             else:
-                m_member = m_valid
-            kv_pos = block * PAGE_SIZE + kv_tok
-            # [BLOCK_N, D] in q's dtype (FP8: widened, exactly). K rows no token sees only
-            # feed scores that are replaced by -inf below; V rows are multiplied (0 x NaN =
-            # NaN), so only rows some token of the tile sees are loaded: stale rows may hold NaN/Inf.
-            k = tl.load(k_base + page * stride_kp + kv_tok[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                        mask=block_ok, other=0.0).to(q.dtype)
-            v = tl.load(v_base + page * stride_vp + kv_tok[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                        mask=(block_ok & (kv_pos < tile_kv_len))[:, None], other=0.0).to(q.dtype)
-            # [BLOCK_M, BLOCK_N]
-            s = mma(q, tl.trans(k)) * row_scale
-            visible = m_member[:, None] & (kv_pos[None, :] <= m_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            # -- online softmax; a row with nothing visible yet keeps m = -inf
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_base)
-            p = tl.exp2(s - m_base[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + mma(p.to(v.dtype), v)
-            m_i = m_new
+                g_block = g_step
+                g_ok = g_in
+            g_page = tl.load(block_table_ptr + req * stride_br + g_block * stride_bb, mask=g_ok, other=0)
+            for it in range(0, g_len * SUBTILES):
+                j = it // SUBTILES
+                kv_tok = (it - j * SUBTILES) * BLOCK_N + offs_n
+                block = pick(g_block, offs_g, j)
+                page = pick(g_page, offs_g, j).to(tl.int64)
+                block_ok = pick(g_ok.to(tl.int32), offs_g, j) > 0
+                kv_pos = block * PAGE_SIZE + kv_tok
+                # [BLOCK_N, D] in q's dtype (FP8: widened, exactly). K rows no token sees only
+                # feed scores that are replaced by -inf below; V rows are multiplied (0 x NaN =
+                # NaN), so only rows some token of the tile sees are loaded: stale rows may hold NaN/Inf.
+                k = tl.load(k_base + page * stride_kp + kv_tok[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                            mask=block_ok, other=0.0).to(q.dtype)
+                if phase == 1:   # the causal mask
+                    v_ok = (block_ok & (kv_pos < tile_kv_len))[:, None]
+                else:
+                    v_ok = block_ok
+                v = tl.load(v_base + page * stride_vp + kv_tok[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                            mask=v_ok, other=0.0).to(q.dtype)
+                # [BLOCK_M, BLOCK_N]
+                s = mma(q, tl.trans(k)) * row_scale
+                if phase == 1:   # the causal mask
+                    if SPARSE:
+                        if TOKENS_PER_TILE == 1:
+                            m_member = m_valid & block_ok
+                        else:
+                            m_member = tl.max((m_ids == block).to(tl.int32), axis=1) > 0
+                    else:
+                        m_member = m_valid
+                    visible = m_member[:, None] & (kv_pos[None, :] <= m_pos[:, None])
+                    s = tl.where(visible, s, float("-inf"))
+                # -- online softmax; a row with nothing visible yet keeps m = -inf
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_base)
+                p = tl.exp2(s - m_base[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + mma(p.to(v.dtype), v)
+                m_i = m_new
 
     # -- write: rows that saw nothing get zeros (and lse = -inf); a NaN row stays NaN
     seen = l_i != 0.0

@@ -56,8 +56,10 @@ def index_scores_kernel(
     K_DTYPE: tl.constexpr,            # the index-K cache's element type (float8e4nv: FP8, unscaled)
     SKIP_BLOCKS: tl.constexpr,        # > 0: tiles that see at most this many blocks write nothing
 ):
-    chunk = tl.program_id(0)
-    tile = tl.program_id(1)
+    # one grid axis of (row tile, block chunk), chunk fastest (a second axis holds at most 65535 tiles)
+    num_chunks = tl.cdiv(max_blocks, blocks_per_program)
+    chunk = tl.program_id(0) % num_chunks
+    tile = tl.program_id(0) // num_chunks
     k_ptr = typed(k_ptr, K_DTYPE)
     k_off = multiple_of_16(k_off)
     stride_kp, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kn)
@@ -96,29 +98,35 @@ def index_scores_kernel(
 
     score_rows = scores_ptr + m_head * stride_si + m_t * stride_st
     # visible blocks, STEP_GROUP at a time: page ids gathered up front so the
-    # index-K loads of the inner loop wait on no other load and pipeline
+    # index-K loads of the inner loop wait on no other load and pipeline.
+    # Blocks before `whole` end at or before the tile's first token: every row sees
+    # them in full, so they run without the causal mask (phase 0); the rest with it.
     seen_end = tl.minimum(b_end, tile_blocks)
+    whole = tl.minimum(tl.maximum(tl.maximum(seq_len + pos0_minus_len + 1, 0) // PAGE_SIZE, b_begin), seen_end)
     offs_g = tl.arange(0, STEP_GROUP)
-    for g0 in range(b_begin, seen_end, STEP_GROUP):
-        g_page = tl.load(block_table_ptr + req * stride_br + (g0 + offs_g) * stride_bb, mask=g0 + offs_g < seen_end,
-                         other=0)
-        for j in range(0, tl.minimum(seen_end - g0, STEP_GROUP)):
-            block = g0 + j
-            page = pick(g_page, offs_g, j).to(tl.int64)
-            best = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for n0 in tl.static_range(0, PAGE_SIZE, BLOCK_N):
-                kv_tok = n0 + offs_n
-                kv_pos = block * PAGE_SIZE + kv_tok
-                # [BLOCK_N, Di] in q's dtype (FP8: widened, exactly)
-                # stale rows (maybe NaN/Inf) only feed scores that tl.where replaces by -inf
-                k = tl.load(k_ptr + k_off + page * stride_kp + kv_tok[:, None] * stride_kn
-                            + offs_d[None, :] * stride_kd).to(q.dtype)
-                # [BLOCK_M, BLOCK_N]
-                s = mma(q, tl.trans(k))
-                s = tl.where(kv_pos[None, :] <= m_pos[:, None], s, float("-inf"))
-                best = tl.maximum(best, tl.max(s, axis=1))
-            best = tl.where(q_bad & (block * PAGE_SIZE <= m_pos), float("nan"), best * q_unscale)
-            tl.store(score_rows + block * stride_sb, best, mask=m_valid)
+    for phase in tl.static_range(2):
+        p_lo = whole if phase == 1 else b_begin
+        p_hi = seen_end if phase == 1 else whole
+        for g0 in range(p_lo, p_hi, STEP_GROUP):
+            g_page = tl.load(block_table_ptr + req * stride_br + (g0 + offs_g) * stride_bb,
+                             mask=g0 + offs_g < p_hi, other=0)
+            for j in range(0, tl.minimum(p_hi - g0, STEP_GROUP)):
+                block = g0 + j
+                page = pick(g_page, offs_g, j).to(tl.int64)
+                best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                for n0 in tl.static_range(0, PAGE_SIZE, BLOCK_N):
+                    kv_tok = n0 + offs_n
+                    # [BLOCK_N, Di] in q's dtype (FP8: widened, exactly)
+                    # stale rows (maybe NaN/Inf) only feed scores that tl.where replaces by -inf
+                    k = tl.load(k_ptr + k_off + page * stride_kp + kv_tok[:, None] * stride_kn
+                                + offs_d[None, :] * stride_kd).to(q.dtype)
+                    # [BLOCK_M, BLOCK_N]
+                    s = mma(q, tl.trans(k))
+                    if phase == 1:   # the causal mask
+                        s = tl.where(block * PAGE_SIZE + kv_tok[None, :] <= m_pos[:, None], s, float("-inf"))
+                    best = tl.maximum(best, tl.max(s, axis=1))
+                best = tl.where(q_bad & (block * PAGE_SIZE <= m_pos), float("nan"), best * q_unscale)
+                tl.store(score_rows + block * stride_sb, best, mask=m_valid)
     # blocks no token of the tile sees
     for block in range(tl.maximum(b_begin, tile_blocks), b_end):
         tl.store(score_rows + block * stride_sb, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_valid)

@@ -115,7 +115,7 @@ def index_scores(*, idx_q: Operand, index_k: Operand, block_table: Operand, seq_
     args = (idx_q.ref, index_k.ref, block_table.ref, seq_lens, tile_map, index_k.offset, *idx_q.strides,
             *index_k.strides, *block_table.strides, *out_strides, max_blocks, cfg.blocks_per_program)
     out = Output("scores", (num_heads, num_tokens, max_blocks), "float32", tuple(out_strides))
-    return Launch("index.index_scores_kernel", (cfg.num_chunks, num_tiles), args, (out,),
+    return Launch("index.index_scores_kernel", (num_tiles * cfg.num_chunks,), args, (out,),
                   dict(NUM_HEADS=num_heads, HEADS_PAD=tile.heads_pad, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
                        BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, K_DTYPE=index_k.triton_dtype,
                        SKIP_BLOCKS=int(skip_blocks)),
@@ -178,7 +178,7 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
     args = (q.ref, k.ref, v.ref, ids.ref, block_table.ref, seq_lens, tile_map, *scales, float(sm_scale) * LOG2E,
             k.offset, v.offset, max_blocks, *q.strides, *k.strides, *v.strides, *ids.strides,
             *block_table.strides, *o_strides, *lse_strides)
-    launch = Launch("attention.paged_attention_kernel", (cfg.num_splits, num_tiles, num_kv_heads), args, outputs,
+    launch = Launch("attention.paged_attention_kernel", (num_tiles * cfg.num_splits, num_kv_heads), args, outputs,
                     dict(GROUP=tile.heads, GROUP_PAD=tile.heads_pad, HEAD_DIM=head_dim, TOPK=topk,
                          TOPK_PAD=next_pow2(topk), TOKENS_PER_TILE=tile.tokens_per_tile,
                          ENTRIES_PAD=tile.tokens_per_tile * next_pow2(topk), BLOCK_M=tile.block_m,

@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from . import tuning
-from .maps import PAGE_SIZE, cdiv, decode_tile, max_row_tiles, next_pow2, row_tile, varlen_maps
+from .maps import PAGE_SIZE, cdiv, decode_tile, index_tile, max_row_tiles, next_pow2, row_tile, varlen_maps
 ARENA_ALIGN = 256  # bytes; every arena region starts on this boundary
 
 __all__ = ["StepConfig", "StepPlanner", "StepPlan", "Span", "PrefillPlan",
@@ -93,21 +93,25 @@ class PrefillPlan:
         """``[R + 1]`` int32."""
         return np.concatenate([[0], np.cumsum(self.q_lens, dtype=np.int64)]).astype(np.int32)
 
-    def tiles(self, heads: int):
+    def tiles(self, heads: int, index: bool = False):
         """-> ``(RowTile, tile_map [max_tiles, 4] int32)`` for tiles of ``heads`` heads per token.
 
-        ``heads``: GROUP = Hq // Hk for attention, Hi for the indexer.
+        ``heads``: GROUP = Hq // Hk for attention, Hi for the indexer (``index=True``: its
+        tiles hold more tokens, :func:`~m3_kernels.maps.index_tile`).
         """
-        key = ("tiles", int(heads))
+        key = ("tiles", int(heads), bool(index))
         if key not in self._cache:
-            tile = row_tile(int(heads), max(self.max_q_len, 1))
-            tile_map, _ = varlen_maps(self.q_lens, tile.tokens_per_tile, num_tiles=self.max_tiles(heads))
+            tile = self.row_tile(heads, index)
+            tile_map, _ = varlen_maps(self.q_lens, tile.tokens_per_tile, num_tiles=self.max_tiles(heads, index))
             self._cache[key] = (tile, tile_map)
         return self._cache[key]
 
-    def max_tiles(self, heads: int) -> int:
+    def row_tile(self, heads: int, index: bool = False):
+        return (index_tile if index else row_tile)(int(heads), max(self.max_q_len, 1))
+
+    def max_tiles(self, heads: int, index: bool = False) -> int:
         """Tile-count upper bound for any requests with this many rows and tokens (the padded map's rows)."""
-        tile = row_tile(int(heads), max(self.max_q_len, 1))
+        tile = self.row_tile(heads, index)
         return max_row_tiles(self.num_tokens, self.num_rows, tile.tokens_per_tile)
 
     def memo(self, key, build):
@@ -412,5 +416,5 @@ class StepPlanner:
                              f"{cfg.max_kv_len}")
         if Rc:  # build the context maps now, once per step
             context.prefill.tiles(cfg.group)
-            context.prefill.tiles(cfg.num_kv_heads)
+            context.prefill.tiles(cfg.num_kv_heads, index=True)
         return plan

@@ -113,7 +113,7 @@ def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_le
     seq_lens = guards.check_call("index_scores", idx_q=idx_q, index_k_cache=index_k, block_table=block_table,
                                  seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k)
-    tile = _maps.row_tile(call.num_index_heads, int(decode_query_len))
+    tile = _maps.index_tile(call.num_index_heads, int(decode_query_len))
     tile_map, _ = ops.decode_maps(call.num_requests, int(decode_query_len), tile.tokens_per_tile)
     return _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
 
@@ -185,7 +185,7 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
                                  block_table=block_table, seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k)
     n, topk = int(decode_query_len), int(topk)
-    tile = _maps.row_tile(call.num_index_heads, n)
+    tile = _maps.index_tile(call.num_index_heads, n)
     tile_map, token_map = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
     scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, topk)
     block_ids = run(_select_blocks(scores, seq_lens, token_map, topk, int(init_blocks), int(local_blocks)))["block_ids"]
@@ -217,7 +217,7 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
     seq_lens = guards.check_call("index_scores_prefill", idx_q=idx_q, index_k_cache=index_k, block_table=block_table,
                                  seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k)
-    tile, tile_map = maps_.tile(call.num_index_heads)
+    tile, tile_map = maps_.tile(call.num_index_heads, index=True)
     return _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
 
 
@@ -284,7 +284,7 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     seq_lens = guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k)
-    tile, tile_map = maps_.tile(call.num_index_heads)
+    tile, tile_map = maps_.tile(call.num_index_heads, index=True)
     scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, int(topk))
     launch = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
     block_ids = run(launch)["block_ids"]
@@ -367,10 +367,10 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     spans = []  # (rows, tokens, max_blocks, index (tile, tile_map, token_map), attention (tile, tile_map))
     if spec.context_tokens:
         spans.append((slice(0, spec.context_rows), slice(0, spec.context_tokens), spec.context_max_blocks,
-                      (*maps.tile(cfg.num_kv_heads), maps.token_map), maps.tile(cfg.group)))
+                      (*maps.tile(cfg.num_kv_heads, index=True), maps.token_map), maps.tile(cfg.group)))
     if spec.generation_rows:
         rows, n, bound = spec.generation_rows, spec.decode_query_len, spec.generation_max_blocks
-        index_tile = _maps.row_tile(cfg.num_kv_heads, n)
+        index_tile = _maps.index_tile(cfg.num_kv_heads, n)
         attention_tile = _maps.decode_tile(cfg.group, n, sparse, max_blocks=bound, topk=cfg.topk)
         spans.append((slice(spec.context_rows, spec.num_rows), slice(spec.context_tokens, spec.num_tokens), bound,
                       (index_tile, *ops.decode_maps(rows, n, index_tile.tokens_per_tile)),

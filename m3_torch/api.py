@@ -92,7 +92,7 @@ def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_le
                             out=out)
     scorer = _scorer(backend, idx_q, index_k_cache)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
-    tile = maps.row_tile(call.num_index_heads, int(decode_query_len))
+    tile = maps.index_tile(call.num_index_heads, int(decode_query_len))
     tile_map, _ = ops.decode_maps(device, call.num_requests, int(decode_query_len), tile.tokens_per_tile)
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, out, tile.tokens_per_tile)
     return out
@@ -179,7 +179,7 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     out = _empty(q.shape, q.dtype, device, out)
     scores = ops.workspace(device, "index_scores", (call.num_kv_heads, call.num_tokens, call.max_blocks))
     block_ids = torch.empty((call.num_kv_heads, call.num_tokens, topk), dtype=torch.int32, device=device)
-    tile = maps.row_tile(call.num_index_heads, n)
+    tile = maps.index_tile(call.num_index_heads, n)
     tile_map, token_map = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
     ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
@@ -208,7 +208,7 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
                             out=out)
     scorer = _scorer(backend, idx_q, index_k_cache)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
-    tile, tile_map, _ = ops.prefill_maps(plan, device, call.num_index_heads)
+    tile, tile_map, _ = ops.prefill_maps(plan, device, call.num_index_heads, index=True)
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, out, tile.tokens_per_tile)
     return out
 
@@ -290,7 +290,7 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     out = _empty(q.shape, q.dtype, device, out)
     scores = torch.empty((call.num_kv_heads, call.num_tokens, call.max_blocks), dtype=torch.float32, device=device)
     block_ids = torch.empty((call.num_kv_heads, call.num_tokens, topk), dtype=torch.int32, device=device)
-    tile, tile_map, token_map = ops.prefill_maps(plan, device, call.num_index_heads)
+    tile, tile_map, token_map = ops.prefill_maps(plan, device, call.num_index_heads, index=True)
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
     ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.group)
@@ -344,11 +344,11 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
         rows, toks = span.rows, span.tokens
         table, lens = block_table[rows, :span.max_blocks], seq_lens[rows]
         if span.prefill is not None:
-            index_maps = ops.prefill_maps(span.prefill, device, cfg.num_kv_heads)
+            index_maps = ops.prefill_maps(span.prefill, device, cfg.num_kv_heads, index=True)
             attention_maps = ops.prefill_maps(span.prefill, device, cfg.group)
         else:
             n = span.decode_query_len
-            tile = maps.row_tile(cfg.num_kv_heads, n)
+            tile = maps.index_tile(cfg.num_kv_heads, n)
             index_maps = (tile, *ops.decode_maps(device, span.num_rows, n, tile.tokens_per_tile))
             tile = maps.decode_tile(cfg.group, n, sparse, max_blocks=span.max_blocks, topk=cfg.topk)
             attention_maps = (tile, *ops.decode_maps(device, span.num_rows, n, tile.tokens_per_tile))

@@ -33,7 +33,7 @@ _ALIGN = dict(q=2, k=16, table=4, lens=4, tile_map=4, scores=4)
 
 def shape_class(dtype: str, num_heads: int, tokens_per_tile: int, head_dim: int) -> tuple:
     """What one compiled kernel is specialized on: (dtype, Hi, heads_pad, block_m, Di, stages, target)."""
-    tile = maps.row_tile(num_heads, tokens_per_tile)
+    tile = maps.index_tile(num_heads, tokens_per_tile)
     cfg = tuning.cutedsl_index_scores(head_dim=head_dim)
     return (dtype, num_heads, tile.heads_pad, tile.block_m, head_dim, cfg.stages, cfg.target_programs)
 

@@ -118,10 +118,11 @@ def decode_maps(device, num_requests: int, decode_query_len: int, tokens_per_til
     return found
 
 
-def prefill_maps(plan, device, heads: int):
-    """(RowTile, tile_map, token_map) of a PrefillPlan on ``device``, uploaded once per plan."""
-    tile, tile_map = plan.tiles(heads)
-    tile_map = plan.memo(("torch", str(device), heads), lambda: torch.tensor(tile_map, device=device))
+def prefill_maps(plan, device, heads: int, index: bool = False):
+    """(RowTile, tile_map, token_map) of a PrefillPlan on ``device``, uploaded once per plan
+    (``index``: the indexer's tiles)."""
+    tile, tile_map = plan.tiles(heads, index)
+    tile_map = plan.memo(("torch", str(device), heads, index), lambda: torch.tensor(tile_map, device=device))
     return tile, tile_map, prefill_token_map(plan, device)
 
 
@@ -166,7 +167,7 @@ def step_arena(layout, device) -> StepArena:
 def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor, tokens_per_tile: int,
                  skip_blocks: int = 0) -> None:
-    tile = maps.row_tile(idx_q.shape[1], tokens_per_tile)
+    tile = maps.index_tile(idx_q.shape[1], tokens_per_tile)
     run(launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k_cache),
                               block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map, tile=tile,
                               out_strides=out.stride(), dtype=str(idx_q.dtype), interpret=out.device.type != "cuda",

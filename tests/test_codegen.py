@@ -61,7 +61,7 @@ def index_case(index_dtype="bfloat16", skip_blocks=0, query_dtype="bfloat16"):
     launch = launches.index_scores(idx_q=operand(64, 4, 128, dtype=query_dtype),
                                    index_k=operand(9000, 128, 128, dtype=index_dtype),
                                    block_table=operand(64, 141), seq_lens=None, tile_map=np.zeros((64, 4), np.int32),
-                                   tile=maps.row_tile(4, 1), out_strides=(64 * 141, 141, 1), dtype=query_dtype,
+                                   tile=maps.index_tile(4, 1), out_strides=(64 * 141, 141, 1), dtype=query_dtype,
                                    interpret=False, skip_blocks=skip_blocks)
     consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_bb=1, stride_sb=1)
     return m3_kernels.kernel_module("index", False).index_scores_kernel, consts, launch

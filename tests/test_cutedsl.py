@@ -243,7 +243,7 @@ def test_compiles_for_hopper_jax_path(monkeypatch):
     from m3_jax.views import PagedView
     monkeypatch.setattr(cute_call, "COMPILE_OPTIONS", "--gpu-arch sm_90a")
     T, Hi, Di, R, MB, pages = 8, 4, 128, 8, 10, 100
-    tile = maps.row_tile(Hi, 1)
+    tile = maps.index_tile(Hi, 1)
 
     def f(idx_q, pool, table, lens, tile_map):   # index-K: layer 1 of a two-layer pool, 16 elements in
         view = PagedView(pool, 16 + 128 * Di, (pages, 128, Di), (2 * 128 * Di, Di, 1))

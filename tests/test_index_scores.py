@@ -45,7 +45,7 @@ def test_msa_scorer_skips_tiles_that_select_every_block(decode_query_len):
     index_k = torch.randn(pages, 128, dim, generator=g).to(torch.bfloat16)
     idx_q = torch.randn(len(lens) * n, heads, dim, generator=g).to(torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    tile = maps.row_tile(heads, n)
+    tile = maps.index_tile(heads, n)
     tile_map, _ = ops.decode_maps(torch.device("cpu"), len(lens), n, tile.tokens_per_tile)
     got = torch.full((heads, len(lens) * n, width), math.nan)
     ops.index_scores(idx_q, index_k, table, seq_lens, tile_map, got, tile.tokens_per_tile, skip_blocks=topk)

@@ -1,5 +1,7 @@
 """The step planner (m3_kernels.planner): spans, bounds, padding, maps, workspaces, errors. Host only."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -71,16 +73,19 @@ def test_prefill_maps_are_varlen_maps():
     q_lens = [300, 1, 0, 17]
     plan = p.plan([1300, 1, 0, 17, 40], q_lens=q_lens + [1], num_context=4)
     pre = plan.context.prefill
-    for heads in (CFG["num_q_heads"] // CFG["num_kv_heads"], CFG["num_kv_heads"]):
-        tile, tile_map = pre.tiles(heads)
-        assert tile == maps.row_tile(heads, 300)
+    for heads, index in itertools.product((CFG["num_q_heads"] // CFG["num_kv_heads"], CFG["num_kv_heads"]),
+                                          (False, True)):
+        tile, tile_map = pre.tiles(heads, index)
+        assert tile == (maps.index_tile if index else maps.row_tile)(heads, 300)
         exact, token_map = maps.varlen_maps(q_lens, tile.tokens_per_tile)
         # padded to the bound with empty tiles that read nothing
-        assert tile_map.shape[0] == pre.max_tiles(heads) == maps.max_row_tiles(318, 4, tile.tokens_per_tile)
+        assert tile_map.shape[0] == pre.max_tiles(heads, index) == maps.max_row_tiles(318, 4, tile.tokens_per_tile)
         np.testing.assert_array_equal(tile_map[:len(exact)], exact)
         assert (tile_map[len(exact):, 3] == 0).all() and (tile_map[len(exact):, 2] < -(1 << 20)).all()
         np.testing.assert_array_equal(pre.token_map, token_map)
-        assert pre.tiles(heads)[1] is tile_map       # built once
+        assert pre.tiles(heads, index)[1] is tile_map       # built once
+    # the indexer's tiles fill 128 rows (2 heads x 64 tokens); attention's stop at 8 tokens
+    assert pre.tiles(2, index=True)[0].tokens_per_tile == 64 and pre.tiles(2)[0].tokens_per_tile == 8
     assert pre.token_map.shape == (318, 2)
     assert pre.token_map[0].tolist() == [0, -300] and pre.token_map[-1].tolist() == [3, -1]
     assert pre.memo("k", lambda: object()) is pre.memo("k", lambda: None)

@@ -1,0 +1,177 @@
+"""Prefill on the GPU: ``dense_prefill`` against torch's SDPA, ``msa_prefill`` and its three launches.
+
+    python3 -m benchmarks.prefill [--lens 8192,32768,131072] [--out DIR]
+
+One request of T prompt tokens (no cached prefix), M3 shapes (64 q heads,
+4 KV heads, D = Di = 128, 4 index heads, topk 16, bf16), eager timing (each
+launch runs for milliseconds). Floors, as issue #15 states them: FLOPs over
+the bf16 matmul rate measured in the same run.
+
+* dense: causal ``T (T + 1) / 2`` query-key pairs x 64 heads x 4 D FLOPs,
+  against ``scaled_dot_product_attention(is_causal=True)`` on the same tensors
+  (K/V repeated to 64 heads, and with ``enable_gqa``; the faster one counts).
+* msa: the indexer's causal ``q . k`` (2 Di FLOPs per pair and index head)
+  plus attention over each token's chosen blocks (their visible positions).
+
+The sparse attention's cost depends on how many blocks the tokens of one row
+tile share (a tile computes all its rows against the union of their choices),
+so it runs on two kinds of index queries: ``random`` (i.i.d. normal: tokens
+share only the forced local block) and ``shared`` (each 64-token window's
+queries are one direction plus 30% noise, as neighbouring tokens of a text
+tend to be). Each row says how many distinct blocks an 8-token tile reads
+(``union``) beside its 8 x 16 choices; ``sparse_prefill`` is also timed at 1, 2
+and 4 tokens per tile.
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+import m3_torch
+from benchmarks.run import copy_bandwidth, matmul_rate, save_results, time_fn
+from m3_kernels import maps
+
+PAGE, HQ, HK, D, DI, TOPK = 128, 64, 4, 128, 128, 16
+
+
+@contextlib.contextmanager
+def tokens_per_tile(n):
+    """Row tiles of at most ``n`` tokens (``maps.MAX_TILE_TOKENS``; make a fresh plan inside)."""
+    saved = maps.MAX_TILE_TOKENS
+    maps.MAX_TILE_TOKENS = n
+    try:
+        yield
+    finally:
+        maps.MAX_TILE_TOKENS = saved
+
+
+def union_per_tile(ids, tokens):
+    """Mean distinct valid blocks the ``tokens``-token tiles read, over tiles and KV heads."""
+    hk, T, k = ids.shape
+    x = ids[:, :T - T % tokens].reshape(hk, -1, tokens * k).sort(dim=-1).values
+    distinct = (x[..., 1:] != x[..., :-1]) & (x[..., 1:] >= 0)
+    return float((distinct.sum(-1) + (x[..., 0] >= 0)).float().mean())
+
+
+def run_length(T, rate, reps):
+    g = torch.Generator(device="cuda").manual_seed(T)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    nb = T // PAGE
+    k, v, ik = mk(nb, HK, PAGE, D), mk(nb, HK, PAGE, D), mk(nb, PAGE, DI)
+    q = mk(T, HQ, D)
+    bt = torch.randperm(nb, device="cuda", generator=g).int()[None]
+    sl = torch.tensor([T], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    plan = m3_torch.prefill_plan(cu)
+    out = torch.empty_like(q)
+    rows = []
+
+    def row(op, us, flops, **extra):
+        floor = flops / rate * 1e6
+        rows.append(dict(context=T, op=op, us=us, flops=flops, floor_us=floor, pct_floor=100 * floor / us,
+                         tflops=flops / us / 1e6, **extra))
+        more = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
+        print(f"T={T:6d} {op:34s} {us / 1e3:9.2f} ms  {flops / us / 1e6:6.0f} TFLOP/s  "
+              f"{100 * floor / us:4.0f}% of floor  {more}", flush=True)
+
+    # -- dense: ours against SDPA on the same causal problem
+    dense_flops = 4 * T * (T + 1) / 2 * D * HQ
+    us = time_fn(lambda: m3_torch.dense_prefill(q, k, v, bt, sl, cu_seqlens_q=cu, plan=plan, out=out), reps) * 1e3
+    row("dense_prefill", us, dense_flops)
+    # the cache's pages in sequence order, [1, H, T, D]
+    kt = k[bt[0].long()].permute(1, 0, 2, 3).reshape(1, HK, T, D)
+    vt = v[bt[0].long()].permute(1, 0, 2, 3).reshape(1, HK, T, D)
+    qt = q.permute(1, 0, 2)[None]
+    sdpa = {
+        "sdpa_gqa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True),
+        "sdpa_repeated_kv": lambda: F.scaled_dot_product_attention(
+            qt, kt.repeat_interleave(HQ // HK, 1), vt.repeat_interleave(HQ // HK, 1), is_causal=True),
+    }
+    ref = m3_torch.dense_prefill(q, k, v, bt, sl, cu_seqlens_q=cu, plan=plan).float()
+    for name, fn in sdpa.items():
+        try:
+            err = (fn()[0].permute(1, 0, 2).float() - ref).abs().max().item()
+            us = time_fn(fn, reps) * 1e3
+        except RuntimeError as exc:   # a backend that does not take the shape
+            print(f"T={T:6d} {name}: {type(exc).__name__}: {str(exc)[:100]}")
+            continue
+        row(name, us, dense_flops, max_abs_diff_vs_ours=err)
+    del ref, kt, vt, qt
+
+    # -- msa: each kind of index query
+    pairs = T * (T + 1) / 2
+    index_flops = 2 * pairs * DI * HK
+    pos = torch.arange(T, device="cuda")
+    for kind in ("random", "shared"):
+        if kind == "random":
+            iq = mk(T, HK, DI)
+        else:
+            base = mk(-(-T // 64), 1, HK, DI).expand(-1, 64, -1, -1).reshape(-1, HK, DI)[:T]
+            iq = base + 0.3 * mk(T, HK, DI)
+        fns = {
+            "index_scores_prefill": lambda: m3_torch.index_scores_prefill(iq, ik, bt, sl, cu_seqlens_q=cu, plan=plan),
+        }
+        scores = fns["index_scores_prefill"]()
+        fns["select_blocks_prefill"] = lambda: m3_torch.select_blocks_prefill(scores, sl, cu_seqlens_q=cu, plan=plan)
+        ids = fns["select_blocks_prefill"]()
+        # visible positions of each token's chosen blocks, all KV heads: attention's FLOPs
+        start = ids.clamp(min=0).long() * PAGE
+        seen = ((pos[None, :, None] - start + 1).clamp(0, PAGE) * (ids >= 0)).sum().item()
+        sparse_flops = 4 * seen * D * (HQ // HK)
+        union = union_per_tile(ids, 8)
+        row(f"msa_prefill[{kind}]", time_fn(lambda: m3_torch.msa_prefill(
+            q, iq, k, v, ik, bt, sl, cu_seqlens_q=cu, plan=plan, out=out), reps) * 1e3,
+            index_flops + sparse_flops, union_8_tokens=union)
+        row(f"  index_scores_prefill[{kind}]", time_fn(fns["index_scores_prefill"], reps) * 1e3, index_flops)
+        if kind == "random":   # the indexer's row tiles: 8 tokens x 4 heads today; 16 and 32 tokens fit 128 rows
+            for tpt in (16, 32):
+                with tokens_per_tile(tpt):
+                    p = m3_torch.prefill_plan(cu)
+                    us = time_fn(lambda: m3_torch.index_scores_prefill(iq, ik, bt, sl, cu_seqlens_q=cu, plan=p),
+                                 reps) * 1e3
+                row(f"  index_scores_prefill {tpt} tok/tile", us, index_flops)
+        row(f"  select_blocks_prefill[{kind}]", time_fn(fns["select_blocks_prefill"], reps) * 1e3, 0.0)
+        for tpt in (8, 4, 2, 1):
+            with tokens_per_tile(tpt):
+                p = m3_torch.prefill_plan(cu)
+                us = time_fn(lambda: m3_torch.sparse_prefill(q, k, v, ids, bt, sl, cu_seqlens_q=cu, plan=p,
+                                                             out=out), reps) * 1e3
+            row(f"  sparse_prefill[{kind}] {tpt} tok/tile", us, sparse_flops,
+                union=union_per_tile(ids, tpt), chosen=TOPK * tpt)
+        del scores, ids
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lens", default="8192,32768,131072")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="prefill")
+    args = ap.parse_args()
+    bw, rate = copy_bandwidth(), matmul_rate()
+    gpu = torch.cuda.get_device_name()
+    print(f"{gpu}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    rows = []
+    for T in (int(x) for x in args.lens.split(",")):
+        rows += run_length(T, rate, reps=3 if T > 65536 else 5)
+        torch.cuda.empty_cache()
+    md = [f"# Prefill on {gpu}", "",
+          f"Copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s (same run). "
+          f"Command: `python3 -m benchmarks.prefill --lens {args.lens}`. Eager medians; floor = FLOPs / matmul rate.",
+          "", "| T | op | ms | TFLOP/s | % of floor | notes |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        notes = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                          if k not in ("context", "op", "us", "flops", "floor_us", "pct_floor", "tflops"))
+        md.append(f"| {r['context']} | {r['op'].strip()} | {r['us'] / 1e3:.2f} | {r['tflops']:.0f} | "
+                  f"{r['pct_floor']:.0f}% | {notes} |")
+    save_results(args.out, args.name, dict(gpu=gpu, copy_tbps=bw / 1e12, matmul_tflops=rate / 1e12,
+                                           command=f"python3 -m benchmarks.prefill --lens {args.lens}", rows=rows),
+                 "\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()
