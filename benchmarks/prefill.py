@@ -40,7 +40,7 @@ PAGE, HQ, HK, D, DI, TOPK = 128, 64, 4, 128, 128, 16
 
 @contextlib.contextmanager
 def tokens_per_tile(n):
-    """Row tiles of at most ``n`` tokens (``maps.MAX_TILE_TOKENS``; make a fresh plan inside)."""
+    """Attention row tiles of at most ``n`` tokens (``maps.MAX_TILE_TOKENS``; make a fresh plan inside)."""
     saved = maps.MAX_TILE_TOKENS
     maps.MAX_TILE_TOKENS = n
     try:
@@ -127,13 +127,6 @@ def run_length(T, rate, reps):
             q, iq, k, v, ik, bt, sl, cu_seqlens_q=cu, plan=plan, out=out), reps) * 1e3,
             index_flops + sparse_flops, union_8_tokens=union)
         row(f"  index_scores_prefill[{kind}]", time_fn(fns["index_scores_prefill"], reps) * 1e3, index_flops)
-        if kind == "random":   # the indexer's row tiles: 8 tokens x 4 heads today; 16 and 32 tokens fit 128 rows
-            for tpt in (16, 32):
-                with tokens_per_tile(tpt):
-                    p = m3_torch.prefill_plan(cu)
-                    us = time_fn(lambda: m3_torch.index_scores_prefill(iq, ik, bt, sl, cu_seqlens_q=cu, plan=p),
-                                 reps) * 1e3
-                row(f"  index_scores_prefill {tpt} tok/tile", us, index_flops)
         row(f"  select_blocks_prefill[{kind}]", time_fn(fns["select_blocks_prefill"], reps) * 1e3, 0.0)
         for tpt in (8, 4, 2, 1):
             with tokens_per_tile(tpt):

@@ -11,7 +11,7 @@ import m3_torch
 from m3_kernels import maps, tuning
 from m3_torch import reference as ref
 
-from cases import ALL_CASES, TOLERANCE, decode, make_inputs, random_block_ids, rel_err
+from cases import ALL_CASES, TOLERANCE, decode, make_inputs, prefill, random_block_ids, rel_err
 from targets import check_attention, check_twin, grid, reference, run, targets
 
 
@@ -65,4 +65,39 @@ def test_sparse_decode_skips_empty_and_out_of_range_slots_anywhere(target, topk,
         out = torch.full_like(x["q"], float("nan"))
         m3_torch.sparse_decode(x["q"], x["k_cache"], x["v_cache"], ids.to(dev), x["block_table"],
                                x["seq_lens"], decode_query_len=1, out=out)
+    assert rel_err(out, expected) < TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("packed_cost", [0, 1000])   # never by token / always by token
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("target", targets(["torch"]))
+def test_sparse_prefill_tiles_packed_or_by_token(target, packed_cost, splits, monkeypatch):
+    """A prefill tile of several tokens computes all its rows against the union of their blocks, or
+    each token's rows against its own blocks (``tuning.SPARSE_PACKED_COST`` picks, per tile, on the
+    device): both equal the reference, on 1 and 3 splits, with -1 and out-of-range ids anywhere and a
+    NaN query row (NaN out, the other heads of its token unharmed)."""
+    case = prefill("by_token", (13, 1, 9), (3000, 129, 700), hq=4, hk=2, d=16, di=16, topk=6)
+    dev = target.torch_device
+    x = make_inputs(case, dev)
+    ids = random_block_ids(case)
+    g = torch.Generator().manual_seed(5)
+    for h in range(case.hk):
+        for t in range(case.num_tokens):
+            ids[h, t] = ids[h, t, torch.randperm(case.topk, generator=g)]   # -1 anywhere
+    ids[0, 3, 0] = 10 ** 6                                                  # past the table
+    q = x["q"].clone()
+    q[4, 1, 3] = float("nan")
+    lens = x["seq_lens"].cpu()
+    expected = ref.attention_ref(q, x["k_cache"], x["v_cache"], x["block_table"], lens, case.q_lens, ids)
+    monkeypatch.setattr(tuning, "SPARSE_PACKED_COST", packed_cost)
+    cu = torch.tensor(case.cu_seqlens, dtype=torch.int32)
+    plan = m3_torch.prefill_plan(cu)
+    assert plan.tiles(case.hq // case.hk)[0].tokens_per_tile == 8
+    # 4 tiles x 2 KV heads = 8 programs a split
+    with tuning.override(sparse_target_programs=8 * splits):
+        out = torch.full_like(q, float("nan"))
+        m3_torch.sparse_prefill(q, x["k_cache"], x["v_cache"], ids.to(dev), x["block_table"], x["seq_lens"],
+                                cu_seqlens_q=cu.to(dev), plan=plan, out=out)
+    assert torch.isnan(out[4, 1]).all()
+    out[4, 1], expected[4, 1] = 0, 0
     assert rel_err(out, expected) < TOLERANCE["bfloat16"]
