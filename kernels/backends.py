@@ -2,7 +2,8 @@
 
 ``backend="triton"`` (the default) scores with ``index.index_scores_kernel``;
 ``backend="cutedsl"`` with the CuTeDSL kernel of ``cute_index.py`` (Hopper
-sm_90+, optional package ``nvidia-cutlass-dsl``). The environment variable
+sm_90+, optional package ``nvidia-cutlass-dsl``; bf16/fp16 index caches with a
+query of their dtype, e4m3 ones with a bf16, fp16 or e4m3 query). The environment variable
 ``M3_INDEXER_SCORE`` sets the default (read at each call), an argument wins.
 A backend that cannot run is an error, never a silent fallback.
 
@@ -22,7 +23,8 @@ from .maps import MAX_TILE_ROWS, next_pow2
 INDEXER_BACKENDS = ("triton", "cutedsl")
 ENV_VAR = "M3_INDEXER_SCORE"
 CUTEDSL_HEAD_DIMS = (64, 128)
-CUTEDSL_DTYPES = ("bfloat16", "float16")   # e4m3 index caches once the FP8 caches land
+CUTEDSL_DTYPES = ("bfloat16", "float16")   # idx_q (and a 16-bit index-K cache: the same dtype)
+CUTEDSL_FP8 = "float8_e4m3fn"              # an FP8 index-K cache (unscaled), with any of those queries or an e4m3 one
 CUTEDSL_MIN_CAPABILITY = (9, 0)
 CUTEDSL_PACKAGE = "nvidia-cutlass-dsl==4.8.1"
 INSTALL_HINT = (f'install the optional extra: pip install -e ".[cutedsl]" ({CUTEDSL_PACKAGE}); on a machine without '
@@ -51,7 +53,7 @@ def check_indexer_backend(backend: Optional[str], *, num_heads: int, head_dim: i
     device: where the call runs ("cuda" for an NVIDIA GPU, else e.g. "cpu");
     capability: the GPU's compute capability (major, minor), None off a GPU.
     Errors: unknown name ValueError; Di or Hi the kernel lacks ValueError; a
-    dtype it lacks TypeError; not an sm_90+ NVIDIA GPU RuntimeError; the
+    dtype pair it lacks (``cutedsl_dtypes_supported``) TypeError; not an sm_90+ NVIDIA GPU RuntimeError; the
     package missing ImportError (with the install hint).
     """
     name = indexer_backend(backend)
@@ -61,10 +63,10 @@ def check_indexer_backend(backend: Optional[str], *, num_heads: int, head_dim: i
         raise ValueError(f"idx_q: backend='cutedsl' supports index head dims Di in {CUTEDSL_HEAD_DIMS}, got "
                          f"Di={head_dim}; use backend='triton'")
     cache_dtype = dtype if cache_dtype is None else cache_dtype
-    if dtype not in CUTEDSL_DTYPES or cache_dtype != dtype:
+    if not cutedsl_dtypes_supported(dtype, cache_dtype):
         raise TypeError(f"idx_q/index_k_cache: backend='cutedsl' supports {' and '.join(CUTEDSL_DTYPES)} index "
-                        f"caches (the dtype of idx_q), got idx_q {dtype} and index_k_cache {cache_dtype}; use "
-                        f"backend='triton'")
+                        f"caches (the dtype of idx_q) and {CUTEDSL_FP8} ones (idx_q {', '.join(CUTEDSL_DTYPES)} or "
+                        f"{CUTEDSL_FP8}), got idx_q {dtype} and index_k_cache {cache_dtype}; use backend='triton'")
     if next_pow2(num_heads) > MAX_TILE_ROWS:
         raise ValueError(f"idx_q: backend='cutedsl' supports up to {MAX_TILE_ROWS} index heads, got Hi={num_heads}")
     if device != "cuda":
@@ -78,6 +80,14 @@ def check_indexer_backend(backend: Optional[str], *, num_heads: int, head_dim: i
                            f"use backend='triton'")
     cutedsl_module()
     return name
+
+
+def cutedsl_dtypes_supported(dtype: str, cache_dtype: str) -> bool:
+    """Whether the CuTeDSL scorer takes idx_q of ``dtype`` with an index-K cache of ``cache_dtype``:
+    a bf16/fp16 cache with a query of its dtype, or an e4m3 cache with a bf16, fp16 or e4m3 query."""
+    if cache_dtype == CUTEDSL_FP8:
+        return dtype in CUTEDSL_DTYPES or dtype == CUTEDSL_FP8
+    return dtype in CUTEDSL_DTYPES and cache_dtype == dtype
 
 
 def cutedsl_module():

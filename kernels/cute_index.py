@@ -32,7 +32,7 @@ produces:
   ``seq_lens``: entries inside the request's row and the CTA's chunk only);
   only the ids of blocks some token of the tile sees are used (the others
   may be garbage), and only those pages are loaded.
-* **MMA**: ``mma.sync`` m16n8k16 (bf16/fp16 in, fp32 accumulate), 4 warps
+* **MMA**: ``mma.sync`` m16n8k16 (bf16/fp16 in, fp32 accumulate; e4m3 pages: below), 4 warps
   along the page's 128 tokens (2 n8 atoms x 4 warps x 2), ``ldmatrix``
   from smem. The query tile sits in smem (loaded once, element by element,
   so any idx_q strides work; rows past the tile are zeros) and, for small
@@ -46,7 +46,28 @@ produces:
   Blocks of the chunk that no token of the tile sees get ``-inf`` without a
   load.
 
-Compiled once per shape class (dtype, Hi, its row tile, Di, stages):
+**e4m3 index caches** (``float8_e4m3fn``, unscaled: SPEC.md, "FP8 caches"), as
+``index.index_scores_kernel`` computes them: the TMA boxes are ``[128, Di]``
+bytes (128-byte swizzled rows at Di = 128, 64-byte ones at Di = 64); the MMA is
+the same f16 ``mma.sync`` with every key widened exactly to float16 in
+registers (``cvt.rn.f16x2.e4m3x2``, one per register pair; NaN codes stay
+NaN) against a float16 query tile: a bf16 query row is moved there by the
+power of two of ``common.fp16_operand`` (``e = ceil(log2(amax)) - 15`` from its
+largest finite magnitude, at least -100, 0 for a zero row; computed on the
+exponent bits), exact, and its scores are multiplied by ``2^e`` after the row
+max; fp16 queries are used as they are, e4m3 queries (with an e4m3 cache)
+widened. B fragments are not read by ``ldmatrix`` (it moves 16-bit pairs of a
+row, not the k pairs an 8-bit row holds): each lane reads one 32-bit word of
+its token's row per k block and n8 atom, with the TMA's swizzle applied to the
+address by hand, and widens its low and high half-words into the fragment's
+two registers. For that, the MMA's k index runs over the row's bytes in a
+permuted order (``_k_byte``: the words of a 16-byte chunk go to the 4 lanes of
+a quad, so a warp's 32 loads hit 32 banks), and the query tile is stored into
+shared memory permuted the same way: each dot is the same sum, accumulated in
+another order inside each k block of 16 (float32 reordering only). The bf16 /
+fp16 path is untouched (compile-time branches: its PTX is unchanged).
+
+Compiled once per shape class (dtype, Hi, its row tile, Di, stages, cache dtype):
 lengths, tables, batch sizes, strides and pointers are runtime values, so
 nothing recompiles as lengths change, and a captured CUDA graph / jitted
 JAX step replays.
@@ -73,19 +94,58 @@ Q_IN_REGS_MAX = 32 * 128
 
 
 def dtype_of(name: str):
-    """A dtype name ("bfloat16", "float16") -> the cutlass type."""
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+    """A dtype name ("bfloat16", "float16", "float8_e4m3fn") -> the cutlass type."""
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}[name]
+
+
+def _swizzle_bytes(dtype, head_dim: int) -> int:
+    """The swizzle span of a ``[rows, head_dim]`` tile: its row's bytes, at most 128."""
+    return min(128, head_dim * dtype.width // 8)
 
 
 def _smem_layout(dtype, rows: int, head_dim: int, stages: int | None = None):
-    """``[rows, head_dim]`` (x stages) K-major, 128-byte swizzled: TMA boxes of 128 B rows
-    and conflict-free ``ldmatrix`` (Swizzle<3,4,3> over 8 x 64 16-bit atoms)."""
-    elems = 1024 // dtype.width  # 128 bytes of elements
-    atom = cute.make_composed_layout(cute.make_swizzle(3, 4, 3), 0,
+    """``[rows, head_dim]`` (x stages) K-major, swizzled as the TMA writes it: 16-bit tiles and e4m3
+    pages of Di = 128 in 128-byte rows (Swizzle<3,4,3> over 8 x 128 B atoms: conflict-free
+    ``ldmatrix`` / word loads), e4m3 pages of Di = 64 in 64-byte rows (Swizzle<2,4,3>, 8 x 64 B)."""
+    row_bytes = _swizzle_bytes(dtype, head_dim)
+    elems = row_bytes * 8 // dtype.width
+    atom = cute.make_composed_layout(cute.make_swizzle({128: 3, 64: 2}[row_bytes], 4, 3), 0,
                                      cute.make_layout((8, elems), stride=(elems, 1)))
     if stages is None:
         return cute.tile_to_shape(atom, (rows, head_dim), (0, 1))
     return cute.tile_to_shape(atom, (rows, head_dim, stages), (0, 1, 2))
+
+
+def _k_byte(k):
+    """FP8 pages: the byte (dimension) of an index-K row that the MMA's k index ``k`` reads.
+
+    ``k = 16 kb + 8 h + 2 q + e`` (k block, half, the lane's index in its quad, element) ->
+    byte ``16 kb + 4 q + 2 h + e``: a B fragment's two registers of k block ``kb`` (halves h = 0, 1)
+    are the low and high half-words of ONE 32-bit word of the token's row, word ``q`` of its 16-byte
+    chunk ``kb``. The 8 tokens x 4 lanes of a warp's load then hit 32 different banks (the chunk
+    index is XOR-swizzled by the token's row, the word is the lane's). The query tile is stored
+    permuted the same way (column ``k`` of sQ holds dimension ``_k_byte(k)``): the dot is the same
+    sum, in another order inside each k block of 16."""
+    return (k // 16) * 16 + (k // 2 % 4) * 4 + (k // 8 % 2) * 2 + k % 2
+
+
+def _e4m3x2_to_f16x2(word: Int32):
+    """A word of four e4m3 bytes -> (f16x2 of bytes 0-1, f16x2 of bytes 2-3), exactly
+    (``cvt.rn.f16x2.e4m3x2``; every e4m3 value is a float16, NaN codes become NaN)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, {$r0}; "
+        "cvt.rn.f16x2.e4m3x2 {$w0}, lo; cvt.rn.f16x2.e4m3x2 {$w1}, hi; }",
+        write_only_types=[Int32, Int32], read_only_args=[word])
+
+
+def _f32_bits(x: Float32) -> Int32:
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[x])
+
+
+def _pow2(e: Int32) -> Float32:
+    """2^e for e in [-126, 127], exactly."""
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32],
+                                read_only_args=[(e + 127) << 23])
 
 
 def _mn_view(t: cute.Tensor) -> cute.Tensor:
@@ -98,8 +158,8 @@ def _mn_view(t: cute.Tensor) -> cute.Tensor:
 
 @cute.jit
 def index_scores_launch(
-    q_ptr: cute.Pointer,          # idx_q      [T, Hi, Di]            bf16/fp16, any strides
-    k_ptr: cute.Pointer,          # index_k    [pages, 128, Di]       same dtype, rows contiguous, 16 B aligned
+    q_ptr: cute.Pointer,          # idx_q      [T, Hi, Di]            bf16/fp16 (e4m3 with an e4m3 cache), any strides
+    k_ptr: cute.Pointer,          # index_k    [pages, 128, Di]       q's dtype or e4m3, rows contiguous, 16 B aligned
     table_ptr: cute.Pointer,      # block_table [R, max_blocks]       int32
     lens_ptr: cute.Pointer,       # seq_lens   [R]                    int32
     tile_map_ptr: cute.Pointer,   # tile_map   [num_tiles, 4]         int32, contiguous
@@ -123,7 +183,11 @@ def index_scores_launch(
     target_programs: cutlass.Constexpr,
 ):
     """Host side: views, the TMA descriptor, the grid; launches ``index_scores_kernel``."""
-    dtype = q_ptr.value_type
+    q_dtype = q_ptr.value_type
+    k_dtype = k_ptr.value_type
+    fp8 = k_dtype.width == 8                       # an e4m3 cache: f16 MMAs on widened pages
+    q_scaled = fp8 and q_dtype == cutlass.BFloat16   # a bf16 query moves to f16 (fp16_operand)
+    dtype = cutlass.Float16 if fp8 else q_dtype    # the MMA's operand type (sQ's elements)
     mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens, num_heads, head_dim),
                                                   stride=(stride_qt, stride_qh, stride_qd)))
     # (token, dim, page): a page is one TMA box, its id a TMA coordinate
@@ -136,22 +200,32 @@ def index_scores_launch(
                                                             stride=(stride_si, stride_st, stride_sb)))
 
     sQ_layout = _smem_layout(dtype, block_m, head_dim)
-    sK_layout = _smem_layout(dtype, PAGE_SIZE, head_dim, stages)
+    sK_layout = _smem_layout(k_dtype, PAGE_SIZE, head_dim, stages)
     tma_atom, tma_k = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mK,
                                                   cute.slice_(sK_layout, (None, None, 0)), (PAGE_SIZE, head_dim))
-    page_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, (None, None, 0)))
+    page_bytes = cute.size_in_bytes(k_dtype, cute.slice_(sK_layout, (None, None, 0)))
 
     # rows: block_m (tokens x heads); columns: the page's 128 tokens = 2 x (4 warps x 2 n8 atoms)
     tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (1, NUM_WARPS, 1),
                                     permutation_mnk=(16, 16 * NUM_WARPS, 16))
 
-    @cute.struct
-    class SharedStorage:
-        mbar: cute.struct.MemRange[Int64, stages * 2]
-        red: cute.struct.MemRange[Float32, 2 * NUM_WARPS * block_m]   # per-warp row maxima, 2 buffers
-        bad: cute.struct.MemRange[Int32, block_m]                     # row's query holds NaN/Inf
-        sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-        sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+    if const_expr(q_scaled):
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[Int64, stages * 2]
+            red: cute.struct.MemRange[Float32, 2 * NUM_WARPS * block_m]   # per-warp row maxima, 2 buffers
+            bad: cute.struct.MemRange[Int32, block_m]                     # row's query holds NaN/Inf
+            unscale: cute.struct.MemRange[Float32, block_m]               # row's 2^e (fp16_operand)
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[k_dtype, cute.cosize(sK_layout)], 1024]
+    else:
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[Int64, stages * 2]
+            red: cute.struct.MemRange[Float32, 2 * NUM_WARPS * block_m]   # per-warp row maxima, 2 buffers
+            bad: cute.struct.MemRange[Int32, block_m]                     # row's query holds NaN/Inf
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[k_dtype, cute.cosize(sK_layout)], 1024]
 
     # the block chunking of tuning.index_scores, from runtime sizes (one compiled kernel per shape class)
     chunks = cutlass.max(cutlass.min((target_programs + cutlass.max(num_tiles, 1) - 1) // cutlass.max(num_tiles, 1),
@@ -161,7 +235,7 @@ def index_scores_launch(
 
     index_scores_kernel(tma_atom, tma_k, mQ, mTable, mLens, mTileMap, mScores, max_blocks, blocks_per_program,
                         sQ_layout, sK_layout, tiled_mma, SharedStorage, page_bytes, num_heads, heads_pad, block_m,
-                        head_dim, stages).launch(
+                        head_dim, stages, fp8, q_scaled).launch(
         grid=[num_chunks, num_tiles, 1], block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
         stream=stream)
 
@@ -187,6 +261,8 @@ def index_scores_kernel(
     block_m: cutlass.Constexpr,
     head_dim: cutlass.Constexpr,
     stages: cutlass.Constexpr,
+    fp8: cutlass.Constexpr,          # e4m3 pages, widened to f16 in registers
+    q_scaled: cutlass.Constexpr,     # ... with a bf16 query moved to f16 by a power of two per row
 ):
     tidx, _, _ = cute.arch.thread_idx()
     chunk, tile, _ = cute.arch.block_idx()
@@ -214,6 +290,8 @@ def index_scores_kernel(
     sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)     # (128, Di, stages)
     sRed = storage.red.get_tensor(cute.make_layout((block_m, NUM_WARPS, 2)))
     sBad = storage.bad.get_tensor(cute.make_layout((block_m,)))
+    if const_expr(q_scaled):
+        sUnscale = storage.unscale.get_tensor(cute.make_layout((block_m,)))
 
     ring = pipeline.PipelineTmaAsync.create(
         num_stages=stages,
@@ -257,33 +335,83 @@ def index_scores_kernel(
     head_ld = m_ld % heads_pad
     valid_ld = (tok_ld < ntok) & (head_ld < num_heads)
     bad_ld = Int32(0)
-    for j in cutlass.range(head_dim // lanes_per_row, unroll=8):
-        d = d_ld + j * lanes_per_row
-        v = mQ.element_type(0)
-        if valid_ld:
-            v = mQ[tok0 + tok_ld, head_ld, d]
-        sQ[m_ld, d] = v
-        f = Float32(v)
-        if (f != f) | (f == Float32.inf) | (f == -Float32.inf):
-            bad_ld = Int32(1)
+    if const_expr(not fp8):
+        for j in cutlass.range(head_dim // lanes_per_row, unroll=8):
+            d = d_ld + j * lanes_per_row
+            v = mQ.element_type(0)
+            if valid_ld:
+                v = mQ[tok0 + tok_ld, head_ld, d]
+            sQ[m_ld, d] = v
+            f = Float32(v)
+            if (f != f) | (f == Float32.inf) | (f == -Float32.inf):
+                bad_ld = Int32(1)
+    else:
+        # FP8 pages: the tile in f16, its columns permuted as the pages' bytes are read (_k_byte).
+        # A bf16 query row is scaled by 2^-e as common.fp16_operand does (e from the row's largest
+        # finite magnitude: ceil(log2(amax)) - 15, at least -100; 0 for an all-zero row), exactly;
+        # its scores are multiplied by 2^e after the max. fp16 and e4m3 queries: as they are.
+        scale = Float32(1.0)
+        if const_expr(q_scaled):
+            amax = Float32(0.0)
+            for j in cutlass.range(head_dim // lanes_per_row, unroll=8):
+                a = Float32(0.0)
+                if valid_ld:
+                    a = Float32(mQ[tok0 + tok_ld, head_ld, d_ld + j * lanes_per_row])
+                    a = cute.arch.fmax(a, -a)
+                if a < Float32.inf:      # finite (NaN compares false)
+                    amax = cute.arch.fmax(amax, a)
+            for s in cutlass.range_constexpr(lanes_per_row.bit_length() - 1):   # max over the row's lanes
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << s))
+            e = Int32(0)
+            if amax > Float32(0.0):
+                bits = _f32_bits(amax)
+                ceil_log2 = (bits >> 23) - 127          # amax < 2^-126: clamped to -100 below
+                if (bits & 0x7FFFFF) != 0:
+                    ceil_log2 = ceil_log2 + 1
+                e = cutlass.max(ceil_log2 - 15, -100)
+            scale = _pow2(-e)
+            if d_ld == 0:
+                sUnscale[m_ld] = _pow2(e)
+        for j in cutlass.range(head_dim // lanes_per_row, unroll=8):
+            d = d_ld + j * lanes_per_row
+            f = Float32(0.0)
+            if valid_ld:
+                f = Float32(mQ[tok0 + tok_ld, head_ld, _k_byte(d)])
+            if const_expr(q_scaled):
+                sQ[m_ld, d] = cutlass.Float16(f * scale)
+            else:
+                sQ[m_ld, d] = cutlass.Float16(f)
+            if (f != f) | (f == Float32.inf) | (f == -Float32.inf):
+                bad_ld = Int32(1)
     for s in cutlass.range_constexpr(lanes_per_row.bit_length() - 1):   # OR over the row's lanes
         bad_ld = bad_ld | cute.arch.shuffle_sync_bfly(bad_ld, offset=1 << s)
     if d_ld == 0:
         sBad[m_ld] = bad_ld
     cute.arch.sync_threads()
 
-    # -- MMA partitions: Q and K from smem through ldmatrix
+    # -- MMA partitions: Q and K from smem through ldmatrix (FP8 pages: K through 32-bit words)
     thr_mma = tiled_mma.get_slice(tidx)
     tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-    tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
-    ldm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), mQ.element_type)
+    ldm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), sQ.element_type)
     thr_copy_q = cute.make_tiled_copy_A(ldm, tiled_mma).get_slice(tidx)
-    thr_copy_k = cute.make_tiled_copy_B(ldm, tiled_mma).get_slice(tidx)
     tSsQ = thr_copy_q.partition_S(sQ)
     tSrQ_view = thr_copy_q.retile(tSrQ)
-    tSsK = thr_copy_k.partition_S(sK)                   # (CPY, N, K, stages)
-    tSrK_view = thr_copy_k.retile(tSrK)
     k_blocks = cute.size(tSsQ.shape[2])
+    if const_expr(not fp8):
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        thr_copy_k = cute.make_tiled_copy_B(ldm, tiled_mma).get_slice(tidx)
+        tSsK = thr_copy_k.partition_S(sK)                   # (CPY, N, K, stages)
+        tSrK_view = thr_copy_k.retile(tSrK)
+    else:
+        # B fragments (f16) filled from the e4m3 stages: per k block and n8 atom one 32-bit word of
+        # the token's row (bytes _k_byte(k0) .. + 3, k0 the register pair's first k), the 128 B (64 B
+        # at Di = 64) swizzle of the TMA applied by hand, widened to the fragment's two registers
+        tSrK = cute.make_rmem_tensor(thr_mma.partition_shape_B((PAGE_SIZE, head_dim)), cutlass.Float16)
+        tSrK_w = cute.recast_tensor(tSrK, Int32)          # (2 registers, N, K)
+        tScK = thr_mma.partition_B(cute.make_identity_tensor((PAGE_SIZE, head_dim)))   # (n, k) of each element
+        sKw = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Int32),
+                               cute.make_layout((PAGE_SIZE * head_dim // 4, stages)))  # unswizzled words
+        swizzle_rows = const_expr(_swizzle_bytes(cutlass.Float8E4M3FN, head_dim) // 16 - 1)   # 7 or 3
     q_in_regs = const_expr(block_m * head_dim <= Q_IN_REGS_MAX)
     if const_expr(q_in_regs):
         for k in cutlass.range_constexpr(k_blocks):
@@ -300,6 +428,8 @@ def index_scores_kernel(
     valid_st = (tidx < block_m) & (tok_st < ntok) & (head_st < num_heads)
     pos_st = pos0 + tok_st
     bad_st = sBad[m_st]
+    if const_expr(q_scaled):
+        unscale_st = sUnscale[m_st]
 
     for i in cutlass.range(n_pages, unroll=1):
         block = b_begin + i
@@ -310,7 +440,16 @@ def index_scores_kernel(
         for k in cutlass.range_constexpr(k_blocks):
             if const_expr(not q_in_regs):
                 cute.copy(thr_copy_q, tSsQ[None, None, k], tSrQ_view[None, None, k])
-            cute.copy(thr_copy_k, tSsK[None, None, k, stage], tSrK_view[None, None, k])
+            if const_expr(not fp8):
+                cute.copy(thr_copy_k, tSsK[None, None, k, stage], tSrK_view[None, None, k])
+            else:
+                for j in cutlass.range_constexpr(cute.size(tSrK.shape[1])):
+                    n = tScK[0, j, k][0]
+                    byte = n * head_dim + _k_byte(tScK[0, j, k][1])
+                    byte = byte ^ (((byte >> 7) & swizzle_rows) << 4)
+                    lo, hi = _e4m3x2_to_f16x2(sKw[byte >> 2, stage])
+                    tSrK_w[0, j, k] = lo
+                    tSrK_w[1, j, k] = hi
             cute.gemm(tiled_mma, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
         ring.consumer_release(consume)
         consume.advance()
@@ -347,6 +486,8 @@ def index_scores_kernel(
             best = sRed[m_st, 0, buf]
             for w in cutlass.range_constexpr(1, NUM_WARPS):
                 best = cute.arch.fmax(best, sRed[m_st, w, buf])
+            if const_expr(q_scaled):
+                best = best * unscale_st
             if (bad_st != 0) & (block * PAGE_SIZE <= pos_st):
                 best = Float32(float("nan"))
             mScores[head_st, tok0 + tok_st, block] = best
@@ -366,12 +507,13 @@ def index_scores_kernel(
 def index_scores_xla(
     stream: cuda.CUstream,
     idx_q: cute.Tensor,           # [T, Hi, Di] row-major
-    index_k: cute.Tensor,         # the flat buffer holding the index-K cache (a PagedView's buffer)
+    index_k: cute.Tensor,         # the flat buffer holding the index-K cache (a PagedView's buffer, any dtype)
     block_table: cute.Tensor,     # [R, max_blocks] int32 row-major
     seq_lens: cute.Tensor,        # [R] int32
     tile_map: cute.Tensor,        # [num_tiles, 4] int32
     scores: cute.Tensor,          # [Hi, T, max_blocks] fp32 row-major (output)
     *,
+    k_dtype: cutlass.Constexpr,   # the cache's element type name (the view's: a byte pool's e4m3 sub-pages)
     k_offset: cutlass.Constexpr,
     k_stride_page: cutlass.Constexpr,
     k_stride_token: cutlass.Constexpr,
@@ -384,9 +526,13 @@ def index_scores_xla(
     target_programs: cutlass.Constexpr,
 ):
     """``cutlass.jax.cutlass_call`` entry: dense row-major arrays (sizes from their runtime shapes)
-    and the index-K cache as (flat buffer, static offset/strides) -> ``index_scores_launch``."""
+    and the index-K cache as (flat buffer, static offset/strides in ``k_dtype`` elements) ->
+    ``index_scores_launch``."""
+    k_iter = index_k.iterator
+    if const_expr(index_k.element_type != dtype_of(k_dtype)):
+        k_iter = cute.recast_ptr(k_iter, dtype=dtype_of(k_dtype))
     index_scores_launch(
-        idx_q.iterator, index_k.iterator + k_offset, block_table.iterator, seq_lens.iterator, tile_map.iterator,
+        idx_q.iterator, k_iter + k_offset, block_table.iterator, seq_lens.iterator, tile_map.iterator,
         scores.iterator,
         idx_q.shape[0], block_table.shape[0], block_table.shape[1], num_pages, tile_map.shape[0],
         idx_q.layout.stride[0], idx_q.layout.stride[1], idx_q.layout.stride[2],

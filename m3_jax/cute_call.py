@@ -4,7 +4,8 @@ The same kernel as ``m3_torch.cute_ops`` (``m3_kernels.cute_index``), entered
 through ``cute_index.index_scores_xla``: dense row-major arrays whose sizes
 reach the kernel at run time (one compiled kernel per shape class, as with
 torch), and the index-K cache as the flat buffer of its PagedView with the
-view's offset and strides as compile-time constants. Works under ``jax.jit``
+view's dtype, offset and strides as compile-time constants (a byte pool's e4m3
+or bf16 sub-pages: the kernel reads the buffer as the view's dtype). Works under ``jax.jit``
 (an XLA FFI custom call; XLA may put it in its command buffers). GPU only:
 the public ops refuse ``backend="cutedsl"`` on a CPU backend before this runs.
 """
@@ -22,7 +23,7 @@ from .views import PagedView
 COMPILE_OPTIONS: str | None = None
 # Names the kernel for cutlass_call's compile cache (which adds the shapes, dtypes and keyword
 # constants itself), so a cache hit under a new trace skips regenerating the kernel's IR.
-_COMPILE_KEY = ("m3_kernels.cute_index.index_scores_xla", 1)
+_COMPILE_KEY = ("m3_kernels.cute_index.index_scores_xla", 2)
 
 
 def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, tile: maps.RowTile):
@@ -41,7 +42,7 @@ def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, til
 
     cfg = tuning.cutedsl_index_scores(head_dim=head_dim)
     call = cutlass_call(ci.index_scores_xla, output_shape_dtype=jax.ShapeDtypeStruct(shape, jnp.float32),
-                        k_offset=index_k.offset, k_stride_page=index_k.strides[0], k_stride_token=index_k.strides[1],
+                        k_dtype=jnp.dtype(index_k.dtype).name, k_offset=index_k.offset, k_stride_page=index_k.strides[0], k_stride_token=index_k.strides[1],
                         num_pages=index_k.shape[0], num_heads=num_heads, heads_pad=tile.heads_pad,
                         block_m=tile.block_m, head_dim=head_dim, stages=cfg.stages,
                         target_programs=cfg.target_programs, compile_options=COMPILE_OPTIONS,

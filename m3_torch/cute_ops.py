@@ -7,8 +7,8 @@ strides (no DLPack round trip per call), so any strided ``out`` (the
 transposed view of a graph-stable buffer) and strided ``idx_q`` work, on the
 current CUDA stream.
 
-Compiled once per shape class (dtype, Hi, row tile, Di, stages, program
-target) on the first call, per device, and cached for the process. That
+Compiled once per shape class (idx_q dtype, Hi, row tile, Di, stages, program
+target, index-K cache dtype: bf16/fp16 as idx_q, or float8_e4m3fn) on the first call, per device, and cached for the process. That
 first call must be eager: compiling or loading the module inside a CUDA-graph
 capture is refused with an error (run one eager warm-up call, as a decode
 step does before it is captured). Later calls, captured or not, only launch:
@@ -31,11 +31,20 @@ _compiled: dict = {}
 _ALIGN = dict(q=2, k=16, table=4, lens=4, tile_map=4, scores=4)
 
 
-def shape_class(dtype: str, num_heads: int, tokens_per_tile: int, head_dim: int) -> tuple:
-    """What one compiled kernel is specialized on: (dtype, Hi, heads_pad, block_m, Di, stages, target)."""
+def _align(name: str, elem) -> int:
+    """The alignment (bytes) the kernel may assume of a pointer: idx_q's element size (1 for an
+    e4m3 query), the others fixed."""
+    return elem.width // 8 if name == "q" else _ALIGN[name]
+
+
+def shape_class(dtype: str, num_heads: int, tokens_per_tile: int, head_dim: int,
+                cache_dtype: str | None = None) -> tuple:
+    """What one compiled kernel is specialized on: (dtype, Hi, heads_pad, block_m, Di, stages, target,
+    cache dtype); ``cache_dtype`` (of index_k_cache) defaults to idx_q's ``dtype``."""
     tile = maps.index_tile(num_heads, tokens_per_tile)
     cfg = tuning.cutedsl_index_scores(head_dim=head_dim)
-    return (dtype, num_heads, tile.heads_pad, tile.block_m, head_dim, cfg.stages, cfg.target_programs)
+    return (dtype, num_heads, tile.heads_pad, tile.block_m, head_dim, cfg.stages, cfg.target_programs,
+            dtype if cache_dtype is None else cache_dtype)
 
 
 def compile_index_scores(key: tuple, arch: str | None = None):
@@ -49,12 +58,11 @@ def compile_index_scores(key: tuple, arch: str | None = None):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    dtype, num_heads, heads_pad, block_m, head_dim, stages, target = key
-    elem = ci.dtype_of(dtype)
+    dtype, num_heads, heads_pad, block_m, head_dim, stages, target, cache_dtype = key
     gmem = cute.AddressSpace.gmem
-    types = dict(q=elem, k=elem, table=cutlass.Int32, lens=cutlass.Int32, tile_map=cutlass.Int32,
-                 scores=cutlass.Float32)
-    ptrs = [make_ptr(types[n], 1 << 16, gmem, assumed_align=_ALIGN[n]) for n in _ALIGN]
+    types = dict(q=ci.dtype_of(dtype), k=ci.dtype_of(cache_dtype), table=cutlass.Int32, lens=cutlass.Int32,
+                 tile_map=cutlass.Int32, scores=cutlass.Float32)
+    ptrs = [make_ptr(types[n], 1 << 16, gmem, assumed_align=_align(n, types[n])) for n in _ALIGN]
     sizes = [1] * 5 + [1] * 11          # num_tokens .. num_tiles, then the strides (runtime values)
     options = f"--gpu-arch {arch}" if arch else None
     kwargs = {} if options is None else dict(options=options)
@@ -98,7 +106,8 @@ def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: 
     if num_tokens == 0 or num_tiles == 0 or max_blocks == 0:
         return
     _check_index_k(index_k_cache)
-    key = shape_class(str(idx_q.dtype).removeprefix("torch."), num_heads, tokens_per_tile, head_dim)
+    key = shape_class(str(idx_q.dtype).removeprefix("torch."), num_heads, tokens_per_tile, head_dim,
+                      str(index_k_cache.dtype).removeprefix("torch."))
     device = out.device
     fn = _compiled_for(key, device)
     import cuda.bindings.driver as cuda
@@ -107,10 +116,10 @@ def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: 
     from cutlass.cute.runtime import make_ptr
 
     ci = backends.cutedsl_module()
-    elem = ci.dtype_of(key[0])
+    q_elem, k_elem = ci.dtype_of(key[0]), ci.dtype_of(key[-1])   # a byte pool's sub-pages: their own type
     gmem = cute.AddressSpace.gmem
-    ptrs = [make_ptr(dt, t.data_ptr(), gmem, assumed_align=_ALIGN[n]) for n, dt, t in (
-        ("q", elem, idx_q), ("k", elem, index_k_cache), ("table", cutlass.Int32, block_table),
+    ptrs = [make_ptr(dt, t.data_ptr(), gmem, assumed_align=_align(n, dt)) for n, dt, t in (
+        ("q", q_elem, idx_q), ("k", k_elem, index_k_cache), ("table", cutlass.Int32, block_table),
         ("lens", cutlass.Int32, seq_lens), ("tile_map", cutlass.Int32, tile_map), ("scores", cutlass.Float32, out))]
     with torch.cuda.device(device):
         stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)

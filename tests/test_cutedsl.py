@@ -11,7 +11,10 @@ rows, shuffled tables with garbage past the visible blocks, strided idx_q and
 transposed outputs, pool views; NaN/Inf rules; selected ids equal wherever the
 top-k margin exceeds that rounding; torch and JAX launches bit-identical;
 CUDA-graph replay with new lengths equals eager; the msa ops with either
-backend agree.
+backend agree. e4m3 (float8_e4m3fn) index caches with bf16, fp16 and e4m3
+queries run through all of these (the ``fp8`` cases), plus NaN codes in stale
+cache rows and bf16 query rows far outside float16's range (the per-row
+power-of-two scaling of ``common.fp16_operand``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import m3_jax
 import m3_torch
 from m3_kernels import backends, maps, planner, tuning
 
-from cases import GPU_CASES, CASES, TOLERANCE, Case, decode, make_inputs, prefill, rel_err, step
+from cases import E4M3, GPU_CASES, CASES, TOLERANCE, Case, decode, make_inputs, prefill, rel_err, step
 from targets import (Target, _poisoned_out, _strided, assert_same_bits, jax_inputs, targets, to_jax,
                      to_torch)
 from m3_torch import reference as ref
@@ -79,9 +82,10 @@ def test_backend_names_and_env_default(monkeypatch):
     assert backends.indexer_backend() == "triton"
 
 
-def check(backend="cutedsl", *, num_heads=4, head_dim=128, dtype="bfloat16", device="cuda", capability=(9, 0)):
+def check(backend="cutedsl", *, num_heads=4, head_dim=128, dtype="bfloat16", device="cuda", capability=(9, 0),
+          cache_dtype=None):
     return backends.check_indexer_backend(backend, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
-                                          device=device, capability=capability)
+                                          device=device, capability=capability, cache_dtype=cache_dtype)
 
 
 def test_cutedsl_requirements_in_order(monkeypatch):
@@ -91,9 +95,15 @@ def test_cutedsl_requirements_in_order(monkeypatch):
         check(head_dim=256, device="cpu")
     with pytest.raises(TypeError, match="float32"):
         check(dtype="float32", device="cpu")
-    with pytest.raises(TypeError, match="index_k_cache float8_e4m3fn"):   # e4m3 caches: not yet
-        backends.check_indexer_backend("cutedsl", num_heads=4, head_dim=128, dtype="bfloat16",
-                                       cache_dtype="float8_e4m3fn", device="cuda", capability=(9, 0))
+    # e4m3 index caches pass the dtype check (then fail on the device here), with any supported query
+    for dtype in ("bfloat16", "float16", E4M3):
+        with pytest.raises(RuntimeError, match="runs on cpu"):
+            check(dtype=dtype, cache_dtype=E4M3, device="cpu", capability=None)
+    # ... other pairs do not: another FP8 format, a float32 query, an e4m3 query on a 16-bit cache, mixed 16-bit
+    for dtype, cache_dtype in (("bfloat16", "float8_e5m2"), ("float32", E4M3), (E4M3, "bfloat16"),
+                               ("bfloat16", "float16"), ("float8_e5m2", "float8_e5m2"), ("float32", "float32")):
+        with pytest.raises(TypeError, match=f"idx_q {dtype} and index_k_cache {cache_dtype}; use backend='triton'"):
+            check(dtype=dtype, cache_dtype=cache_dtype, device="cpu", capability=None)
     with pytest.raises(ValueError, match="Hi=200"):
         check(num_heads=200)
     with pytest.raises(RuntimeError, match="runs on cpu"):
@@ -111,6 +121,8 @@ def test_cutedsl_requirements_in_order(monkeypatch):
 @needs_cutedsl
 def test_cutedsl_accepted_where_it_can_run():
     assert check() == "cutedsl" and check(head_dim=64, dtype="float16", capability=(12, 0)) == "cutedsl"
+    for dtype in ("bfloat16", "float16", E4M3):
+        assert check(dtype=dtype, cache_dtype=E4M3) == "cutedsl"
 
 
 # -- the switch on every op that scores, both frameworks (CPU) -----------------------------------
@@ -218,9 +230,12 @@ class _NoKernels:
 
 # -- compiling for Hopper without a GPU ---------------------------------------------------------
 
-SHAPE_CLASSES = [  # (dtype, Hi, tokens per tile, Di): decode, MTP, prefill tiles, a TP rank, 16 heads
+SHAPE_CLASSES = [  # (dtype, Hi, tokens per tile, Di[, cache dtype]): decode, MTP, prefill tiles, a TP rank, 16 heads
     ("bfloat16", 4, 1, 128), ("bfloat16", 4, 8, 128), ("float16", 1, 1, 64), ("bfloat16", 16, 8, 128),
     ("float16", 3, 2, 64),
+    # e4m3 index caches: bf16 queries (scaled to f16), fp16 and e4m3 ones; 128 B and 64 B page rows
+    ("bfloat16", 4, 1, 128, E4M3), ("bfloat16", 4, 8, 128, E4M3), ("float16", 1, 1, 64, E4M3),
+    ("bfloat16", 16, 8, 128, E4M3), ("bfloat16", 3, 2, 64, E4M3), (E4M3, 4, 8, 128, E4M3), (E4M3, 2, 1, 64, E4M3),
 ]
 
 
@@ -234,8 +249,10 @@ def test_compiles_for_hopper_torch_path(shape):
 
 
 @needs_cutedsl
-def test_compiles_for_hopper_jax_path(monkeypatch):
-    """``cutlass_call`` lowers the same kernel for a CUDA platform (no GPU: cross-platform lowering)."""
+@pytest.mark.parametrize("cache", ["bfloat16", E4M3])
+def test_compiles_for_hopper_jax_path(monkeypatch, cache):
+    """``cutlass_call`` lowers the same kernel for a CUDA platform (no GPU: cross-platform lowering);
+    an e4m3 index cache as the float8_e4m3fn view of a byte (uint8) pool."""
     import cutlass.jax
     if not cutlass.jax.is_available():
         pytest.skip("cutlass.jax (CuTeDSL's JAX extension) is not available with this jax")
@@ -244,13 +261,14 @@ def test_compiles_for_hopper_jax_path(monkeypatch):
     monkeypatch.setattr(cute_call, "COMPILE_OPTIONS", "--gpu-arch sm_90a")
     T, Hi, Di, R, MB, pages = 8, 4, 128, 8, 10, 100
     tile = maps.index_tile(Hi, 1)
+    pool_dtype = jax.numpy.uint8 if cache == E4M3 else jax.numpy.bfloat16
 
     def f(idx_q, pool, table, lens, tile_map):   # index-K: layer 1 of a two-layer pool, 16 elements in
-        view = PagedView(pool, 16 + 128 * Di, (pages, 128, Di), (2 * 128 * Di, Di, 1))
+        view = PagedView(pool, 16 + 128 * Di, (pages, 128, Di), (2 * 128 * Di, Di, 1), dtype=cache)
         return cute_call.index_scores(idx_q, view, table, lens, tile_map, tile)
 
     shapes = [jax.ShapeDtypeStruct((T, Hi, Di), jax.numpy.bfloat16),
-              jax.ShapeDtypeStruct((16 + pages * 2 * 128 * Di,), jax.numpy.bfloat16),
+              jax.ShapeDtypeStruct((16 + pages * 2 * 128 * Di,), pool_dtype),
               jax.ShapeDtypeStruct((R, MB), jax.numpy.int32), jax.ShapeDtypeStruct((R,), jax.numpy.int32),
               jax.ShapeDtypeStruct((R, 4), jax.numpy.int32)]
     text = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
@@ -271,8 +289,23 @@ CUTE_CASES = [c for c in CASES + GPU_CASES if _eligible(c)] + [
     prefill("cute_prefill_chunks", (300, 5, 1, 0, 17), (557, 205, 1, 0, 1000), hq=8, hk=2, d=64, di=64, strided=True),
     prefill("cute_prefill_h16", (40, 9, 3), (600, 9, 2), hq=16, hk=16, d=64, di=128, dtype="float16"),
     prefill("cute_prefill_kv0_pool", (7, 2, 3), (4, 131, 0), hq=2, hk=2, d=64, di=64, kv_layout="pool"),
+    # e4m3 index caches (GPU_CASES add M3 shapes: bf16 q in a byte pool, fp16 q on a TP rank, an e4m3 q in prefill)
+    decode("cute_fp8_m3_b32_n1", tuple(range(100, 32 * 511, 511)), index_dtype=E4M3, **M3),
+    decode("cute_fp8_di64_n1", (1, 127, 128, 129, 3000, 0, 2049), hq=4, hk=2, d=64, di=64, index_dtype=E4M3),
+    decode("cute_fp8_mtp8_h16_fp16", (1000, 8, 0, 129), n=8, hq=16, hk=16, d=64, di=128, dtype="float16",
+           index_dtype=E4M3),
+    decode("cute_fp8_h3_n2_di64_strided", (700, 129, 1, 0), n=2, hq=6, hk=3, d=64, di=64, strided=True,
+           index_dtype=E4M3),
+    decode("cute_fp8_q_n4_di64", (900, 3, 0, 260), n=4, hq=4, hk=2, d=64, di=64, index_dtype=E4M3, fp8_idx_q=True),
+    prefill("cute_fp8_prefill_chunks_di64", (300, 5, 1, 0, 17), (557, 205, 1, 0, 1000), hq=8, hk=2, d=64, di=64,
+            strided=True, index_dtype=E4M3),
+    prefill("cute_fp8_prefill_h16_fp16", (40, 9, 3), (600, 9, 2), hq=16, hk=16, d=64, di=128, dtype="float16",
+            index_dtype=E4M3),
+    prefill("cute_fp8_prefill_kv0_pool", (7, 2, 3), (4, 131, 0), hq=2, hk=2, d=64, di=64, kv_layout="pool",
+            index_dtype=E4M3),
 ]
 CUTE_IDS = [c.name for c in CUTE_CASES]
+FP8_CASES = [c for c in CUTE_CASES if c.index_dtype == E4M3]
 
 
 def _gpu_inputs(case: Case) -> dict:
@@ -299,20 +332,23 @@ def torch_scores(case: Case, backend: str, over: dict | None = None) -> torch.Te
 def rounding_bound(case: Case) -> torch.Tensor:
     """Per score: 8 * Di * 2^-24 * max over the block of sum |q_d k_d| (float32 reordering error bound)."""
     x = make_inputs(case)
-    absmax = ref.index_scores_ref(x["idx_q"].abs(), x["index_k_cache"].abs(), x["block_table"], x["seq_lens"],
-                                  case.q_lens)
+    return _bound(x["idx_q"], x["index_k_cache"], x["block_table"], x["seq_lens"], case)
+
+
+def _bound(idx_q, index_k, block_table, seq_lens, case: Case) -> torch.Tensor:
+    absmax = ref.index_scores_ref(idx_q.float().abs(), index_k.float().abs(), block_table, seq_lens, case.q_lens)
     return (8 * case.di * 2.0 ** -24 * absmax.clamp(min=1.0)).float()
 
 
-def assert_scores_match(got: torch.Tensor, want: torch.Tensor, case: Case):
-    """Same -inf/NaN pattern, finite entries within the rounding bound."""
+def assert_scores_match(got: torch.Tensor, want: torch.Tensor, case: Case, bound: torch.Tensor | None = None):
+    """Same -inf/NaN pattern, finite entries within the rounding bound (default: of the case's inputs)."""
     assert got.shape == want.shape and got.dtype == want.dtype == torch.float32
     assert torch.equal(torch.isnan(got), torch.isnan(want)), "NaN pattern differs"
     assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "-inf pattern differs"
     finite = torch.isfinite(want)
     assert torch.isfinite(got[finite]).all()
     err = (got - want).abs()[finite]
-    bound = rounding_bound(case)[finite]
+    bound = (rounding_bound(case) if bound is None else bound)[finite]
     assert (err <= bound).all(), f"max error {err.max():.3g} (bound there {bound[err.argmax()]:.3g})"
 
 
@@ -354,11 +390,26 @@ def test_selection_equal_where_the_margin_allows(case):
     assert torch.equal(ids[0][rows], ids[1][rows])
 
 
-@pytest.mark.parametrize("case", [CUTE_CASES[0], GPU_CASES[2]], ids=lambda c: c.name)
+def _nan_fill(t: torch.Tensor, index, inf: bool = False):
+    """``t[index] = NaN`` (or +Inf) in place; e4m3: the NaN code 0x7F (e4m3 has no Inf: the largest
+    value, 448, instead)."""
+    if t.dtype == torch.float8_e4m3fn:
+        t.view(torch.uint8)[index] = 0x7E if inf else 0x7F
+    else:
+        t[index] = math.inf if inf else math.nan
+
+
+POISON_CASES = [CUTE_CASES[0], GPU_CASES[2]] + [c for c in FP8_CASES if c.name in (
+    "cute_fp8_di64_n1", "cute_fp8_mtp8_h16_fp16", "cute_fp8_q_n4_di64")] + [
+    c for c in GPU_CASES if c.name == "m3_fp8_both_n2_pool"]
+
+
+@pytest.mark.parametrize("case", POISON_CASES, ids=lambda c: c.name)
 @on_gpu
 def test_poisoned_cache_rows_and_nan_queries(case):
-    """Invisible index-K rows (past seq_len in a used page, unused pages) hold NaN: no score sees them.
-    A NaN or Inf in a query row: NaN on its visible blocks, -inf past them, as the Triton backend."""
+    """Invisible index-K rows (past seq_len in a used page, unused pages) hold NaN (e4m3 caches: the
+    NaN code): no score sees them. A NaN or Inf in a query row (an e4m3 query: a NaN code): NaN on its
+    visible blocks, -inf past them, as the Triton backend."""
     x = _gpu_inputs(case)
     ik = x["index_k_cache"].clone()
     table = x["block_table"].cpu()
@@ -368,18 +419,46 @@ def test_poisoned_cache_rows_and_nan_queries(case):
         pages = table[r, :nb].long()
         used[pages] = True
         if s % 128:
-            ik[int(pages[-1]), s % 128:] = math.nan
-    ik[~used.cuda()] = math.nan
+            _nan_fill(ik, (int(pages[-1]), slice(s % 128, None)))
+    _nan_fill(ik, ~used.cuda())
+    assert ik.float().isnan().any()
     clean = torch_scores(case, "cutedsl")
     poisoned = torch_scores(case, "cutedsl", dict(index_k_cache=ik))
     assert torch.equal(poisoned, clean)
     iq = x["idx_q"].clone()
-    iq[0, 0, 3] = math.nan
-    iq[-1, -1, 0] = math.inf
+    _nan_fill(iq, (0, 0, 3))
+    if iq.dtype != torch.float8_e4m3fn:
+        _nan_fill(iq, (-1, -1, 0), inf=True)
     got, want = (torch_scores(case, b, dict(idx_q=iq)) for b in ("cutedsl", "triton"))
     assert torch.isnan(got).any()
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isneginf(got),
                                                                             torch.isneginf(want))
+
+
+@pytest.mark.parametrize("dtype, di", [("bfloat16", 128), ("bfloat16", 64), ("float16", 128)])
+@on_gpu
+def test_fp8_cache_queries_of_any_magnitude(dtype, di):
+    """e4m3 index cache: bf16 query rows past float16's range (2^17 x) and below its normal range
+    (2^-20 x) in the same tiles as ordinary rows; an all-zero row. The CuTeDSL scorer moves a bf16
+    row to float16 by the power of two of common.fp16_operand (exactly), so every row equals the
+    Triton backend's within the rounding bound of its own scale. fp16 queries: used as they are."""
+    case = decode(f"cute_fp8_q_range_{dtype}_{di}", (300, 129, 4000, 1), n=2, hq=8, hk=4, d=64, di=di,
+                  dtype=dtype, index_dtype=E4M3)
+    x = _gpu_inputs(case)
+    iq = x["idx_q"].float().clone()
+    big, small = (2.0 ** 17, 2.0 ** -20) if dtype == "bfloat16" else (2.0 ** 6, 2.0 ** -6)
+    iq[0, 0] *= big
+    iq[0, 1] *= small
+    iq[3, 2] *= big
+    iq[5, 3] = 0.0
+    iq = iq.to(x["idx_q"].dtype)
+    if dtype == "bfloat16":
+        assert iq[0, 0].float().abs().max() > 65504 and iq[0, 1].float().abs().max() < 2 ** -14
+    got, want = (torch_scores(case, b, dict(idx_q=iq)) for b in ("cutedsl", "triton"))
+    bound = _bound(iq.cpu(), x["index_k_cache"].cpu(), x["block_table"].cpu(), x["seq_lens"].cpu(), case)
+    assert_scores_match(got, want, case, bound)
+    zero_row = want[3, 5][torch.isfinite(want[3, 5])]
+    assert zero_row.numel() and (zero_row == 0).all()
 
 
 @pytest.mark.parametrize("backend", ["triton", "cutedsl"])
@@ -422,10 +501,12 @@ def test_torch_and_jax_bit_identical(case):
     assert_same_bits(to_torch(got), torch_scores(case, "cutedsl").contiguous())
 
 
+@pytest.mark.parametrize("index_dtype", ["auto", E4M3])
 @on_gpu
-def test_graph_replay_with_new_lengths_equals_eager():
+def test_graph_replay_with_new_lengths_equals_eager(index_dtype):
     """Capture index_scores and msa_decode (cutedsl) once; new lengths and tables replay as eager calls."""
-    case = decode("cute_graph", (3000, 129, 0, 700), n=2, **M3)
+    case = decode("cute_graph" if index_dtype == "auto" else "cute_graph_fp8", (3000, 129, 0, 700), n=2,
+                  index_dtype=index_dtype, **M3)
     x = {k: v.clone() for k, v in _gpu_inputs(case).items()}
     # every entry a valid page, so any new length up to the table's width reads real pages
     pages = x["index_k_cache"].shape[0]
@@ -475,7 +556,8 @@ def test_first_call_inside_a_capture_is_refused():
                 m3_torch.index_scores(*args, decode_query_len=case.n, out=out, backend="cutedsl")
 
 
-MSA_CASES = [GPU_CASES[0], GPU_CASES[2], GPU_CASES[5], CUTE_CASES[-3]]
+MSA_CASES = [GPU_CASES[0], GPU_CASES[2], GPU_CASES[5]] + [c for c in CUTE_CASES if c.name in (
+    "cute_prefill_chunks", "m3_fp8_both_n2_pool", "m3_fp8_prefill_nhd", "cute_fp8_prefill_chunks_di64")]
 
 
 @pytest.mark.parametrize("case", MSA_CASES, ids=lambda c: c.name)
@@ -486,6 +568,9 @@ def test_msa_ops_agree_across_backends(case):
     x = _gpu_inputs(case)
     meta = dict(decode_query_len=case.n) if case.decode else dict(cu_seqlens_q=x["cu_seqlens_q"])
     fn = m3_torch.msa_decode if case.decode else m3_torch.msa_prefill
+    if case.kv_dtype == E4M3:
+        meta.update(k_scale=torch.tensor(case.scales[0], device="cuda"),
+                    v_scale=torch.tensor(case.scales[1], device="cuda"))
     results = [fn(x["q"], x["idx_q"], x["k_cache"], x["v_cache"], x["index_k_cache"], x["block_table"],
                   x["seq_lens"], topk=case.topk, backend=b, **meta) for b in ("triton", "cutedsl")]
     (out_t, ids_t), (out_c, ids_c) = ((o.cpu(), i.cpu()) for o, i in results)
