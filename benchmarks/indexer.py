@@ -11,7 +11,8 @@ idx_q + scores, over the copy bandwidth measured first). Prints and writes
 * cutedsl >= 95% of the index floor at batch >= 32 and context >= 16k,
 * cutedsl faster than Triton at batch <= 8.
 
-``--sweep``: also times the CuTeDSL scorer over pipeline stages and program
+``--index-fp8``: the same with an e4m3 index-K cache (its floor counts one
+byte per element). ``--sweep``: also times the CuTeDSL scorer over pipeline stages and program
 targets (``tuning.CUTEDSL_STAGES`` / ``CUTEDSL_TARGET_PROGRAMS``) on a few
 cases, to pick the table's values. ``--jax``: the jitted JAX ``msa_decode``
 with each backend at batch >= 32, 16k (steady-state throughput).
@@ -35,11 +36,16 @@ from .run import CONFIGS, L2_BYTES, PAGE, TOPK, Pool, copy_bandwidth, floors, ma
 BACKENDS = ("triton", "cutedsl")
 
 
-def case_rows(pool, cfg_name, cfg, batch, context, n, bw, jax_too):
+def case_rows(pool, cfg_name, cfg, batch, context, n, bw, jax_too, ik):
+    """``ik``: the index-K cache (pool.ik, or an e4m3 copy of it)."""
     probe = make_step_inputs(pool, cfg, batch, context, n, seed=1)
-    _, ids = m3_torch.msa_decode(probe["q"], probe["idx_q"], pool.k, pool.v, pool.ik, probe["block_table"],
+    _, ids = m3_torch.msa_decode(probe["q"], probe["idx_q"], pool.k, pool.v, ik, probe["block_table"],
                                  probe["seq_lens"], decode_query_len=n, topk=TOPK)
     need = floors(probe, ids, cfg, n)
+    if ik.element_size() == 1:   # floors() counts two bytes per index-K element
+        fewer = int(((probe["lens"].long() + PAGE - 1) // PAGE).sum()) * PAGE * 128
+        need["index_scores"] -= fewer
+        need["msa_decode"] -= fewer
     rot = max(1, min(16, math.ceil(4 * L2_BYTES / max(need["index_scores"], 1))))
     sets = [probe] + [make_step_inputs(pool, cfg, batch, context, n, seed=s) for s in range(2, rot + 1)]
     scores = [torch.empty(cfg["hk"], s["q"].shape[0], s["block_table"].shape[1], device="cuda") for s in sets]
@@ -48,10 +54,10 @@ def case_rows(pool, cfg_name, cfg, batch, context, n, bw, jax_too):
     for backend in BACKENDS:
         steps = {
             "index_scores": [lambda s=s, o=o, b=backend: m3_torch.index_scores(
-                s["idx_q"], pool.ik, s["block_table"], s["seq_lens"], decode_query_len=n, out=o, backend=b)
+                s["idx_q"], ik, s["block_table"], s["seq_lens"], decode_query_len=n, out=o, backend=b)
                 for s, o in zip(sets, scores)],
             "msa_decode": [lambda s=s, o=o, b=backend: m3_torch.msa_decode(
-                s["q"], s["idx_q"], pool.k, pool.v, pool.ik, s["block_table"], s["seq_lens"], decode_query_len=n,
+                s["q"], s["idx_q"], pool.k, pool.v, ik, s["block_table"], s["seq_lens"], decode_query_len=n,
                 topk=TOPK, out=o, backend=b) for s, o in zip(sets, outs)],
         }
         for op, fns in steps.items():
@@ -60,20 +66,20 @@ def case_rows(pool, cfg_name, cfg, batch, context, n, bw, jax_too):
                              floor_us=need[op] / bw * 1e6, pct_floor=100 * need[op] / bw * 1e6 / us,
                              rotation=len(fns)))
         if jax_too and batch >= 32 and context == 16384:
-            us = jax_msa_us(pool, sets, n, backend)
+            us = jax_msa_us(pool, sets, n, backend, ik)
             rows.append(dict(config=cfg_name, batch=batch, context=context, n=n, op="jax_msa_decode",
                              backend=backend, us=us, floor_us=need["msa_decode"] / bw * 1e6,
                              pct_floor=100 * need["msa_decode"] / bw * 1e6 / us, rotation=len(sets)))
     return rows
 
 
-def jax_msa_us(pool, sets, n, backend, calls=20, reps=5):
+def jax_msa_us(pool, sets, n, backend, ik, calls=20, reps=5):
     import statistics
 
     import jax
     import m3_jax
 
-    cache = [jax.dlpack.from_dlpack(t) for t in (pool.k, pool.v, pool.ik)]
+    cache = [jax.dlpack.from_dlpack(t) for t in (pool.k, pool.v, ik)]
     per_set = [[jax.dlpack.from_dlpack(s[k]) for k in ("q", "idx_q", "block_table", "seq_lens")] for s in sets]
 
     @jax.jit
@@ -185,6 +191,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few cases only")
     ap.add_argument("--sweep", action="store_true", help="also sweep the CuTeDSL stages and program targets")
     ap.add_argument("--jax", action="store_true", help="also time the jitted JAX msa_decode (b >= 32, 16k)")
+    ap.add_argument("--index-fp8", action="store_true", help="an e4m3 index-K cache")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results/latest"), "indexer"))
     ap.add_argument("--budget-s", type=float, default=400, help="stop starting new cases after this")
     args = ap.parse_args()
@@ -192,7 +199,7 @@ def main():
     bw = copy_bandwidth()
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_tbps=bw / 1e12,
                 command="python3 -m benchmarks.indexer" + "".join(
-                    f" --{k}" for k in ("quick", "sweep", "jax") if getattr(args, k)),
+                    f" --{k.replace('_', '-')}" for k in ("quick", "sweep", "jax", "index_fp8") if getattr(args, k)),
                 torch=torch.__version__, triton=__import__("triton").__version__)
     try:
         import importlib.metadata
@@ -207,13 +214,14 @@ def main():
     rows, sweep = [], []
     for cfg_name, cfg in CONFIGS.items():
         pool = Pool(cfg, max(batches) * -(-int(max(contexts) * 1.1) // PAGE) + 64)
+        ik = pool.ik.to(torch.float8_e4m3fn) if args.index_fp8 else pool.ik
         for n in (1, 8):
             for batch in batches:
                 for context in contexts:
                     if time.time() - t_start > args.budget_s:
                         break
                     try:
-                        got = case_rows(pool, cfg_name, cfg, batch, context, n, bw, args.jax)
+                        got = case_rows(pool, cfg_name, cfg, batch, context, n, bw, args.jax, ik)
                     except Exception as exc:   # one broken case must not lose the rest
                         print(f"{cfg_name} n={n} b={batch} L={context}: FAILED {type(exc).__name__}: {exc}",
                               flush=True)
@@ -225,7 +233,7 @@ def main():
                         flush=True)
         if args.sweep and cfg_name == "M3":
             sweep = sweep_rows(pool, cfg, bw)
-        del pool
+        del pool, ik
         torch.cuda.empty_cache()
     report = targets_report(rows)
     write(args.out, meta, rows, sweep, report)
