@@ -19,8 +19,8 @@ so it runs on two kinds of index queries: ``random`` (i.i.d. normal: tokens
 share only the forced local block) and ``shared`` (each 64-token window's
 queries are one direction plus 30% noise, as neighbouring tokens of a text
 tend to be). Each row says how many distinct blocks an 8-token tile reads
-(``union``) beside its 8 x 16 choices; ``sparse_prefill`` is also timed at 1, 2
-and 4 tokens per tile.
+(``union``) beside its 8 x 16 choices; ``sparse_prefill`` is timed with tiles of
+8 tokens and of one (``default``: the one ``maps.prefill_tile_kind`` picks).
 """
 import argparse
 import contextlib
@@ -39,14 +39,15 @@ PAGE, HQ, HK, D, DI, TOPK = 128, 64, 4, 128, 128, 16
 
 
 @contextlib.contextmanager
-def tokens_per_tile(n):
-    """Attention row tiles of at most ``n`` tokens (``maps.MAX_TILE_TOKENS``; make a fresh plan inside)."""
-    saved = maps.MAX_TILE_TOKENS
-    maps.MAX_TILE_TOKENS = n
+def sparse_tiles(packed):
+    """Sparse prefill row tiles of 8 tokens (``packed``) or one, whatever ``maps.prefill_tile_kind``
+    would pick (make a fresh plan inside)."""
+    saved = maps.packs_sparse_decode
+    maps.packs_sparse_decode = lambda *args: packed
     try:
         yield
     finally:
-        maps.MAX_TILE_TOKENS = saved
+        maps.packs_sparse_decode = saved
 
 
 def union_per_tile(ids, tokens):
@@ -128,13 +129,14 @@ def run_length(T, rate, reps):
             index_flops + sparse_flops, union_8_tokens=union)
         row(f"  index_scores_prefill[{kind}]", time_fn(fns["index_scores_prefill"], reps) * 1e3, index_flops)
         row(f"  select_blocks_prefill[{kind}]", time_fn(fns["select_blocks_prefill"], reps) * 1e3, 0.0)
-        for tpt in (8, 4, 2, 1):
-            with tokens_per_tile(tpt):
+        default = maps.prefill_tile_kind(True, nb, TOPK)
+        for tpt in (8, 1):
+            with sparse_tiles(packed=tpt > 1):
                 p = m3_torch.prefill_plan(cu)
                 us = time_fn(lambda: m3_torch.sparse_prefill(q, k, v, ids, bt, sl, cu_seqlens_q=cu, plan=p,
                                                              out=out), reps) * 1e3
-            row(f"  sparse_prefill[{kind}] {tpt} tok/tile", us, sparse_flops,
-                union=union_per_tile(ids, tpt), chosen=TOPK * tpt)
+            row(f"  sparse_prefill[{kind}] {tpt} tok/tile", us, sparse_flops, union=union_per_tile(ids, tpt),
+                chosen=TOPK * tpt, default=(default == "token") == (tpt == 1))
         del scores, ids
     return rows
 

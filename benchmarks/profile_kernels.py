@@ -1,7 +1,8 @@
 """Eager msa_decode calls at one case, for Nsight Compute (GPU):
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight ... \\
-        python3 -m benchmarks.profile_kernels --batch 64 --context 131072 [--index-fp8] [--kv-fp8] [--n 1]
+        python3 -m benchmarks.profile_kernels --batch 64 --context 131072 [--index-fp8] [--kv-fp8] [--n 1] \\
+            [--backend cutedsl]
 
 Three calls of the step (index_scores, select_blocks, paged attention, merge):
 the first compiles, the second warms, the last runs inside the NVTX range
@@ -25,6 +26,7 @@ def main():
     ap.add_argument("--index-fp8", action="store_true")
     ap.add_argument("--kv-fp8", action="store_true")
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--backend", default="triton", choices=("triton", "cutedsl"), help="the indexer's")
     args = ap.parse_args()
     cfg = CONFIGS[args.config]
     caches = Caches(cfg, args.batch * -(-int(args.context * 1.1) // PAGE) + 64)
@@ -36,7 +38,8 @@ def main():
         if i == args.calls - 1:
             torch.cuda.nvtx.range_push("profile")
         m3_torch.msa_decode(x["q"], x["idx_q"], c["k_cache"], c["v_cache"], c["index_k_cache"], x["block_table"],
-                            x["seq_lens"], decode_query_len=args.n, topk=TOPK, out=out, **scales)
+                            x["seq_lens"], decode_query_len=args.n, topk=TOPK, out=out,
+                            backend=args.backend, **scales)
         torch.cuda.synchronize()
     torch.cuda.nvtx.range_pop()
     print(f"profiled: {args}")

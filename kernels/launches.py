@@ -183,8 +183,7 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
                          TOPK_PAD=next_pow2(topk), TOKENS_PER_TILE=tile.tokens_per_tile,
                          ENTRIES_PAD=tile.tokens_per_tile * next_pow2(topk), BLOCK_M=tile.block_m,
                          BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, SPARSE=sparse,
-                         NUM_SPLITS=cfg.num_splits, KV_DTYPE=k.triton_dtype,
-                         PACKED_COST=tuning.SPARSE_PACKED_COST),
+                         NUM_SPLITS=cfg.num_splits, KV_DTYPE=k.triton_dtype),
                     cfg.num_warps, cfg.num_stages)
     if cfg.num_splits == 1:
         return launch

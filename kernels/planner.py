@@ -32,7 +32,8 @@ from typing import Sequence
 import numpy as np
 
 from . import tuning
-from .maps import PAGE_SIZE, cdiv, decode_tile, index_tile, max_row_tiles, next_pow2, row_tile, varlen_maps
+from .maps import (PAGE_SIZE, cdiv, decode_tile, index_tile, max_row_tiles, next_pow2, prefill_tile_kind, row_tile,
+                   varlen_maps)
 ARENA_ALIGN = 256  # bytes; every arena region starts on this boundary
 
 __all__ = ["StepConfig", "StepPlanner", "StepPlan", "Span", "PrefillPlan",
@@ -57,6 +58,8 @@ def block_bound(max_kv_len: int, max_blocks: int) -> int:
 
 
 # -- prefill maps --------------------------------------------------------------------
+
+TILE_KINDS = ("attention", "token", "index")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PrefillPlan:
@@ -93,25 +96,30 @@ class PrefillPlan:
         """``[R + 1]`` int32."""
         return np.concatenate([[0], np.cumsum(self.q_lens, dtype=np.int64)]).astype(np.int32)
 
-    def tiles(self, heads: int, index: bool = False):
+    def tiles(self, heads: int, kind: str = "attention"):
         """-> ``(RowTile, tile_map [max_tiles, 4] int32)`` for tiles of ``heads`` heads per token.
 
-        ``heads``: GROUP = Hq // Hk for attention, Hi for the indexer (``index=True``: its
-        tiles hold more tokens, :func:`~m3_kernels.maps.index_tile`).
+        ``heads``: GROUP = Hq // Hk for attention, Hi for the indexer. ``kind`` (one of
+        ``TILE_KINDS``): "attention" (up to ``maps.MAX_TILE_TOKENS`` tokens a tile), "token" (one;
+        sparse attention whose tokens share few blocks, ``maps.prefill_tile_kind``) or "index"
+        (the indexer's, :func:`~m3_kernels.maps.index_tile`).
         """
-        key = ("tiles", int(heads), bool(index))
+        key = ("tiles", int(heads), kind)
         if key not in self._cache:
-            tile = self.row_tile(heads, index)
-            tile_map, _ = varlen_maps(self.q_lens, tile.tokens_per_tile, num_tiles=self.max_tiles(heads, index))
+            tile = self.row_tile(heads, kind)
+            tile_map, _ = varlen_maps(self.q_lens, tile.tokens_per_tile, num_tiles=self.max_tiles(heads, kind))
             self._cache[key] = (tile, tile_map)
         return self._cache[key]
 
-    def row_tile(self, heads: int, index: bool = False):
-        return (index_tile if index else row_tile)(int(heads), max(self.max_q_len, 1))
+    def row_tile(self, heads: int, kind: str = "attention"):
+        if kind not in TILE_KINDS:
+            raise ValueError(f"tile kind {kind!r}: expected one of {TILE_KINDS}")
+        max_tokens = 1 if kind == "token" else max(self.max_q_len, 1)
+        return (index_tile if kind == "index" else row_tile)(int(heads), max_tokens)
 
-    def max_tiles(self, heads: int, index: bool = False) -> int:
+    def max_tiles(self, heads: int, kind: str = "attention") -> int:
         """Tile-count upper bound for any requests with this many rows and tokens (the padded map's rows)."""
-        tile = self.row_tile(heads, index)
+        tile = self.row_tile(heads, kind)
         return max_row_tiles(self.num_tokens, self.num_rows, tile.tokens_per_tile)
 
     def memo(self, key, build):
@@ -301,7 +309,8 @@ class StepPlan:
             use["scores"] = max(use["scores"], cfg.num_kv_heads * span.num_tokens * span.max_blocks)
             for sparse in (True, False):
                 if span.prefill is not None:
-                    tile, tile_map = span.prefill.tiles(cfg.group)
+                    tile, tile_map = span.prefill.tiles(cfg.group, prefill_tile_kind(sparse, span.max_blocks,
+                                                                                     cfg.topk))
                     num_tiles = tile_map.shape[0]
                 else:
                     tile = decode_tile(cfg.group, span.decode_query_len, sparse, max_blocks=span.max_blocks,
@@ -415,6 +424,7 @@ class StepPlanner:
             raise ValueError(f"seq_lens: a row holds {max(ctx_kv, gen_kv)} tokens, more than max_blocks * 128 = "
                              f"{cfg.max_kv_len}")
         if Rc:  # build the context maps now, once per step
-            context.prefill.tiles(cfg.group)
-            context.prefill.tiles(cfg.num_kv_heads, index=True)
+            for sparse in (True, False):
+                context.prefill.tiles(cfg.group, prefill_tile_kind(sparse, context.max_blocks, cfg.topk))
+            context.prefill.tiles(cfg.num_kv_heads, "index")
         return plan

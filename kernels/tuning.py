@@ -45,11 +45,6 @@ _overrides: dict = {}
 MIN_BLOCKS_PER_SPLIT = 4
 # Blocks whose page ids a kernel gathers in one go before loading their K/V.
 STEP_GROUP = 16
-# Sparse attention over tiles of several tokens (prefill): a tile computes all its rows against the
-# union of its tokens' blocks, or each token's rows against its own (by token) when the union costs
-# more. One union block costs about this many one-token block visits (H200, 32k prompt, 8-token tiles:
-# 26.7 ns per union block against 9.1 ns per token block; benchmarks/prefill.py).
-SPARSE_PACKED_COST = 3
 # select_blocks: rows of at least SELECT_TWO_LEVEL_BLOCKS (padded) blocks first
 # pick the best chunks of SELECT_CHUNK blocks, then the best blocks inside them.
 SELECT_CHUNK = 16

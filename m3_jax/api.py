@@ -217,7 +217,7 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
     seq_lens = guards.check_call("index_scores_prefill", idx_q=idx_q, index_k_cache=index_k, block_table=block_table,
                                  seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k)
-    tile, tile_map = maps_.tile(call.num_index_heads, index=True)
+    tile, tile_map = maps_.tile(call.num_index_heads, "index")
     return _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile)
 
 
@@ -244,7 +244,9 @@ def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens
                                          prefill=maps_, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale)
     seq_lens = guards.check_call(op, q=q, k_cache=k, v_cache=v, block_ids=block_ids, block_table=block_table,
                                  seq_lens=seq_lens)
-    tile, tile_map = maps_.tile(call.group)
+    sparse = block_ids is not None
+    tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(sparse, call.max_blocks,
+                                                                    block_ids.shape[2] if sparse else 0))
     return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
                       _kv_scales(k, k_scale, v_scale))  # the launch
 
@@ -284,11 +286,11 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     seq_lens = guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k)
-    tile, tile_map = maps_.tile(call.num_index_heads, index=True)
+    tile, tile_map = maps_.tile(call.num_index_heads, "index")
     scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, int(topk))
     launch = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
     block_ids = run(launch)["block_ids"]
-    tile, tile_map = maps_.tile(call.group)
+    tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(True, call.max_blocks, int(topk)))
     launch = _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
                         _kv_scales(k, k_scale, v_scale))
     return run(launch)["out"], block_ids
@@ -367,7 +369,8 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     spans = []  # (rows, tokens, max_blocks, index (tile, tile_map, token_map), attention (tile, tile_map))
     if spec.context_tokens:
         spans.append((slice(0, spec.context_rows), slice(0, spec.context_tokens), spec.context_max_blocks,
-                      (*maps.tile(cfg.num_kv_heads, index=True), maps.token_map), maps.tile(cfg.group)))
+                      (*maps.tile(cfg.num_kv_heads, "index"), maps.token_map),
+                      maps.tile(cfg.group, _maps.prefill_tile_kind(sparse, spec.context_max_blocks, cfg.topk))))
     if spec.generation_rows:
         rows, n, bound = spec.generation_rows, spec.decode_query_len, spec.generation_max_blocks
         index_tile = _maps.index_tile(cfg.num_kv_heads, n)

@@ -64,9 +64,9 @@ class PrefillMaps:
     """A prefill plan's maps as pytree leaves + their static geometry.
 
     token_map:  [T, 2] int32 (select_blocks).
-    tile_maps:  two [num_tiles, 4] int32 per head count in ``heads`` (GROUP for
-                attention, Hi for the indexer): attention's row tiles and the
-                indexer's (which hold more tokens), padded to the planner's bounds.
+    tile_maps:  one [num_tiles, 4] int32 per head count in ``heads`` (GROUP for
+                attention, Hi for the indexer) and tile kind (``planner.TILE_KINDS``),
+                padded to the planner's bounds.
     Static: ``num_rows``, ``num_tokens``, ``heads`` and each one's RowTile, so a
     new batch with the same padded shapes reuses a jitted step.
     :func:`prefill_maps` gives host (numpy) leaves: as a ``jit`` argument they
@@ -80,12 +80,12 @@ class PrefillMaps:
         self.num_rows, self.num_tokens = int(num_rows), int(num_tokens)
         self.heads, self.row_tiles = tuple(heads), tuple(row_tiles)
 
-    def tile(self, heads, index=False):
-        """-> (RowTile, tile_map) for ``heads`` heads per token (``index``: the indexer's tiles)."""
+    def tile(self, heads, kind="attention"):
+        """-> (RowTile, tile_map) for ``heads`` heads per token (``kind``: of ``PrefillPlan.tiles``)."""
         if heads not in self.heads:
             raise ValueError(f"plan: these PrefillMaps hold tiles for {self.heads} heads per token, not {heads}; "
                              f"build them with prefill_maps(..., heads=(..., {heads}))")
-        i = 2 * self.heads.index(heads) + bool(index)
+        i = len(planner.TILE_KINDS) * self.heads.index(heads) + planner.TILE_KINDS.index(kind)
         return self.row_tiles[i], self.tile_maps[i]
 
     def tree_flatten(self):
@@ -113,7 +113,7 @@ def prefill_maps(plan, heads) -> PrefillMaps:
     heads = tuple(sorted({int(h) for h in heads}))
 
     def build():
-        tiles = [plan.tiles(h, index) for h in heads for index in (False, True)]
+        tiles = [plan.tiles(h, kind) for h in heads for kind in planner.TILE_KINDS]
         return PrefillMaps(plan.token_map, [m for _, m in tiles], num_rows=plan.num_rows,
                            num_tokens=plan.num_tokens, heads=heads, row_tiles=[t for t, _ in tiles])
     return plan.memo(("jax", heads), build)

@@ -208,7 +208,7 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
                             out=out)
     scorer = _scorer(backend, idx_q, index_k_cache)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
-    tile, tile_map, _ = ops.prefill_maps(plan, device, call.num_index_heads, index=True)
+    tile, tile_map, _ = ops.prefill_maps(plan, device, call.num_index_heads, "index")
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, out, tile.tokens_per_tile)
     return out
 
@@ -239,7 +239,9 @@ def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens
     device = _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
                             seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     out = _empty(q.shape, q.dtype, device, out)
-    tile, tile_map, _ = ops.prefill_maps(plan, device, call.group)
+    sparse = block_ids is not None
+    kind = maps.prefill_tile_kind(sparse, call.max_blocks, block_ids.shape[2] if sparse else 0)
+    tile, tile_map, _ = ops.prefill_maps(plan, device, call.group, kind)
     return out, tile_map, tile.tokens_per_tile, call.sm_scale, _kv_scales(k_cache, k_scale, v_scale, device)
 
 
@@ -290,10 +292,10 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     out = _empty(q.shape, q.dtype, device, out)
     scores = torch.empty((call.num_kv_heads, call.num_tokens, call.max_blocks), dtype=torch.float32, device=device)
     block_ids = torch.empty((call.num_kv_heads, call.num_tokens, topk), dtype=torch.int32, device=device)
-    tile, tile_map, token_map = ops.prefill_maps(plan, device, call.num_index_heads, index=True)
+    tile, tile_map, token_map = ops.prefill_maps(plan, device, call.num_index_heads, "index")
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
     ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
-    tile, tile_map, _ = ops.prefill_maps(plan, device, call.group)
+    tile, tile_map, _ = ops.prefill_maps(plan, device, call.group, maps.prefill_tile_kind(True, call.max_blocks, topk))
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
                         tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device))
     return out, block_ids
@@ -344,8 +346,9 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
         rows, toks = span.rows, span.tokens
         table, lens = block_table[rows, :span.max_blocks], seq_lens[rows]
         if span.prefill is not None:
-            index_maps = ops.prefill_maps(span.prefill, device, cfg.num_kv_heads, index=True)
-            attention_maps = ops.prefill_maps(span.prefill, device, cfg.group)
+            index_maps = ops.prefill_maps(span.prefill, device, cfg.num_kv_heads, "index")
+            attention_maps = ops.prefill_maps(span.prefill, device, cfg.group,
+                                              maps.prefill_tile_kind(sparse, span.max_blocks, cfg.topk))
         else:
             n = span.decode_query_len
             tile = maps.index_tile(cfg.num_kv_heads, n)

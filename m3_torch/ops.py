@@ -118,11 +118,11 @@ def decode_maps(device, num_requests: int, decode_query_len: int, tokens_per_til
     return found
 
 
-def prefill_maps(plan, device, heads: int, index: bool = False):
+def prefill_maps(plan, device, heads: int, kind: str = "attention"):
     """(RowTile, tile_map, token_map) of a PrefillPlan on ``device``, uploaded once per plan
-    (``index``: the indexer's tiles)."""
-    tile, tile_map = plan.tiles(heads, index)
-    tile_map = plan.memo(("torch", str(device), heads, index), lambda: torch.tensor(tile_map, device=device))
+    (``kind``: of ``PrefillPlan.tiles``)."""
+    tile, tile_map = plan.tiles(heads, kind)
+    tile_map = plan.memo(("torch", str(device), heads, kind), lambda: torch.tensor(tile_map, device=device))
     return tile, tile_map, prefill_token_map(plan, device)
 
 

@@ -68,15 +68,15 @@ def test_sparse_decode_skips_empty_and_out_of_range_slots_anywhere(target, topk,
     assert rel_err(out, expected) < TOLERANCE["bfloat16"]
 
 
-@pytest.mark.parametrize("packed_cost", [0, 1000])   # never by token / always by token
+@pytest.mark.parametrize("packs", [True, False])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("target", targets(["torch"]))
-def test_sparse_prefill_tiles_packed_or_by_token(target, packed_cost, splits, monkeypatch):
-    """A prefill tile of several tokens computes all its rows against the union of their blocks, or
-    each token's rows against its own blocks (``tuning.SPARSE_PACKED_COST`` picks, per tile, on the
-    device): both equal the reference, on 1 and 3 splits, with -1 and out-of-range ids anywhere and a
-    NaN query row (NaN out, the other heads of its token unharmed)."""
-    case = prefill("by_token", (13, 1, 9), (3000, 129, 700), hq=4, hk=2, d=16, di=16, topk=6)
+def test_sparse_prefill_tiles_of_several_tokens_or_one(target, packs, splits, monkeypatch):
+    """Sparse prefill packs up to 8 tokens a tile (each distinct chosen block read once for all of
+    them) or gives each token its own tile (``maps.prefill_tile_kind``, by the table width): both
+    equal the reference, on 1 and 3 splits, with -1 and out-of-range ids anywhere and a NaN query
+    row (NaN out, the other heads of its token unharmed)."""
+    case = prefill("tile_kinds", (13, 1, 9), (3000, 129, 700), hq=4, hk=2, d=16, di=16, topk=6)
     dev = target.torch_device
     x = make_inputs(case, dev)
     ids = random_block_ids(case)
@@ -89,12 +89,13 @@ def test_sparse_prefill_tiles_packed_or_by_token(target, packed_cost, splits, mo
     q[4, 1, 3] = float("nan")
     lens = x["seq_lens"].cpu()
     expected = ref.attention_ref(q, x["k_cache"], x["v_cache"], x["block_table"], lens, case.q_lens, ids)
-    monkeypatch.setattr(tuning, "SPARSE_PACKED_COST", packed_cost)
+    monkeypatch.setattr(maps, "packs_sparse_decode", lambda *args: packs)
+    kind = maps.prefill_tile_kind(True, x["block_table"].shape[1], case.topk)
     cu = torch.tensor(case.cu_seqlens, dtype=torch.int32)
     plan = m3_torch.prefill_plan(cu)
-    assert plan.tiles(case.hq // case.hk)[0].tokens_per_tile == 8
-    # 4 tiles x 2 KV heads = 8 programs a split
-    with tuning.override(sparse_target_programs=8 * splits):
+    tile, tile_map = plan.tiles(case.hq // case.hk, kind)
+    assert tile.tokens_per_tile == (8 if packs else 1)
+    with tuning.override(sparse_target_programs=tile_map.shape[0] * case.hk * splits):
         out = torch.full_like(q, float("nan"))
         m3_torch.sparse_prefill(q, x["k_cache"], x["v_cache"], ids.to(dev), x["block_table"], x["seq_lens"],
                                 cu_seqlens_q=cu.to(dev), plan=plan, out=out)

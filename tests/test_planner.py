@@ -73,19 +73,22 @@ def test_prefill_maps_are_varlen_maps():
     q_lens = [300, 1, 0, 17]
     plan = p.plan([1300, 1, 0, 17, 40], q_lens=q_lens + [1], num_context=4)
     pre = plan.context.prefill
-    for heads, index in itertools.product((CFG["num_q_heads"] // CFG["num_kv_heads"], CFG["num_kv_heads"]),
-                                          (False, True)):
-        tile, tile_map = pre.tiles(heads, index)
-        assert tile == (maps.index_tile if index else maps.row_tile)(heads, 300)
+    for heads, kind in itertools.product((CFG["num_q_heads"] // CFG["num_kv_heads"], CFG["num_kv_heads"]),
+                                         planner.TILE_KINDS):
+        tile, tile_map = pre.tiles(heads, kind)
+        assert tile == dict(attention=maps.row_tile(heads, 300), token=maps.row_tile(heads, 1),
+                            index=maps.index_tile(heads, 300))[kind]
         exact, token_map = maps.varlen_maps(q_lens, tile.tokens_per_tile)
         # padded to the bound with empty tiles that read nothing
-        assert tile_map.shape[0] == pre.max_tiles(heads, index) == maps.max_row_tiles(318, 4, tile.tokens_per_tile)
+        assert tile_map.shape[0] == pre.max_tiles(heads, kind) == maps.max_row_tiles(318, 4, tile.tokens_per_tile)
         np.testing.assert_array_equal(tile_map[:len(exact)], exact)
         assert (tile_map[len(exact):, 3] == 0).all() and (tile_map[len(exact):, 2] < -(1 << 20)).all()
         np.testing.assert_array_equal(pre.token_map, token_map)
-        assert pre.tiles(heads, index)[1] is tile_map       # built once
+        assert pre.tiles(heads, kind)[1] is tile_map       # built once
     # the indexer's tiles fill 128 rows (2 heads x 64 tokens); attention's stop at 8 tokens
-    assert pre.tiles(2, index=True)[0].tokens_per_tile == 64 and pre.tiles(2)[0].tokens_per_tile == 8
+    assert pre.tiles(2, "index")[0].tokens_per_tile == 64 and pre.tiles(2)[0].tokens_per_tile == 8
+    with pytest.raises(ValueError, match="tile kind"):
+        pre.tiles(2, "sparse")
     assert pre.token_map.shape == (318, 2)
     assert pre.token_map[0].tolist() == [0, -300] and pre.token_map[-1].tolist() == [3, -1]
     assert pre.memo("k", lambda: object()) is pre.memo("k", lambda: None)
