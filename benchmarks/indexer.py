@@ -99,12 +99,14 @@ def jax_msa_us(pool, sets, n, backend, ik, calls=20, reps=5):
     return statistics.median(times) * 1e6 / (calls * len(sets))
 
 
-def sweep_rows(pool, cfg, bw):
-    """The CuTeDSL scorer over stages x program targets (M3 shapes, a few decode cases)."""
+def sweep_rows(pool, cfg, bw, max_context):
+    """The CuTeDSL scorer over stages x program targets (M3 shapes, a few decode cases that fit the pool)."""
     rows = []
     saved = dict(tuning.CUTEDSL_STAGES), tuning.CUTEDSL_TARGET_PROGRAMS
+    cases = [c for c in ((1, 16384, 1), (8, 16384, 1), (64, 16384, 1), (64, 65536, 1), (32, 16384, 8))
+             if c[1] <= max_context]
     try:
-        for batch, context, n in ((1, 16384, 1), (8, 16384, 1), (64, 16384, 1), (64, 65536, 1), (32, 16384, 8)):
+        for batch, context, n in cases:
             sets = [make_step_inputs(pool, cfg, batch, context, n, seed=s) for s in range(1, 5)]
             outs = [torch.empty(cfg["hk"], s["q"].shape[0], s["block_table"].shape[1], device="cuda") for s in sets]
             index_k = sum(int(((s["lens"] + PAGE - 1) // PAGE).sum()) for s in sets) / len(sets) * PAGE * 128 * 2
@@ -232,7 +234,7 @@ def main():
                         f"{r['op']}[{r['backend']}] {r['us']:.1f} us ({r['pct_floor']:.0f}%)" for r in got),
                         flush=True)
         if args.sweep and cfg_name == "M3":
-            sweep = sweep_rows(pool, cfg, bw)
+            sweep = sweep_rows(pool, cfg, bw, max(contexts))
         del pool, ik
         torch.cuda.empty_cache()
     report = targets_report(rows)

@@ -165,12 +165,13 @@ assert PAGE_SIZE % 128 == 0  # attention/indexer block_n divide the page
 
 
 # -- the CuTeDSL indexer (backend="cutedsl", cute_index.py) -------------------------------
-# Index-K pages in flight per CTA. A page is 128 x Di 16-bit elements (32 KB at Di = 128):
-# 3 stages + the query tile leave room for two CTAs per SM on an H200 (228 KB of shared
-# memory), 4 stages of 16 KB at Di = 64. Not tuned on a GPU yet (benchmarks/indexer.py).
-CUTEDSL_STAGES = {64: 4, 128: 3}
-# CTAs the block chunking aims at; None: the Triton scorer's target (targets().target_programs).
-CUTEDSL_TARGET_PROGRAMS = None
+# Index-K pages in flight per CTA (a page is 128 x Di elements: 32 KB at Di = 128, bf16) and the
+# CTAs the block chunking aims at (None: the Triton scorer's target). `benchmarks.indexer --sweep`
+# on an H200 (M3, 16k, batch 1 / 8 / 64; results/2026-12-01-h200-s8-cutedsl.md): 2 stages and 256
+# CTAs took 4.7 / 12.7 / 65.4 us against 4.9 / 14.6 / 65.7 with 3 and 1024 (at batch 8 more CTAs
+# mean shorter chains per CTA, each paying the pipeline's fill). Di = 64 is not swept.
+CUTEDSL_STAGES = {64: 4, 128: 2}
+CUTEDSL_TARGET_PROGRAMS = 256
 
 
 @dataclasses.dataclass(frozen=True)
