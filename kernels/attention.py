@@ -3,7 +3,7 @@
 One kernel serves ``sparse_decode`` (the blocks each token's indexer chose),
 ``dense_decode`` (every visible block) and the prefill ops.
 
-A program owns one (row tile, KV head, split) (grid: ``(tiles x splits, KV heads)``):
+A program owns one (row tile, KV head, split):
 
 * row tile: up to ``TOKENS_PER_TILE`` consecutive query tokens of ONE request
   times the ``GROUP`` query heads that read the KV head, packed as the rows of
@@ -110,12 +110,16 @@ def paged_attention_kernel(
     SPARSE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     KV_DTYPE: tl.constexpr,           # the caches' element type; float8e4nv: FP8, scaled
+    TILES_ON_AXIS_0: tl.constexpr,    # grid (tiles, splits, KV heads), else (splits, tiles, KV heads)
 ):
-    # axis 0 enumerates (tile, split), split fastest: grid axis 1 could not hold the row tiles
-    # of a long prompt (at most 65535)
-    split = tl.program_id(0) % NUM_SPLITS
-    tile = tl.program_id(0) // NUM_SPLITS
-    kv_head = tl.program_id(1)
+    # grid (splits, tiles, KV heads); a launch of more than 65535 row tiles (a long prompt, one
+    # token per tile) puts them on axis 0, the only one that holds them (the usual order compiles
+    # to faster decode code: batch 128 at 16k took 11% longer with tiles on axis 0)
+    if TILES_ON_AXIS_0:
+        tile, split = tl.program_id(0), tl.program_id(1)
+    else:
+        split, tile = tl.program_id(0), tl.program_id(1)
+    kv_head = tl.program_id(2)
     KV_FP8: tl.constexpr = KV_DTYPE == tl.float8e4nv
     k_ptr, v_ptr = typed(k_ptr, KV_DTYPE), typed(v_ptr, KV_DTYPE)
     qk_scale = tl.full([], qk_scale, tl.float32)  # jax-triton passes Python floats as fp64

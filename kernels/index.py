@@ -55,11 +55,13 @@ def index_scores_kernel(
     STEP_GROUP: tl.constexpr,
     K_DTYPE: tl.constexpr,            # the index-K cache's element type (float8e4nv: FP8, unscaled)
     SKIP_BLOCKS: tl.constexpr,        # > 0: tiles that see at most this many blocks write nothing
+    TILES_ON_AXIS_0: tl.constexpr,    # grid (tiles, chunks), else (chunks, tiles)
 ):
-    # one grid axis of (row tile, block chunk), chunk fastest (a second axis holds at most 65535 tiles)
-    num_chunks = tl.cdiv(max_blocks, blocks_per_program)
-    chunk = tl.program_id(0) % num_chunks
-    tile = tl.program_id(0) // num_chunks
+    # grid (chunks, tiles); more than 65535 row tiles go on axis 0, the only one that holds them
+    if TILES_ON_AXIS_0:
+        tile, chunk = tl.program_id(0), tl.program_id(1)
+    else:
+        chunk, tile = tl.program_id(0), tl.program_id(1)
     k_ptr = typed(k_ptr, K_DTYPE)
     k_off = multiple_of_16(k_off)
     stride_kp, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kn)

@@ -26,6 +26,8 @@ from .maps import RowTile, cdiv, contiguous_strides, next_pow2
 from .validate import check_cache_layout
 
 LOG2E = math.log2(math.e)
+# CUDA grids hold at most this many blocks on axes 1 and 2 (axis 0: 2^31 - 1)
+MAX_GRID_Y = 65535
 # element types the kernels read and write, by name (validate.FLOAT_DTYPES and the FP8 cache format)
 TRITON_DTYPES = {"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32,
                  "float8_e4m3fn": tl.float8e4nv}
@@ -115,10 +117,12 @@ def index_scores(*, idx_q: Operand, index_k: Operand, block_table: Operand, seq_
     args = (idx_q.ref, index_k.ref, block_table.ref, seq_lens, tile_map, index_k.offset, *idx_q.strides,
             *index_k.strides, *block_table.strides, *out_strides, max_blocks, cfg.blocks_per_program)
     out = Output("scores", (num_heads, num_tokens, max_blocks), "float32", tuple(out_strides))
-    return Launch("index.index_scores_kernel", (num_tiles * cfg.num_chunks,), args, (out,),
+    tiles_on_x = num_tiles > MAX_GRID_Y
+    grid = (num_tiles, cfg.num_chunks) if tiles_on_x else (cfg.num_chunks, num_tiles)
+    return Launch("index.index_scores_kernel", grid, args, (out,),
                   dict(NUM_HEADS=num_heads, HEADS_PAD=tile.heads_pad, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
                        BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, K_DTYPE=index_k.triton_dtype,
-                       SKIP_BLOCKS=int(skip_blocks)),
+                       SKIP_BLOCKS=int(skip_blocks), TILES_ON_AXIS_0=tiles_on_x),
                   cfg.num_warps, cfg.num_stages)
 
 
@@ -178,12 +182,14 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
     args = (q.ref, k.ref, v.ref, ids.ref, block_table.ref, seq_lens, tile_map, *scales, float(sm_scale) * LOG2E,
             k.offset, v.offset, max_blocks, *q.strides, *k.strides, *v.strides, *ids.strides,
             *block_table.strides, *o_strides, *lse_strides)
-    launch = Launch("attention.paged_attention_kernel", (num_tiles * cfg.num_splits, num_kv_heads), args, outputs,
+    tiles_on_x = num_tiles > MAX_GRID_Y
+    grid = (num_tiles, cfg.num_splits, num_kv_heads) if tiles_on_x else (cfg.num_splits, num_tiles, num_kv_heads)
+    launch = Launch("attention.paged_attention_kernel", grid, args, outputs,
                     dict(GROUP=tile.heads, GROUP_PAD=tile.heads_pad, HEAD_DIM=head_dim, TOPK=topk,
                          TOPK_PAD=next_pow2(topk), TOKENS_PER_TILE=tile.tokens_per_tile,
                          ENTRIES_PAD=tile.tokens_per_tile * next_pow2(topk), BLOCK_M=tile.block_m,
                          BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, SPARSE=sparse,
-                         NUM_SPLITS=cfg.num_splits, KV_DTYPE=k.triton_dtype),
+                         NUM_SPLITS=cfg.num_splits, KV_DTYPE=k.triton_dtype, TILES_ON_AXIS_0=tiles_on_x),
                     cfg.num_warps, cfg.num_stages)
     if cfg.num_splits == 1:
         return launch

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import m3_torch
-from m3_kernels import maps, tuning
+from m3_kernels import launches, maps, tuning
+from m3_torch import ops
 from m3_torch import reference as ref
 
 from cases import ALL_CASES, TOLERANCE, decode, make_inputs, prefill, random_block_ids, rel_err
@@ -102,3 +103,31 @@ def test_sparse_prefill_tiles_of_several_tokens_or_one(target, packs, splits, mo
     assert torch.isnan(out[4, 1]).all()
     out[4, 1], expected[4, 1] = 0, 0
     assert rel_err(out, expected) < TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("target", targets(["torch"]))
+def test_row_tiles_on_grid_axis_0(target, monkeypatch):
+    """Launches of more row tiles than a CUDA grid's axis 1 holds (65535: a long prompt) put them on
+    axis 0; forced here on a small prompt, attention (2 splits) and the indexer give the same bits."""
+    case = prefill("axis0", (13, 1, 9), (3000, 129, 700), hq=4, hk=2, d=16, di=16, topk=6)
+    dev = target.torch_device
+    x = make_inputs(case, dev)
+    cu = torch.tensor(case.cu_seqlens, dtype=torch.int32)
+    plan = m3_torch.prefill_plan(cu)
+    kw = dict(cu_seqlens_q=cu.to(dev), plan=plan)
+
+    def both():
+        with tuning.override(target_programs=2 * 5 * case.hk):   # 5 attention tiles x 2 KV heads: 2 splits
+            out = m3_torch.dense_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], **kw)
+        scores = m3_torch.index_scores_prefill(x["idx_q"], x["index_k_cache"], x["block_table"], x["seq_lens"], **kw)
+        return out, scores
+
+    out, scores = both()
+    monkeypatch.setattr(launches, "MAX_GRID_Y", 1)
+    launch = launches.index_scores(idx_q=ops.operand(x["idx_q"]), index_k=ops.operand(x["index_k_cache"]),
+                                   block_table=ops.operand(x["block_table"]), seq_lens=None,
+                                   tile_map=plan.tiles(case.hk, "index")[1], tile=plan.tiles(case.hk, "index")[0],
+                                   out_strides=(1, 1, 1), dtype="bfloat16", interpret=True, skip_blocks=0)
+    assert launch.constexprs["TILES_ON_AXIS_0"] and launch.grid[0] == plan.tiles(case.hk, "index")[1].shape[0]
+    out0, scores0 = both()
+    assert torch.equal(out0, out) and torch.equal(scores0.nan_to_num(), scores.nan_to_num())
