@@ -13,7 +13,7 @@ row whose query holds NaN/Inf scores NaN on the blocks it sees.
 
 Work split, as the Triton kernel's (and from the same tile maps, so decode,
 MTP, prefill and the spans of a mixed step all run through it): a CTA owns
-one row tile of ``tile_map`` (up to 8 query tokens of ONE request x all
+one row tile of ``tile_map`` (query tokens of ONE request x all
 index heads, packed as the MMA's M rows: ``block_m`` = 16..128) and a chunk
 of ``blocks_per_program`` logical blocks (the chunking of
 ``tuning.index_scores``: about ``target_programs`` CTAs). Each 128-token

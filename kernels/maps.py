@@ -98,8 +98,9 @@ def prefill_tile_kind(sparse: bool, max_blocks: int, topk: int) -> str:
     """The row tiles of a prefill attention launch (``PrefillPlan.tiles`` kinds): "attention", up to
     MAX_TILE_TOKENS tokens, or for sparse attention whose tiles would not at least halve the block
     visits (decode's rule, :func:`packs_sparse_decode`) "token", one token per tile. A 32k prompt on an
-    H200: 16.6 ms with one token per tile against 37.6 ms packed (random choices, 72 distinct blocks
-    per 8-token tile) and 23.8 ms (neighbours sharing, 37 blocks); 8k: 2.7-3.8 ms packed (docs/PERF.md)."""
+    H200: 16.1 ms with one token per tile against 31.3 ms packed (random choices, 72 distinct blocks
+    per 8-token tile), 15.9 against 16.8 (neighbours sharing, 37 blocks); 8k, packed: 4.0 / 3.2 ms
+    against 4.0 / 3.9 (docs/PERF.md, "Prefill")."""
     return "attention" if not sparse or packs_sparse_decode(MAX_TILE_TOKENS, max_blocks, topk) else "token"
 
 

@@ -167,7 +167,7 @@ assert PAGE_SIZE % 128 == 0  # attention/indexer block_n divide the page
 # -- the CuTeDSL indexer (backend="cutedsl", cute_index.py) -------------------------------
 # Index-K pages in flight per CTA (a page is 128 x Di elements: 32 KB at Di = 128, bf16) and the
 # CTAs the block chunking aims at (None: the Triton scorer's target). `benchmarks.indexer --sweep`
-# on an H200 (M3, 16k, batch 1 / 8 / 64; results/2026-12-01-h200-s8-cutedsl.md): 2 stages and 256
+# on an H200 (M3, 16k, batch 1 / 8 / 64; results/2026-12-01-h200-s8-cutedsl-sweep.log): 2 stages and 256
 # CTAs took 4.7 / 12.7 / 65.4 us against 4.9 / 14.6 / 65.7 with 3 and 1024 (at batch 8 more CTAs
 # mean shorter chains per CTA, each paying the pipeline's fill). Di = 64 is not swept.
 CUTEDSL_STAGES = {64: 4, 128: 2}

@@ -42,7 +42,8 @@ def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, til
 
     cfg = tuning.cutedsl_index_scores(head_dim=head_dim)
     call = cutlass_call(ci.index_scores_xla, output_shape_dtype=jax.ShapeDtypeStruct(shape, jnp.float32),
-                        k_dtype=jnp.dtype(index_k.dtype).name, k_offset=index_k.offset, k_stride_page=index_k.strides[0], k_stride_token=index_k.strides[1],
+                        k_dtype=jnp.dtype(index_k.dtype).name, k_offset=index_k.offset,
+                        k_stride_page=index_k.strides[0], k_stride_token=index_k.strides[1],
                         num_pages=index_k.shape[0], num_heads=num_heads, heads_pad=tile.heads_pad,
                         block_m=tile.block_m, head_dim=head_dim, stages=cfg.stages,
                         target_programs=cfg.target_programs, compile_options=COMPILE_OPTIONS,

@@ -8,7 +8,8 @@ transposed view of a graph-stable buffer) and strided ``idx_q`` work, on the
 current CUDA stream.
 
 Compiled once per shape class (idx_q dtype, Hi, row tile, Di, stages, program
-target, index-K cache dtype: bf16/fp16 as idx_q, or float8_e4m3fn) on the first call, per device, and cached for the process. That
+target, index-K cache dtype: bf16/fp16 as idx_q, or float8_e4m3fn) on the first
+call, per device, and cached for the process. That
 first call must be eager: compiling or loading the module inside a CUDA-graph
 capture is refused with an error (run one eager warm-up call, as a decode
 step does before it is captured). Later calls, captured or not, only launch:
