@@ -24,9 +24,6 @@ tend to be). Each row says how many distinct blocks an 8-token tile reads
 """
 import argparse
 import contextlib
-import json
-import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -113,12 +110,10 @@ def run_length(T, rate, reps):
         else:
             base = mk(-(-T // 64), 1, HK, DI).expand(-1, 64, -1, -1).reshape(-1, HK, DI)[:T]
             iq = base + 0.3 * mk(T, HK, DI)
-        fns = {
-            "index_scores_prefill": lambda: m3_torch.index_scores_prefill(iq, ik, bt, sl, cu_seqlens_q=cu, plan=plan),
-        }
-        scores = fns["index_scores_prefill"]()
-        fns["select_blocks_prefill"] = lambda: m3_torch.select_blocks_prefill(scores, sl, cu_seqlens_q=cu, plan=plan)
-        ids = fns["select_blocks_prefill"]()
+        index = lambda: m3_torch.index_scores_prefill(iq, ik, bt, sl, cu_seqlens_q=cu, plan=plan)
+        scores = index()
+        select = lambda: m3_torch.select_blocks_prefill(scores, sl, cu_seqlens_q=cu, plan=plan)
+        ids = select()
         # visible positions of each token's chosen blocks, all KV heads: attention's FLOPs
         start = ids.clamp(min=0).long() * PAGE
         seen = ((pos[None, :, None] - start + 1).clamp(0, PAGE) * (ids >= 0)).sum().item()
@@ -127,8 +122,8 @@ def run_length(T, rate, reps):
         row(f"msa_prefill[{kind}]", time_fn(lambda: m3_torch.msa_prefill(
             q, iq, k, v, ik, bt, sl, cu_seqlens_q=cu, plan=plan, out=out), reps) * 1e3,
             index_flops + sparse_flops, union_8_tokens=union)
-        row(f"  index_scores_prefill[{kind}]", time_fn(fns["index_scores_prefill"], reps) * 1e3, index_flops)
-        row(f"  select_blocks_prefill[{kind}]", time_fn(fns["select_blocks_prefill"], reps) * 1e3, 0.0)
+        row(f"  index_scores_prefill[{kind}]", time_fn(index, reps) * 1e3, index_flops)
+        row(f"  select_blocks_prefill[{kind}]", time_fn(select, reps) * 1e3, 0.0)
         default = maps.prefill_tile_kind(True, nb, TOPK)
         for tpt in (8, 1):
             with sparse_tiles(packed=tpt > 1):

@@ -20,7 +20,7 @@ import torch
 
 import m3_kernels
 import m3_torch
-from benchmarks.run import copy_bandwidth, time_graph
+from benchmarks.run import copy_bandwidth, matmul_rate, time_fn, time_graph
 from m3_kernels import maps, tuning
 
 PAGE, HQ, HK, D, TOPK = 128, 64, 4, 128, 16
@@ -228,7 +228,6 @@ def sweep_fp8(bw):
 
 def sweep_prefill(bw):
     """Knobs of the two matmul-bound prefill launches on one causal 32k prompt (eager: each runs for ms)."""
-    from benchmarks.run import matmul_rate, time_fn
     T = 32768
     rate = matmul_rate()
     cache = Cache(T // PAGE)

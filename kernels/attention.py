@@ -49,7 +49,8 @@ are read from memory, so a captured graph or jitted step takes new values.
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_row, typed, visible_len
+from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_row, typed, visible_len,
+                     whole_blocks_end)
 
 
 @triton.jit
@@ -200,7 +201,7 @@ def paged_attention_kernel(
     if MASK_ALL:
         whole = lo
     else:
-        whole = tl.minimum(tl.maximum(tl.maximum(seq_len + pos0_minus_len + 1, 0) // PAGE_SIZE, lo), hi)
+        whole = whole_blocks_end(seq_len + pos0_minus_len, lo, hi)
     offs_g = tl.arange(0, STEP_GROUP)
     for phase in tl.static_range(1 if MASK_ALL else 0, 2):
         p_lo = whole if phase == 1 else lo

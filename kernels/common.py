@@ -98,6 +98,13 @@ def visible_len(seq_lens_ptr, req, max_blocks):
 
 
 @triton.jit
+def whole_blocks_end(first_pos, lo, hi):
+    """The end of the blocks of ``[lo, hi)`` that every row of a tile sees in full: those ending at or
+    before its first token's position ``first_pos`` (clamped to ``[lo, hi]``). They need no causal mask."""
+    return tl.minimum(tl.maximum(tl.maximum(first_pos + 1, 0) // PAGE_SIZE, lo), hi)
+
+
+@triton.jit
 def pick(vec, offs, j):
     """Element ``j`` of the register vector ``vec`` (indexed by ``offs``), as a scalar."""
     return tl.sum(tl.where(offs == j, vec, 0), axis=0)

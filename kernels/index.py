@@ -29,7 +29,8 @@ chosen ids ascending, then -1.
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_row, typed, visible_len
+from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_row, typed, visible_len,
+                     whole_blocks_end)
 
 
 @triton.jit(do_not_specialize=["max_blocks", "blocks_per_program"])
@@ -109,7 +110,7 @@ def index_scores_kernel(
     if MASK_ALL:
         whole = b_begin
     else:
-        whole = tl.minimum(tl.maximum(tl.maximum(seq_len + pos0_minus_len + 1, 0) // PAGE_SIZE, b_begin), seen_end)
+        whole = whole_blocks_end(seq_len + pos0_minus_len, b_begin, seen_end)
     offs_g = tl.arange(0, STEP_GROUP)
     for phase in tl.static_range(1 if MASK_ALL else 0, 2):
         p_lo = whole if phase == 1 else b_begin

@@ -106,12 +106,12 @@ class PrefillPlan:
         """
         key = ("tiles", int(heads), kind)
         if key not in self._cache:
-            tile = self.row_tile(heads, kind)
+            tile = self._row_tile(heads, kind)
             tile_map, _ = varlen_maps(self.q_lens, tile.tokens_per_tile, num_tiles=self.max_tiles(heads, kind))
             self._cache[key] = (tile, tile_map)
         return self._cache[key]
 
-    def row_tile(self, heads: int, kind: str = "attention"):
+    def _row_tile(self, heads: int, kind: str):
         if kind not in TILE_KINDS:
             raise ValueError(f"tile kind {kind!r}: expected one of {TILE_KINDS}")
         max_tokens = 1 if kind == "token" else max(self.max_q_len, 1)
@@ -119,7 +119,7 @@ class PrefillPlan:
 
     def max_tiles(self, heads: int, kind: str = "attention") -> int:
         """Tile-count upper bound for any requests with this many rows and tokens (the padded map's rows)."""
-        tile = self.row_tile(heads, kind)
+        tile = self._row_tile(heads, kind)
         return max_row_tiles(self.num_tokens, self.num_rows, tile.tokens_per_tile)
 
     def memo(self, key, build):
