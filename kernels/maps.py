@@ -115,21 +115,25 @@ def max_row_tiles(num_tokens: int, num_rows: int, tokens_per_tile: int) -> int:
 def varlen_maps(q_lens, tokens_per_tile: int, num_tiles: int | None = None):
     """-> ``(tile_map [tiles, 4], token_map [T, 2])`` int32 for requests of ``q_lens[r]`` query tokens.
 
-    ``num_tiles`` pads the tile map with empty tiles (no tokens, a first
-    position far before the request's start, so they read no block).
+    Request r's tiles cover its tokens ``tokens_per_tile`` at a time:
+    ``[r, first token, its index in the request - q_len, tokens]``; its tokens are
+    ``[r, index - q_len]``. ``num_tiles`` pads the tile map with empty tiles (no
+    tokens, a first position far before the request's start, so they read no
+    block). Vectorised: a 128k-token prompt's one-token map takes milliseconds.
     """
-    tiles, tokens = [], []
-    t0 = 0
-    for r, q_len in enumerate(int(x) for x in q_lens):
-        for j0 in range(0, q_len, tokens_per_tile):
-            tiles.append((r, t0 + j0, j0 - q_len, min(tokens_per_tile, q_len - j0)))
-        tokens.extend((r, j - q_len) for j in range(q_len))
-        t0 += q_len
+    q = np.asarray([int(x) for x in q_lens], np.int64).reshape(-1)
+    starts = np.cumsum(q) - q                             # each request's first token
+    per_request = -(-q // tokens_per_tile)                # its tiles
+    r = np.repeat(np.arange(len(q)), per_request)         # each tile's request
+    j0 = (np.arange(len(r)) - np.repeat(np.cumsum(per_request) - per_request, per_request)) * tokens_per_tile
+    tiles = np.stack([r, starts[r] + j0, j0 - q[r], np.minimum(tokens_per_tile, q[r] - j0)], axis=1)
+    rt = np.repeat(np.arange(len(q)), q)                  # each token's request
+    tokens = np.stack([rt, np.arange(len(rt)) - starts[rt] - q[rt]], axis=1)
     if num_tiles is not None:
         if len(tiles) > num_tiles:
             raise ValueError(f"{len(tiles)} row tiles do not fit the {num_tiles} planned")
-        tiles.extend([(0, 0, EMPTY_TILE_POSITION, 0)] * (num_tiles - len(tiles)))
-    return np.asarray(tiles, np.int32).reshape(-1, 4), np.asarray(tokens, np.int32).reshape(-1, 2)
+        tiles = np.concatenate([tiles, np.tile([[0, 0, EMPTY_TILE_POSITION, 0]], (num_tiles - len(tiles), 1))])
+    return tiles.astype(np.int32).reshape(-1, 4), tokens.astype(np.int32).reshape(-1, 2)
 
 
 @functools.lru_cache(maxsize=256)

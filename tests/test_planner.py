@@ -94,6 +94,28 @@ def test_prefill_maps_are_varlen_maps():
     assert pre.memo("k", lambda: object()) is pre.memo("k", lambda: None)
 
 
+def test_varlen_maps_match_their_definition():
+    """maps.varlen_maps (vectorised) against the maps written out request by request, tile by tile."""
+    def by_loops(q_lens, tpt, num_tiles):
+        tiles, tokens, t0 = [], [], 0
+        for r, q_len in enumerate(q_lens):
+            tiles += [(r, t0 + j0, j0 - q_len, min(tpt, q_len - j0)) for j0 in range(0, q_len, tpt)]
+            tokens += [(r, j - q_len) for j in range(q_len)]
+            t0 += q_len
+        tiles += [(0, 0, maps.EMPTY_TILE_POSITION, 0)] * (num_tiles - len(tiles))
+        return np.asarray(tiles, np.int32).reshape(-1, 4), np.asarray(tokens, np.int32).reshape(-1, 2)
+
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        q_lens = [int(x) for x in rng.integers(0, 40, int(rng.integers(0, 7)))]
+        tpt = int(rng.choice([1, 2, 8, 32]))
+        pad = maps.max_row_tiles(sum(q_lens), len(q_lens), tpt) + int(rng.integers(0, 3))
+        for got, want in zip(maps.varlen_maps(q_lens, tpt, pad), by_loops(q_lens, tpt, pad)):
+            assert got.dtype == want.dtype and got.shape == want.shape and (got == want).all(), (q_lens, tpt)
+    with pytest.raises(ValueError, match="do not fit"):
+        maps.varlen_maps([5, 9], 4, num_tiles=3)
+
+
 def test_max_row_tiles_is_an_upper_bound():
     rng = np.random.default_rng(0)
     for _ in range(300):
