@@ -19,6 +19,7 @@ results.md and plots to --out; prints a summary table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -71,6 +72,19 @@ def time_graph(steps, reps=30):
     ms = time_fn(graph.replay, reps)
     del graph
     return ms * 1e3 / len(steps)
+
+
+@contextlib.contextmanager
+def mtp_layout(packed):
+    """Sparse decode of several tokens per request with packed row tiles (True), one token per tile
+    (False) or the default rule (None): ``maps.decode_tile``'s knobs, set for the ``with`` block."""
+    saved = maps.SPARSE_PACK_RATIO, maps.SPARSE_PACK_MIN_PROGRAMS
+    if packed is not None:
+        maps.SPARSE_PACK_RATIO, maps.SPARSE_PACK_MIN_PROGRAMS = (0, 0) if packed else (1 << 30, 0)
+    try:
+        yield
+    finally:
+        maps.SPARSE_PACK_RATIO, maps.SPARSE_PACK_MIN_PROGRAMS = saved
 
 
 class Pool:
@@ -239,22 +253,19 @@ def run_case(pool, cfg_name, cfg, batch, context, n, bw, full):
         ops["baseline_prefill_shaped"] = [prefill_shaped(s, pool, i, n, cfg) for s, i in zip(sets, idss)]
         if torch_baseline_bytes(batch, context, n, cfg) < 8e9:
             ops["baseline_torch"] = [lambda s=s: torch_baseline(pool, s, n, cfg) for s in sets[:2]]
-    if full and n > 1:  # the other MTP layout for sparse decode (maps.packs_sparse_decode)
+    if full and n > 1:  # the other MTP layout for sparse decode (maps.decode_tile)
         ops["sparse_decode_other_mtp_layout"] = ops["sparse_decode"]
-    packs = maps.packs_sparse_decode(n, probe["block_table"].shape[1], TOPK)
+    packs = maps.decode_tile(cfg["hq"] // cfg["hk"], n, True, max_blocks=probe["block_table"].shape[1], topk=TOPK,
+                             num_requests=batch, num_kv_heads=cfg["hk"], interpret=False).tokens_per_tile > 1
     rows = []
     for op, steps in ops.items():
         other = op == "sparse_decode_other_mtp_layout"
-        ratio = maps.SPARSE_PACK_RATIO
-        if other:  # ratio 0: always pack; a huge ratio: never
-            maps.SPARSE_PACK_RATIO = 1 << 30 if packs else 0
         try:
-            us = time_graph(steps)
+            with mtp_layout(not packs if other else None):
+                us = time_graph(steps)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             continue
-        finally:
-            maps.SPARSE_PACK_RATIO = ratio
         floor_key = {"baseline_prefill_shaped": "sparse_decode", "baseline_torch": "msa_decode",
                      "sparse_decode_other_mtp_layout": "sparse_decode"}.get(op, op)
         nbytes = need[floor_key]
@@ -349,9 +360,9 @@ def write_outputs(out_dir, meta, rows):
              f"TFLOP/s. Command: `{meta['command']}`.",
              "Times: CUDA-graph replay medians (us); % floor = (bytes / copy bandwidth) / time. "
              "jax_msa_decode: the jitted JAX step, steady-state throughput (back-to-back calls); "
-             "torch_eager_msa_decode: one eager call. sparse_decode_other_mtp_layout: n = 8 with the row-tile "
-             "layout the default did not pick (maps.packs_sparse_decode: packed tiles at contexts <= 4k here, "
-             "one tile per token above).", ""]
+             "torch_eager_msa_decode: one eager call. sparse_decode_other_mtp_layout: n > 1 with the row-tile "
+             "layout the default did not pick (maps.decode_tile: packed tiles at contexts <= 4k (n = 8) from "
+             "batch 8 (M3) here, one tile per token otherwise).", ""]
     for cfg in CONFIGS:
         sel = [r for r in rows if r["config"] == cfg and not r["op"].endswith("_prefill")]
         if not sel:

@@ -3,7 +3,7 @@
     python3 -m benchmarks.tune sparse   # sparse_decode n=1: splits x BLOCK_N x stages x warps, batch 32/64/128, 16k
     python3 -m benchmarks.tune small    # sparse_decode n=1 split counts at batch 1-16 (launch-bound cases)
     python3 -m benchmarks.tune select   # select_blocks: one- or two-level top-k x warps
-    python3 -m benchmarks.tune mtp      # sparse_decode n=8: packed vs per-token row tiles
+    python3 -m benchmarks.tune mtp      # sparse/msa_decode n=2-8, short contexts: packed vs per-token row tiles
     python3 -m benchmarks.tune index    # index_scores and dense_decode: warps x stages x BLOCK_N, batch 64, 32k
     python3 -m benchmarks.tune fp8      # e4m3 caches: the index_scores, sparse_decode, dense_decode knobs
     python3 -m benchmarks.tune prefill  # dense_prefill and index_scores_prefill knobs, one 32k prompt
@@ -20,7 +20,8 @@ import torch
 
 import m3_kernels
 import m3_torch
-from benchmarks.run import copy_bandwidth, matmul_rate, time_fn, time_graph
+from benchmarks.run import (CONFIGS, Pool, copy_bandwidth, make_step_inputs, matmul_rate, mtp_layout, time_fn,
+                            time_graph)
 from m3_kernels import maps, tuning
 
 PAGE, HQ, HK, D, TOPK = 128, 64, 4, 128, 16
@@ -100,7 +101,9 @@ def sweep_small(bw):
                 line.append(f"{splits} splits {cache.sparse_us(sets):6.1f}")
             finally:
                 undo()
-        default = tuning.attention(tile=maps.decode_tile(HQ // HK, 1, True, max_blocks=1, topk=TOPK),
+        tile = maps.decode_tile(HQ // HK, 1, True, max_blocks=1, topk=TOPK, num_requests=batch, num_kv_heads=HK,
+                                interpret=False)
+        default = tuning.attention(tile=tile,
                                    num_tiles=batch, num_kv_heads=HK, head_dim=D, topk=TOPK, max_blocks=1,
                                    sparse=True, interpret=False).num_splits
         print(f"batch {batch} {context // 1024}k n=1 (floor {kv_floor_us(batch, bw):.1f} us, default {default} "
@@ -136,21 +139,33 @@ def sweep_select(bw):
 
 
 def sweep_mtp(bw):
-    cache = Cache(128 * 100)
-    orig = maps.SPARSE_PACK_RATIO
-    for batch, context in ((8, 4096), (32, 4096), (128, 4096), (32, 8192), (32, 16384)):
-        sets = [cache.step(batch, context, n=8, seed=s) for s in range(3)]
-        line = []
-        for name, ratio in (("packed", 0), ("per-token", 1 << 30)):
-            maps.SPARSE_PACK_RATIO = ratio
-            try:
-                line.append(f"{name} {cache.sparse_us(sets):7.1f}")
-            finally:
-                maps.SPARSE_PACK_RATIO = orig
-        mb = sets[0]["bt"].shape[1]
-        chosen = "packed" if maps.packs_sparse_decode(8, mb, TOPK) else "per-token"
-        print(f"mtp batch {batch} {context // 1024}k n=8 (max_blocks {mb}, default {chosen}): " + "  ".join(line),
-              flush=True)
+    """MTP steps where packing halves the block visits (short contexts): sparse_decode and msa_decode
+    with packed row tiles and with one token per tile, over batch sizes; '*' marks the default."""
+    cfg = CONFIGS["M3"]
+    pool = Pool(cfg, 64 * 72 + 64)
+    print("n batch ctx | sparse packed per-token | msa packed per-token")
+    for n, ctx in ((2, 1024), (4, 1024), (4, 2048), (8, 1024), (8, 4096)):
+        for batch in (1, 2, 4, 8, 16, 32, 64):
+            sets = [make_step_inputs(pool, cfg, batch, ctx, n, seed=s) for s in range(1, 5)]
+            outs = [torch.empty_like(s["q"]) for s in sets]
+            idss = [m3_torch.msa_decode(s["q"], s["idx_q"], pool.k, pool.v, pool.ik, s["block_table"],
+                                        s["seq_lens"], decode_query_len=n, topk=TOPK)[1] for s in sets]
+            res = {}
+            for packed in (True, False):
+                with mtp_layout(packed):
+                    res[packed] = (
+                        time_graph([lambda s=s, i=i, o=o: m3_torch.sparse_decode(
+                            s["q"], pool.k, pool.v, i, s["block_table"], s["seq_lens"], decode_query_len=n, out=o)
+                            for s, i, o in zip(sets, idss, outs)]),
+                        time_graph([lambda s=s, o=o: m3_torch.msa_decode(
+                            s["q"], s["idx_q"], pool.k, pool.v, pool.ik, s["block_table"], s["seq_lens"],
+                            decode_query_len=n, topk=TOPK, out=o) for s, o in zip(sets, outs)]))
+            tile = maps.decode_tile(HQ // HK, n, True, max_blocks=sets[0]["block_table"].shape[1], topk=TOPK,
+                                    num_requests=batch, num_kv_heads=HK, interpret=False)
+            mark = {True: "*" if tile.tokens_per_tile > 1 else " "}
+            mark[False] = " " if mark[True] == "*" else "*"
+            print(f"{n} {batch:3d} {ctx:5d} | {res[True][0]:7.1f}{mark[True]}{res[False][0]:7.1f}{mark[False]}| "
+                  f"{res[True][1]:7.1f}{mark[True]}{res[False][1]:7.1f}{mark[False]}", flush=True)
 
 
 def resources():

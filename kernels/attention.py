@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_row, typed, visible_len,
-                     whole_blocks_end)
+                     wait_for_previous_grid, whole_blocks_end)
 
 
 @triton.jit
@@ -112,7 +112,9 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     KV_DTYPE: tl.constexpr,           # the caches' element type; float8e4nv: FP8, scaled
     TILES_ON_AXIS_0: tl.constexpr,    # grid (tiles, splits, KV heads), else (splits, tiles, KV heads)
+    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.wait_for_previous_grid)
 ):
+    wait_for_previous_grid(PDL)
     # grid (splits, tiles, KV heads); a launch of more than 65535 row tiles (a long prompt, one
     # token per tile) puts them on axis 0, the only one that holds them. (Always one axis of
     # (tile, split) compiled to other decode code: batch 128 at 16k took 11% longer.)

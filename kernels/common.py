@@ -2,6 +2,7 @@
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .maps import PAGE_SIZE as _PAGE_SIZE
 
@@ -81,6 +82,20 @@ def multiple_of_16(x):
     compiler (``tl.multiple_of`` cannot annotate a kernel argument).
     """
     return (x // 16) * 16
+
+
+@triton.jit
+def wait_for_previous_grid(PDL: tl.constexpr):
+    """Every kernel's first statement. ``PDL`` (the launcher passes True on sm_90+ GPUs): the
+    kernel may be launched as a programmatic dependent of the stream's previous kernel (torch
+    launches with ``launch_pdl``), so its programs start while that kernel still runs; here
+    they wait for it to finish and its writes to be visible, before the first load, then let
+    the next kernel of the stream start the same way. The overlap is the launch and the
+    programs' placement (0.3-0.5 us a kernel on an H200, docs/PERF.md "Session 9"); a kernel
+    launched without the attribute (jax-triton) passes both instructions at once."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

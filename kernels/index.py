@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_row, typed, visible_len,
-                     whole_blocks_end)
+                     wait_for_previous_grid, whole_blocks_end)
 
 
 @triton.jit(do_not_specialize=["max_blocks", "blocks_per_program"])
@@ -57,7 +57,9 @@ def index_scores_kernel(
     K_DTYPE: tl.constexpr,            # the index-K cache's element type (float8e4nv: FP8, unscaled)
     SKIP_BLOCKS: tl.constexpr,        # > 0: tiles that see at most this many blocks write nothing
     TILES_ON_AXIS_0: tl.constexpr,    # grid (tiles, chunks), else (chunks, tiles)
+    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.wait_for_previous_grid)
 ):
+    wait_for_previous_grid(PDL)
     # grid (chunks, tiles); more than 65535 row tiles go on axis 0, the only one that holds them
     if TILES_ON_AXIS_0:
         tile, chunk = tl.program_id(0), tl.program_id(1)
@@ -190,7 +192,9 @@ def select_blocks_kernel(
     BLOCKS_PAD: tl.constexpr,
     CHUNK: tl.constexpr,              # 0: one top-k over the row; else two levels, see below
     BLOCK_T: tl.constexpr,            # tokens per program (rows of every tensor below)
+    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.wait_for_previous_grid)
 ):
+    wait_for_previous_grid(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     t_ok = offs_t < num_tokens

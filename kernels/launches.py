@@ -5,12 +5,17 @@ passed as the pointer, an element offset, shape and strides), maps and
 options into a :class:`Launch`: the kernel, its grid, its arguments in
 signature order, its outputs, constexprs, warps and stages, and the launch
 that follows it (the split-K merge). ``m3_torch.ops.run(launch, outputs)``
-and ``m3_jax.ops.run(launch)`` execute a Launch; they add nothing of their
-own, so the two frameworks compile the same kernel variant with the same
-arguments, and their results are bit-identical by construction.
+and ``m3_jax.ops.run(launch)`` execute a Launch; they add only
+:func:`grid_dependency` (below), so the two frameworks compile the same
+kernel variant with the same arguments, and their results are bit-identical
+by construction.
 
 Kernel signature convention (jax-triton's): input pointers and runtime
 scalars, then the output pointers, then the ``tl.constexpr`` parameters.
+Every kernel also takes ``PDL`` (``common.wait_for_previous_grid``), the one
+constexpr that is a fact of the device rather than of the shapes: the runners
+add :func:`grid_dependency` of their GPU to every launch (the same value for
+the same GPU).
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ MAX_GRID_Y = 65535
 # element types the kernels read and write, by name (validate.FLOAT_DTYPES and the FP8 cache format)
 TRITON_DTYPES = {"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32,
                  "float8_e4m3fn": tl.float8e4nv}
+
+
+# programmatic dependent launch (griddepcontrol) needs sm_90
+PDL_MIN_CAPABILITY = (9, 0)
+
+
+def grid_dependency(capability) -> dict:
+    """``{"PDL": ...}`` for a launch on a GPU of compute ``capability`` (major, minor), or off a GPU
+    (None: the interpreter). torch launches such kernels with ``launch_pdl`` (inside a CUDA graph
+    too); jax-triton launches without it, where the kernel's wait is a no-op."""
+    return {"PDL": capability is not None and tuple(capability) >= PDL_MIN_CAPABILITY}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,15 +82,24 @@ def index_tile(heads: int, max_tokens: int) -> RowTile:
 # H200 (docs/PERF.md): packed wins at contexts <= 4k (36 blocks), per-token
 # from 16k (141 blocks) on, at decode_query_len = 8.
 SPARSE_PACK_RATIO = 2
+# ... and, on a GPU, when the packed launch has at least this many (request, KV head) programs before
+# its splits: fewer packed tiles leave most SMs idle or split each tile's few blocks many ways, and
+# one token per tile is faster (H200, M3, msa_decode, results/2026-12-01-h200-s9-mtp-layouts.log:
+# batch 1, n = 8, 4k: 18.3 us per token against 30.1 packed; batch 4 (16 programs) 124.5 against
+# 128.0 us summed over its 5 cases; batch 8 level; batch 16 and up packed ahead). The interpreter's
+# cost is per program: it packs whenever the ratio says so.
+SPARSE_PACK_MIN_PROGRAMS = 32
 
 
 def packs_sparse_decode(decode_query_len: int, max_blocks: int, topk: int) -> bool:
     return SPARSE_PACK_RATIO * max_blocks <= decode_query_len * topk
 
 
-def decode_tile(group: int, decode_query_len: int, sparse: bool, *, max_blocks: int, topk: int) -> RowTile:
+def decode_tile(group: int, decode_query_len: int, sparse: bool, *, max_blocks: int, topk: int, num_requests: int,
+                num_kv_heads: int, interpret: bool) -> RowTile:
     """The attention row tile of a decode launch with ``decode_query_len`` tokens per request."""
-    packed = not sparse or packs_sparse_decode(decode_query_len, max_blocks, topk)
+    packed = not sparse or (packs_sparse_decode(decode_query_len, max_blocks, topk)
+                            and (interpret or num_requests * num_kv_heads >= SPARSE_PACK_MIN_PROGRAMS))
     return row_tile(group, decode_query_len if packed else 1)
 
 

@@ -10,6 +10,11 @@ comes as strides.
 import triton
 import triton.language as tl
 
+from .common import wait_for_previous_grid
+
+# split iterations the merge loops unroll (the dense split-K of a long context has up to 256 splits)
+MERGE_UNROLL = tl.constexpr(16)
+
 
 @triton.jit
 def merge_splits_kernel(
@@ -21,7 +26,9 @@ def merge_splits_kernel(
     o_ptr,            # [T, Hq, D] out dtype
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.wait_for_previous_grid)
 ):
+    wait_for_previous_grid(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -30,20 +37,22 @@ def merge_splits_kernel(
     # Splits are combined one after the other, in split order: the sums do not depend
     # on how the compiler lays the data out over threads (which differs with what it
     # knows of the strides: torch and jax-triton tell it different things), so both
-    # frameworks get the same bits.
+    # frameworks get the same bits. The loops are unrolled, and no load waits on another
+    # (every split wrote its partial: an empty one's is zeros, dropped by its weight), so
+    # a row's loads are all in flight at once: one memory latency, not one per split.
     m = float("-inf")
-    for s in range(0, NUM_SPLITS):
+    for s in tl.range(0, NUM_SPLITS, loop_unroll_factor=MERGE_UNROLL):
         lse = tl.load(lse_row + s * stride_ls)
         m = tl.maximum(m, tl.where(lse == lse, lse, float("-inf")))   # NaN does not set the max...
     m = tl.where(m == float("-inf"), 0.0, m)
     den = 0.0
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s in range(0, NUM_SPLITS):
+    for s in tl.range(0, NUM_SPLITS, loop_unroll_factor=MERGE_UNROLL):
         lse = tl.load(lse_row + s * stride_ls)
+        part = tl.load(o_row + s * stride_ps)
         used = lse != float("-inf")                                    # ...but makes the row NaN
         w = tl.where(used, tl.exp2(lse - m), 0.0)
-        # an empty split's partial is never read
-        acc += w * tl.load(o_row + s * stride_ps, mask=used, other=0.0)
+        acc += tl.where(used, w * part, 0.0)   # an empty split's partial never counts
         den += w
     out = acc / tl.where(den != 0.0, den, 1.0)
     tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od, out.to(o_ptr.dtype.element_ty))

@@ -27,6 +27,7 @@ numpy maps to their devices (cached on the plan, so once per step).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -307,23 +308,23 @@ class StepPlan:
         cfg, use = self.config, {"scores": 0, "partial_out": 0, "partial_lse": 0}
         for span in self.spans:
             use["scores"] = max(use["scores"], cfg.num_kv_heads * span.num_tokens * span.max_blocks)
-            for sparse in (True, False):
+            for sparse, interpret in itertools.product((True, False), (False, True)):
                 if span.prefill is not None:
                     tile, tile_map = span.prefill.tiles(cfg.group, prefill_tile_kind(sparse, span.max_blocks,
                                                                                      cfg.topk))
                     num_tiles = tile_map.shape[0]
                 else:
                     tile = decode_tile(cfg.group, span.decode_query_len, sparse, max_blocks=span.max_blocks,
-                                       topk=cfg.topk)
+                                       topk=cfg.topk, num_requests=span.num_rows, num_kv_heads=cfg.num_kv_heads,
+                                       interpret=interpret)
                     num_tiles = cdiv(span.decode_query_len, tile.tokens_per_tile) * span.num_rows
-                for interpret in (False, True):
-                    splits = tuning.attention(tile=tile, num_tiles=num_tiles, num_kv_heads=cfg.num_kv_heads,
-                                              head_dim=cfg.head_dim, topk=cfg.topk, max_blocks=span.max_blocks,
-                                              sparse=sparse, interpret=interpret).num_splits
-                    if splits > 1:
-                        rows = span.num_tokens * cfg.num_q_heads * splits
-                        use["partial_out"] = max(use["partial_out"], rows * cfg.head_dim)
-                        use["partial_lse"] = max(use["partial_lse"], rows)
+                splits = tuning.attention(tile=tile, num_tiles=num_tiles, num_kv_heads=cfg.num_kv_heads,
+                                          head_dim=cfg.head_dim, topk=cfg.topk, max_blocks=span.max_blocks,
+                                          sparse=sparse, interpret=interpret).num_splits
+                if splits > 1:
+                    rows = span.num_tokens * cfg.num_q_heads * splits
+                    use["partial_out"] = max(use["partial_out"], rows * cfg.head_dim)
+                    use["partial_lse"] = max(use["partial_lse"], rows)
         use["block_ids"] = cfg.num_kv_heads * self.num_tokens * cfg.topk
         return use
 

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 import m3_kernels
+from m3_kernels import launches as _launches
 
 __all__ = ["triton_call", "on_gpu"]
 
@@ -129,7 +130,15 @@ def _gpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stage
         shape_kw = {"out_type": out_shapes}
     args = [_python_scalar(a) if isinstance(a, _SCALAR_TYPES) else a for a in args]
     return jt.triton_call(*args, kernel=fn, grid=grid, num_warps=num_warps, num_stages=num_stages,
-                          input_output_aliases=jt_aliases, **shape_kw, **constexprs)
+                          input_output_aliases=jt_aliases, **shape_kw, **constexprs, **_grid_dependency())
+
+
+@functools.lru_cache(maxsize=None)
+def _grid_dependency() -> dict:
+    """``m3_kernels.launches.grid_dependency`` of the GPU jax-triton compiles for (its first device):
+    the same kernel variant as torch's on that GPU; jax-triton launches it without the attribute."""
+    capability = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
+    return _launches.grid_dependency(tuple(int(x) for x in capability.split(".")[:2]))
 
 
 def _python_scalar(x):

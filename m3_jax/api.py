@@ -141,7 +141,8 @@ def _decode_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens,
                                  seq_lens=seq_lens)
     n = int(decode_query_len)
     tile = _maps.decode_tile(call.group, n, block_ids is not None, max_blocks=call.max_blocks,
-                            topk=0 if block_ids is None else block_ids.shape[2])
+                             topk=0 if block_ids is None else block_ids.shape[2], num_requests=call.num_requests,
+                             num_kv_heads=call.num_kv_heads, interpret=not ops.on_gpu())
     tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
     return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
                       _kv_scales(k, k_scale, v_scale))  # the launch
@@ -189,7 +190,9 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     tile_map, token_map = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
     scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, topk)
     block_ids = run(_select_blocks(scores, seq_lens, token_map, topk, int(init_blocks), int(local_blocks)))["block_ids"]
-    tile = _maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk)
+    tile = _maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk,
+                             num_requests=call.num_requests, num_kv_heads=call.num_kv_heads,
+                             interpret=not ops.on_gpu())
     tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
     launch = _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
                         _kv_scales(k, k_scale, v_scale))
@@ -374,7 +377,8 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     if spec.generation_rows:
         rows, n, bound = spec.generation_rows, spec.decode_query_len, spec.generation_max_blocks
         index_tile = _maps.index_tile(cfg.num_kv_heads, n)
-        attention_tile = _maps.decode_tile(cfg.group, n, sparse, max_blocks=bound, topk=cfg.topk)
+        attention_tile = _maps.decode_tile(cfg.group, n, sparse, max_blocks=bound, topk=cfg.topk, num_requests=rows,
+                                           num_kv_heads=cfg.num_kv_heads, interpret=not ops.on_gpu())
         spans.append((slice(spec.context_rows, spec.num_rows), slice(spec.context_tokens, spec.num_tokens), bound,
                       (index_tile, *ops.decode_maps(rows, n, index_tile.tokens_per_tile)),
                       (attention_tile, ops.decode_maps(rows, n, attention_tile.tokens_per_tile)[0])))

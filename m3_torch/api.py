@@ -127,7 +127,8 @@ def _decode_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens,
     out = _empty(q.shape, q.dtype, device, out)
     n = int(decode_query_len)
     tile = maps.decode_tile(call.group, n, block_ids is not None, max_blocks=call.max_blocks,
-                            topk=0 if block_ids is None else block_ids.shape[2])
+                            topk=0 if block_ids is None else block_ids.shape[2], num_requests=call.num_requests,
+                            num_kv_heads=call.num_kv_heads, interpret=device.type != "cuda")
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
     return out, tile_map, tile.tokens_per_tile, call.sm_scale, _kv_scales(k_cache, k_scale, v_scale, device)
 
@@ -183,7 +184,9 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     tile_map, token_map = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
     ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
-    tile = maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk)
+    tile = maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk,
+                            num_requests=call.num_requests, num_kv_heads=call.num_kv_heads,
+                            interpret=device.type != "cuda")
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
                         tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device))
@@ -353,7 +356,9 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             n = span.decode_query_len
             tile = maps.index_tile(cfg.num_kv_heads, n)
             index_maps = (tile, *ops.decode_maps(device, span.num_rows, n, tile.tokens_per_tile))
-            tile = maps.decode_tile(cfg.group, n, sparse, max_blocks=span.max_blocks, topk=cfg.topk)
+            tile = maps.decode_tile(cfg.group, n, sparse, max_blocks=span.max_blocks, topk=cfg.topk,
+                                    num_requests=span.num_rows, num_kv_heads=cfg.num_kv_heads,
+                                    interpret=device.type != "cuda")
             attention_maps = (tile, *ops.decode_maps(device, span.num_rows, n, tile.tokens_per_tile))
         ids = None
         if sparse:

@@ -25,6 +25,7 @@ _workspaces: dict = {}
 _device_maps: dict = {}
 _arenas: dict = {}
 _ones: dict = {}
+_pdl: dict = {}
 
 
 def operand(t: torch.Tensor) -> Operand:
@@ -60,6 +61,7 @@ def run(launch: launches.Launch, outputs: dict) -> None:
     """
     device = next(iter(outputs.values())).device
     interpret = device.type != "cuda"
+    pdl = _grid_dependency(device)
     prev = ()
     while launch is not None and not launch.empty:
         outs = [_output(o, outputs, device) for o in launch.outputs]
@@ -67,8 +69,18 @@ def run(launch: launches.Launch, outputs: dict) -> None:
         module, fn = launch.kernel.split(".")
         kernel = getattr(kernel_module(module, interpret), fn)
         kernel[launch.grid](*args, *outs, num_warps=launch.num_warps, num_stages=launch.num_stages,
-                            **launch.constexprs)
+                            launch_pdl=pdl["PDL"], **launch.constexprs, **pdl)
         prev, launch = outs, launch.then
+
+
+def _grid_dependency(device) -> dict:
+    """``launches.grid_dependency`` of ``device``, asked of the driver once per device."""
+    key = str(device)
+    found = _pdl.get(key)
+    if found is None:
+        found = _pdl[key] = launches.grid_dependency(
+            torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    return found
 
 
 def _output(o: launches.Output, outputs: dict, device) -> torch.Tensor:

@@ -58,8 +58,9 @@ def test_sparse_decode_skips_empty_and_out_of_range_slots_anywhere(target, topk,
     expected = ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], x["block_table"], lens, [1] * 4, ids)
     # 4 tiles x 2 KV heads: a target of 8 * splits programs gives `splits` splits
     with tuning.override(sparse_target_programs=8 * splits):
-        launch_splits = tuning.attention(tile=maps.decode_tile(2, 1, True, max_blocks=x["block_table"].shape[1],
-                                                               topk=topk),
+        tile = maps.decode_tile(2, 1, True, max_blocks=x["block_table"].shape[1], topk=topk, num_requests=4,
+                                num_kv_heads=2, interpret=target.device == "interpreter")
+        launch_splits = tuning.attention(tile=tile,
                                          num_tiles=4, num_kv_heads=2, head_dim=16, topk=topk, max_blocks=1,
                                          sparse=True, interpret=target.device == "interpreter").num_splits
         assert launch_splits == splits
@@ -103,6 +104,43 @@ def test_sparse_prefill_tiles_of_several_tokens_or_one(target, packs, splits, mo
     assert torch.isnan(out[4, 1]).all()
     out[4, 1], expected[4, 1] = 0, 0
     assert rel_err(out, expected) < TOLERANCE["bfloat16"]
+
+
+def test_mtp_decode_packs_only_with_enough_programs_on_a_gpu():
+    """Several query tokens per request share a tile where that at least halves the block visits,
+    and, on a GPU, the packed launch still has SPARSE_PACK_MIN_PROGRAMS (request, KV head) programs;
+    the interpreter (cost per program) packs whenever the ratio says so."""
+    def tpt(n, max_blocks, num_requests, interpret=False, sparse=True):
+        return maps.decode_tile(16, n, sparse, max_blocks=max_blocks, topk=16, num_requests=num_requests,
+                                num_kv_heads=4, interpret=interpret).tokens_per_tile
+    assert maps.SPARSE_PACK_MIN_PROGRAMS == 32
+    assert tpt(8, 36, 8) == 8 and tpt(8, 36, 4) == 1           # 32 / 16 programs at 4k
+    assert tpt(8, 36, 1, interpret=True) == 8
+    assert tpt(8, 141, 64) == 1                                 # 16k: the union is too wide to share
+    assert tpt(8, 141, 1, sparse=False) == 8                    # dense decode always packs
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("target", targets(["torch"]))
+def test_mtp_sparse_decode_packed_or_one_token_per_tile(target, packed, monkeypatch):
+    """Both MTP decode layouts (``maps.decode_tile``) equal the reference, split and unsplit."""
+    monkeypatch.setattr(maps, "SPARSE_PACK_RATIO", 0 if packed else 1 << 30)
+    monkeypatch.setattr(maps, "SPARSE_PACK_MIN_PROGRAMS", 0)
+    case = decode("mtp_layouts", (1000, 129, 700), n=4, hq=4, hk=2, d=16, di=16, topk=6)
+    dev = target.torch_device
+    x = make_inputs(case, dev)
+    ids = random_block_ids(case)
+    expected = ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"].cpu(),
+                                 case.q_lens, ids)
+    for splits in (1, 3):
+        with tuning.override(sparse_target_programs=(3 if packed else 12) * case.hk * splits):
+            tile = maps.decode_tile(2, 4, True, max_blocks=x["block_table"].shape[1], topk=case.topk, num_requests=3,
+                                    num_kv_heads=case.hk, interpret=target.device == "interpreter")
+            assert tile.tokens_per_tile == (4 if packed else 1)
+            out = torch.full_like(x["q"], float("nan"))
+            m3_torch.sparse_decode(x["q"], x["k_cache"], x["v_cache"], ids.to(dev), x["block_table"],
+                                   x["seq_lens"], decode_query_len=4, out=out)
+        assert rel_err(out, expected) < TOLERANCE["bfloat16"], (packed, splits)
 
 
 @pytest.mark.parametrize("target", targets(["torch"]))

@@ -23,8 +23,11 @@ POINTER_TYPES = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": 
 
 
 def compile_for_hopper(fn, constexprs, num_warps, num_stages, scalars_divisible, pointer_types=None):
-    """Compile ``fn`` like torch (ints marked divisible by 16) or like jax-triton (no facts)."""
+    """Compile ``fn`` like torch (ints marked divisible by 16) or like jax-triton (no facts); with
+    ``PDL`` True unless given (both runners pass it on an sm_90 GPU)."""
     names = fn.arg_names
+    if "PDL" in names:
+        constexprs = {"PDL": True, **constexprs}
     pointer_types = {**POINTER_TYPES, **(pointer_types or {})}
     sig = {}
     for a in names:
@@ -45,14 +48,15 @@ def operand(*shape, dtype="bfloat16"):
     return Operand(None, 0, shape, maps.contiguous_strides(shape), dtype)
 
 
-def attention_case(sparse, kv_dtype="bfloat16"):
-    """The launch of M3 decode at batch 64, 18k context (141 blocks), as both frameworks build it."""
-    tile = maps.decode_tile(16, 1, sparse, max_blocks=141, topk=16)
+def attention_case(sparse, kv_dtype="bfloat16", batch=64):
+    """The launch of M3 decode at batch 64 (or ``batch``), 18k context (141 blocks), as both frameworks build it."""
+    tile = maps.decode_tile(16, 1, sparse, max_blocks=141, topk=16, num_requests=batch, num_kv_heads=4,
+                            interpret=False)
     launch = launches.paged_attention(
-        q=operand(64, 64, 128), k=operand(9000, 4, 128, 128, dtype=kv_dtype),
-        v=operand(9000, 4, 128, 128, dtype=kv_dtype), block_ids=operand(4, 64, 16) if sparse else None,
-        block_table=operand(64, 141), seq_lens=None, tile_map=np.zeros((64, 4), np.int32), tile=tile, sm_scale=1.0,
-        out_dtype="bfloat16", out_strides=(64 * 128, 128, 1), interpret=False, k_scale=1, v_scale=1)
+        q=operand(batch, 64, 128), k=operand(9000, 4, 128, 128, dtype=kv_dtype),
+        v=operand(9000, 4, 128, 128, dtype=kv_dtype), block_ids=operand(4, batch, 16) if sparse else None,
+        block_table=operand(batch, 141), seq_lens=None, tile_map=np.zeros((batch, 4), np.int32), tile=tile,
+        sm_scale=1.0, out_dtype="bfloat16", out_strides=(64 * 128, 128, 1), interpret=False, k_scale=1, v_scale=1)
     consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_is=1, stride_bb=1)
     return m3_kernels.kernel_module("attention", False).paged_attention_kernel, consts, launch
 
@@ -112,6 +116,49 @@ def test_select_and_cache_write_compile_for_hopper(max_blocks):
     assert write.constexprs["BLOCK_T"] == 1
     fn = m3_kernels.kernel_module("cache_write", False).cache_write_kernel
     compile_for_hopper(fn, dict(write.constexprs, stride_kd=1, stride_vd=1, stride_id=1), write.num_warps, 1, True)
+
+
+@pytest.mark.parametrize("kernel", ["attention", "merge", "index", "select", "cache_write"])
+def test_programmatic_dependent_launch_waits_before_the_first_load(kernel):
+    """With PDL (sm_90: torch launches every kernel as a programmatic dependent of the one before),
+    a kernel's programs start early; each must wait for the previous kernel before it reads memory
+    (griddepcontrol.wait before the first global load), then release the next kernel. Without PDL
+    (older GPUs, the interpreter) neither instruction is emitted."""
+    if kernel == "attention":
+        fn, consts, launch = attention_case(True)
+    elif kernel == "merge":
+        _, _, attention = attention_case(True, batch=1)
+        launch = attention.then
+        assert launch is not None, "batch 1 splits: the launch ends in a merge"
+        fn = m3_kernels.kernel_module("merge", False).merge_splits_kernel
+        consts = dict(launch.constexprs, stride_pd=1, stride_od=1)
+    elif kernel == "index":
+        fn, consts, launch = index_case()
+    elif kernel == "select":
+        launch = launches.select_blocks(scores=operand(4, 64, 141), seq_lens=None, token_map=None, topk=16,
+                                        init_blocks=0, local_blocks=1, out_strides=(64 * 16, 16, 1), interpret=False)
+        fn, consts = m3_kernels.kernel_module("index", False).select_blocks_kernel, dict(launch.constexprs,
+                                                                                       stride_sb=1, stride_ok=1)
+    else:
+        launch = launches.write_cache(k=operand(8, 4, 128), v=operand(8, 4, 128), index_k=operand(8, 128),
+                                      slot_mapping=None, pool=None, pool_shape=(1 << 20,), pool_dtype="bfloat16",
+                                      k_cache=operand(16, 4, 128, 128), v_cache=operand(16, 4, 128, 128),
+                                      index_k_cache=operand(16, 128, 128), interpret=False)
+        fn = m3_kernels.kernel_module("cache_write", False).cache_write_kernel
+        consts = dict(launch.constexprs, stride_kd=1, stride_vd=1, stride_id=1)
+    assert launches.grid_dependency((9, 0)) == {"PDL": True}
+    assert launches.grid_dependency((8, 9)) == launches.grid_dependency(None) == {"PDL": False}
+    for pdl in (True, False):
+        ptx = compile_for_hopper(fn, dict(consts, PDL=pdl), launch.num_warps, launch.num_stages, True).asm["ptx"]
+        body = ptx[ptx.index(".entry"):]
+        if not pdl:
+            assert "griddepcontrol" not in body
+            continue
+        wait, release = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
+        first_load = min(i for i in (body.find("ld.global"), body.find("cp.async")) if i >= 0)
+        assert 0 <= wait < release < first_load, (wait, release, first_load)
+        if kernel == "merge":   # unrolled: each split's lse and partial row load once, none in a loop
+            assert body.count("ld.global") >= 2 * launch.constexprs["NUM_SPLITS"] and "bra" not in body
 
 
 @pytest.mark.slow

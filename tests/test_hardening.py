@@ -241,7 +241,8 @@ def test_seq_lens_past_the_table_msa_and_prefill(target):
 # -- NaN / Inf in the queries ------------------------------------------------------------------
 
 def num_splits(*, group, sparse, max_blocks, topk, num_tiles, head_dim, interpret):
-    tile = maps.decode_tile(group, 1, sparse, max_blocks=max_blocks, topk=topk)
+    tile = maps.decode_tile(group, 1, sparse, max_blocks=max_blocks, topk=topk, num_requests=num_tiles, num_kv_heads=1,
+                            interpret=interpret)
     return tuning.attention(tile=tile, num_tiles=num_tiles, num_kv_heads=1, head_dim=head_dim,
                             topk=topk if sparse else 0, max_blocks=max_blocks, sparse=sparse,
                             interpret=interpret).num_splits
