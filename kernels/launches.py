@@ -43,9 +43,10 @@ PDL_MIN_CAPABILITY = (9, 0)
 
 
 def grid_dependency(capability) -> dict:
-    """``{"PDL": ...}`` for a launch on a GPU of compute ``capability`` (major, minor), or off a GPU
-    (None: the interpreter). torch launches such kernels with ``launch_pdl`` (inside a CUDA graph
-    too); jax-triton launches without it, where the kernel's wait is a no-op."""
+    """``{"PDL": ...}`` for a launch on an NVIDIA GPU of compute ``capability`` (major, minor), or
+    anywhere else (None: the interpreter, other vendors' GPUs). torch launches such kernels with
+    ``launch_pdl`` (inside a CUDA graph too); jax-triton launches without it, where the kernel's
+    wait is a no-op."""
     return {"PDL": capability is not None and tuple(capability) >= PDL_MIN_CAPABILITY}
 
 

@@ -84,10 +84,11 @@ def index_tile(heads: int, max_tokens: int) -> RowTile:
 SPARSE_PACK_RATIO = 2
 # ... and, on a GPU, when the packed launch has at least this many (request, KV head) programs before
 # its splits: fewer packed tiles leave most SMs idle or split each tile's few blocks many ways, and
-# one token per tile is faster (H200, M3, msa_decode, results/2026-12-01-h200-s9-mtp-layouts.log:
-# batch 1, n = 8, 4k: 18.3 us per token against 30.1 packed; batch 4 (16 programs) 124.5 against
-# 128.0 us summed over its 5 cases; batch 8 level; batch 16 and up packed ahead). The interpreter's
-# cost is per program: it packs whenever the ratio says so.
+# one token per tile is faster (H200, M3, msa_decode, results/2026-12-01-h200-s9-mtp-layouts.log,
+# summed over the 5 cases of each batch: batch 1-2 per token 1.1-1.6x faster in every case (n = 8,
+# 4k: 18.3 us against 30.1); batch 4 (16 programs) 124.5 against 128.0 us; batch 8 level; batch 16
+# and up packed ahead, though n = 2 at batch 16-32 and n = 4 / 1k at batch 16 still favour one token
+# per tile). The interpreter's cost is per program: it packs whenever the ratio says so.
 SPARSE_PACK_MIN_PROGRAMS = 32
 
 

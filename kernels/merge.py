@@ -38,8 +38,10 @@ def merge_splits_kernel(
     # on how the compiler lays the data out over threads (which differs with what it
     # knows of the strides: torch and jax-triton tell it different things), so both
     # frameworks get the same bits. The loops are unrolled, and no load waits on another
-    # (every split wrote its partial: an empty one's is zeros, dropped by its weight), so
-    # a row's loads are all in flight at once: one memory latency, not one per split.
+    # (every split wrote its partial; an empty split's is discarded by the select below,
+    # not masked out of the load), so a row's loads are all in flight at once: one memory
+    # latency, not one per split. (The select sits between the product and the sum, so
+    # they round separately where the masked load let them fuse: last-bit changes.)
     m = float("-inf")
     for s in tl.range(0, NUM_SPLITS, loop_unroll_factor=MERGE_UNROLL):
         lse = tl.load(lse_row + s * stride_ls)

@@ -137,8 +137,17 @@ def _gpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stage
 def _grid_dependency() -> dict:
     """``m3_kernels.launches.grid_dependency`` of the GPU jax-triton compiles for (its first device):
     the same kernel variant as torch's on that GPU; jax-triton launches it without the attribute."""
-    capability = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
-    return _launches.grid_dependency(tuple(int(x) for x in capability.split(".")[:2]))
+    return _launches.grid_dependency(cuda_capability(getattr(jax.devices()[0], "compute_capability", None)))
+
+
+def cuda_capability(compute_capability):
+    """A JAX device's ``compute_capability`` ("9.0") as (major, minor); None for anything else
+    (ROCm devices report "gfx..." names, CPU devices none)."""
+    try:
+        major, minor = (int(x) for x in str(compute_capability).split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
 
 
 def _python_scalar(x):

@@ -78,8 +78,8 @@ def _grid_dependency(device) -> dict:
     key = str(device)
     found = _pdl.get(key)
     if found is None:
-        found = _pdl[key] = launches.grid_dependency(
-            torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+        nvidia = device.type == "cuda" and torch.version.hip is None   # ROCm also reports type "cuda"
+        found = _pdl[key] = launches.grid_dependency(torch.cuda.get_device_capability(device) if nvidia else None)
     return found
 
 

@@ -118,6 +118,17 @@ def test_select_and_cache_write_compile_for_hopper(max_blocks):
     compile_for_hopper(fn, dict(write.constexprs, stride_kd=1, stride_vd=1, stride_id=1), write.num_warps, 1, True)
 
 
+def test_programmatic_dependent_launch_only_on_nvidia_sm90():
+    """PDL is a device fact both runners derive alike: NVIDIA compute capability 9.0 and up; not
+    older GPUs, not the interpreter, not a JAX device whose capability is not "major.minor" (ROCm)."""
+    from m3_jax._triton_call import cuda_capability
+
+    assert launches.grid_dependency((9, 0)) == launches.grid_dependency((10, 0)) == {"PDL": True}
+    assert launches.grid_dependency((8, 9)) == launches.grid_dependency(None) == {"PDL": False}
+    assert cuda_capability("9.0") == (9, 0) and cuda_capability("12.1") == (12, 1)
+    assert cuda_capability("gfx942") is None and cuda_capability(None) is None
+
+
 @pytest.mark.parametrize("kernel", ["attention", "merge", "index", "select", "cache_write"])
 def test_programmatic_dependent_launch_waits_before_the_first_load(kernel):
     """With PDL (sm_90: torch launches every kernel as a programmatic dependent of the one before),
@@ -146,8 +157,6 @@ def test_programmatic_dependent_launch_waits_before_the_first_load(kernel):
                                       index_k_cache=operand(16, 128, 128), interpret=False)
         fn = m3_kernels.kernel_module("cache_write", False).cache_write_kernel
         consts = dict(launch.constexprs, stride_kd=1, stride_vd=1, stride_id=1)
-    assert launches.grid_dependency((9, 0)) == {"PDL": True}
-    assert launches.grid_dependency((8, 9)) == launches.grid_dependency(None) == {"PDL": False}
     for pdl in (True, False):
         ptx = compile_for_hopper(fn, dict(consts, PDL=pdl), launch.num_warps, launch.num_stages, True).asm["ptx"]
         body = ptx[ptx.index(".entry"):]
