@@ -49,8 +49,8 @@ are read from memory, so a captured graph or jitted step takes new values.
 import triton
 import triton.language as tl
 
-from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_row, typed, visible_len,
-                     wait_for_previous_grid, whole_blocks_end)
+from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_program, tile_row, typed,
+                     visible_len, wait_for_previous_grid, whole_blocks_end)
 
 
 @triton.jit
@@ -115,13 +115,10 @@ def paged_attention_kernel(
     PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.wait_for_previous_grid)
 ):
     wait_for_previous_grid(PDL)
-    # grid (splits, tiles, KV heads); a launch of more than 65535 row tiles (a long prompt, one
-    # token per tile) puts them on axis 0, the only one that holds them. (Always one axis of
-    # (tile, split) compiled to other decode code: batch 128 at 16k took 11% longer.)
-    if TILES_ON_AXIS_0:
-        tile, split = tl.program_id(0), tl.program_id(1)
-    else:
-        split, tile = tl.program_id(0), tl.program_id(1)
+    # grid (splits, tiles, KV heads), or (tiles, splits, KV heads) past 65535 row tiles (a long prompt,
+    # one token per tile). (Always one axis of (tile, split) compiled to other decode code: batch 128
+    # at 16k took 11% longer.)
+    tile, split = tile_program(TILES_ON_AXIS_0)
     kv_head = tl.program_id(2)
     KV_FP8: tl.constexpr = KV_DTYPE == tl.float8e4nv
     k_ptr, v_ptr = typed(k_ptr, KV_DTYPE), typed(v_ptr, KV_DTYPE)

@@ -99,6 +99,18 @@ def wait_for_previous_grid(PDL: tl.constexpr):
 
 
 @triton.jit
+def tile_program(TILES_ON_AXIS_0: tl.constexpr):
+    """-> (row tile, the other of the grid's first two axes: split or block chunk). Grids put the
+    row tiles on axis 1, or, past 65535 of them (``launches.tile_grid``), on axis 0, the only axis
+    that holds more."""
+    if TILES_ON_AXIS_0:
+        tile, other = tl.program_id(0), tl.program_id(1)
+    else:
+        other, tile = tl.program_id(0), tl.program_id(1)
+    return tile, other
+
+
+@triton.jit
 def tile_row(tile_map_ptr, tile):
     """Row ``tile`` of a tile map -> (request, first token, first token's position - seq_len, tokens)."""
     row = tile_map_ptr + tile * 4

@@ -29,8 +29,8 @@ chosen ids ascending, then -1.
 import triton
 import triton.language as tl
 
-from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_row, typed, visible_len,
-                     wait_for_previous_grid, whole_blocks_end)
+from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_program, tile_row, typed,
+                     visible_len, wait_for_previous_grid, whole_blocks_end)
 
 
 @triton.jit(do_not_specialize=["max_blocks", "blocks_per_program"])
@@ -60,11 +60,7 @@ def index_scores_kernel(
     PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.wait_for_previous_grid)
 ):
     wait_for_previous_grid(PDL)
-    # grid (chunks, tiles); more than 65535 row tiles go on axis 0, the only one that holds them
-    if TILES_ON_AXIS_0:
-        tile, chunk = tl.program_id(0), tl.program_id(1)
-    else:
-        chunk, tile = tl.program_id(0), tl.program_id(1)
+    tile, chunk = tile_program(TILES_ON_AXIS_0)   # grid (chunks, tiles), or (tiles, chunks)
     k_ptr = typed(k_ptr, K_DTYPE)
     k_off = multiple_of_16(k_off)
     stride_kp, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kn)

@@ -50,6 +50,13 @@ def grid_dependency(capability) -> dict:
     return {"PDL": capability is not None and tuple(capability) >= PDL_MIN_CAPABILITY}
 
 
+def tile_grid(num_tiles: int, other: int, *rest: int):
+    """-> (grid, TILES_ON_AXIS_0): ``(other, num_tiles, *rest)``, or ``(num_tiles, other, *rest)`` when the
+    tiles outnumber axis 1's limit (``common.tile_program`` reads either)."""
+    on_x = num_tiles > MAX_GRID_Y
+    return ((num_tiles, other) if on_x else (other, num_tiles)) + tuple(rest), on_x
+
+
 @dataclasses.dataclass(frozen=True)
 class Operand:
     """An array as a kernel reads it: ``element(i) = flat(ref)[offset + sum(i_k * strides_k)]``.
@@ -134,8 +141,7 @@ def index_scores(*, idx_q: Operand, index_k: Operand, block_table: Operand, seq_
     args = (idx_q.ref, index_k.ref, block_table.ref, seq_lens, tile_map, index_k.offset, *idx_q.strides,
             *index_k.strides, *block_table.strides, *out_strides, max_blocks, cfg.blocks_per_program)
     out = Output("scores", (num_heads, num_tokens, max_blocks), "float32", tuple(out_strides))
-    tiles_on_x = num_tiles > MAX_GRID_Y
-    grid = (num_tiles, cfg.num_chunks) if tiles_on_x else (cfg.num_chunks, num_tiles)
+    grid, tiles_on_x = tile_grid(num_tiles, cfg.num_chunks)
     return Launch("index.index_scores_kernel", grid, args, (out,),
                   dict(NUM_HEADS=num_heads, HEADS_PAD=tile.heads_pad, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
                        BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, K_DTYPE=index_k.triton_dtype,
@@ -199,8 +205,7 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
     args = (q.ref, k.ref, v.ref, ids.ref, block_table.ref, seq_lens, tile_map, *scales, float(sm_scale) * LOG2E,
             k.offset, v.offset, max_blocks, *q.strides, *k.strides, *v.strides, *ids.strides,
             *block_table.strides, *o_strides, *lse_strides)
-    tiles_on_x = num_tiles > MAX_GRID_Y
-    grid = (num_tiles, cfg.num_splits, num_kv_heads) if tiles_on_x else (cfg.num_splits, num_tiles, num_kv_heads)
+    grid, tiles_on_x = tile_grid(num_tiles, cfg.num_splits, num_kv_heads)
     launch = Launch("attention.paged_attention_kernel", grid, args, outputs,
                     dict(GROUP=tile.heads, GROUP_PAD=tile.heads_pad, HEAD_DIM=head_dim, TOPK=topk,
                          TOPK_PAD=next_pow2(topk), TOKENS_PER_TILE=tile.tokens_per_tile,
