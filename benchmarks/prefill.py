@@ -23,28 +23,15 @@ tend to be). Each row says how many distinct blocks an 8-token tile reads
 8 tokens and of one (``default``: the one ``maps.prefill_tile_kind`` picks).
 """
 import argparse
-import contextlib
 
 import torch
 import torch.nn.functional as F
 
 import m3_torch
-from benchmarks.run import copy_bandwidth, matmul_rate, save_results, time_fn
+from benchmarks.run import copy_bandwidth, matmul_rate, save_results, sparse_layout, time_fn
 from m3_kernels import maps
 
 PAGE, HQ, HK, D, DI, TOPK = 128, 64, 4, 128, 128, 16
-
-
-@contextlib.contextmanager
-def sparse_tiles(packed):
-    """Sparse prefill row tiles of 8 tokens (``packed``) or one, whatever ``maps.prefill_tile_kind``
-    would pick (make a fresh plan inside)."""
-    saved = maps.packs_sparse_decode
-    maps.packs_sparse_decode = lambda *args: packed
-    try:
-        yield
-    finally:
-        maps.packs_sparse_decode = saved
 
 
 def union_per_tile(ids, tokens):
@@ -126,7 +113,7 @@ def run_length(T, rate, reps):
         row(f"  select_blocks_prefill[{kind}]", time_fn(select, reps) * 1e3, 0.0)
         default = maps.prefill_tile_kind(True, nb, TOPK)
         for tpt in (8, 1):
-            with sparse_tiles(packed=tpt > 1):
+            with sparse_layout(tpt > 1):
                 p = m3_torch.prefill_plan(cu)
                 us = time_fn(lambda: m3_torch.sparse_prefill(q, k, v, ids, bt, sl, cu_seqlens_q=cu, plan=p,
                                                              out=out), reps) * 1e3

@@ -75,9 +75,10 @@ def time_graph(steps, reps=30):
 
 
 @contextlib.contextmanager
-def mtp_layout(packed):
-    """Sparse decode of several tokens per request with packed row tiles (True), one token per tile
-    (False) or the default rule (None): ``maps.decode_tile``'s knobs, set for the ``with`` block."""
+def sparse_layout(packed):
+    """Sparse attention row tiles of several tokens (True), of one token (False) or as the default
+    rules pick (None), for the ``with`` block: MTP decode (``maps.decode_tile``) and prefill
+    (``maps.prefill_tile_kind``; make a fresh plan inside) alike."""
     saved = maps.SPARSE_PACK_RATIO, maps.SPARSE_PACK_MIN_PROGRAMS
     if packed is not None:
         maps.SPARSE_PACK_RATIO, maps.SPARSE_PACK_MIN_PROGRAMS = (0, 0) if packed else (1 << 30, 0)
@@ -261,7 +262,7 @@ def run_case(pool, cfg_name, cfg, batch, context, n, bw, full):
     for op, steps in ops.items():
         other = op == "sparse_decode_other_mtp_layout"
         try:
-            with mtp_layout(not packs if other else None):
+            with sparse_layout(not packs if other else None):
                 us = time_graph(steps)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()

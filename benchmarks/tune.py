@@ -20,7 +20,7 @@ import torch
 
 import m3_kernels
 import m3_torch
-from benchmarks.run import (CONFIGS, Pool, copy_bandwidth, make_step_inputs, matmul_rate, mtp_layout, time_fn,
+from benchmarks.run import (CONFIGS, Pool, copy_bandwidth, make_step_inputs, matmul_rate, sparse_layout, time_fn,
                             time_graph)
 from m3_kernels import maps, tuning
 
@@ -152,7 +152,7 @@ def sweep_mtp(bw):
                                         s["seq_lens"], decode_query_len=n, topk=TOPK)[1] for s in sets]
             res = {}
             for packed in (True, False):
-                with mtp_layout(packed):
+                with sparse_layout(packed):
                     res[packed] = (
                         time_graph([lambda s=s, i=i, o=o: m3_torch.sparse_decode(
                             s["q"], pool.k, pool.v, i, s["block_table"], s["seq_lens"], decode_query_len=n, out=o)
