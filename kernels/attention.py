@@ -49,8 +49,8 @@ are read from memory, so a captured graph or jitted step takes new values.
 import triton
 import triton.language as tl
 
-from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_program, tile_row, typed,
-                     visible_len, wait_for_previous_grid, whole_blocks_end)
+from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, release_next_grid, tile_program, tile_row,
+                     typed, visible_len, wait_for_previous_grid, whole_blocks_end)
 
 
 @triton.jit
@@ -112,9 +112,9 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     KV_DTYPE: tl.constexpr,           # the caches' element type; float8e4nv: FP8, scaled
     TILES_ON_AXIS_0: tl.constexpr,    # grid (tiles, splits, KV heads), else (splits, tiles, KV heads)
-    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.wait_for_previous_grid)
+    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
 ):
-    wait_for_previous_grid(PDL)
+    release_next_grid(PDL)
     # grid (splits, tiles, KV heads), or (tiles, splits, KV heads) past 65535 row tiles (a long prompt,
     # one token per tile). (Always one axis of (tile, split) compiled to other decode code: batch 128
     # at 16k took 11% longer.)
@@ -123,8 +123,6 @@ def paged_attention_kernel(
     KV_FP8: tl.constexpr = KV_DTYPE == tl.float8e4nv
     k_ptr, v_ptr = typed(k_ptr, KV_DTYPE), typed(v_ptr, KV_DTYPE)
     qk_scale = tl.full([], qk_scale, tl.float32)  # jax-triton passes Python floats as fp64
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
     k_off, v_off = multiple_of_16(k_off), multiple_of_16(v_off)
     stride_kp, stride_kh, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kh), multiple_of_16(stride_kn)
     stride_vp, stride_vh, stride_vn = multiple_of_16(stride_vp), multiple_of_16(stride_vh), multiple_of_16(stride_vn)
@@ -139,6 +137,9 @@ def paged_attention_kernel(
     # page, which may hold NaN/Inf) are never loaded.
     tile_kv_len = tl.maximum(seq_len + pos0_minus_len + ntok, 0)
     tile_blocks = tl.cdiv(tile_kv_len, PAGE_SIZE)
+    wait_for_previous_grid(PDL)   # the launch metadata above is read; all else comes from earlier kernels
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)

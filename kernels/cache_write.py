@@ -24,7 +24,7 @@ before the launch (``validate.check_slot_mapping_values``).
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, to_e4m3, typed, wait_for_previous_grid
+from .common import PAGE_SIZE, release_next_grid, to_e4m3, typed, wait_for_previous_grid
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -55,12 +55,13 @@ def cache_write_kernel(
     BLOCK_T: tl.constexpr,             # tokens per program
     KV_DTYPE: tl.constexpr,            # element type of the K/V caches (float8e4nv: FP8, scaled)
     INDEX_DTYPE: tl.constexpr,         # element type of the index-K cache (float8e4nv: FP8, unscaled)
-    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.wait_for_previous_grid)
+    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
 ):
-    wait_for_previous_grid(PDL)
+    release_next_grid(PDL)
     kv_pool, index_pool = typed(pool_ptr, KV_DTYPE), typed(pool_ptr, INDEX_DTYPE)
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_mapping_ptr + offs_t, mask=offs_t < num_tokens, other=-1).to(tl.int64)
+    wait_for_previous_grid(PDL)   # the slot mapping is read; the rows and caches belong to earlier kernels
     t_ok = slot >= 0
     # [BLOCK_T]: each token's page and row in it
     page = tl.where(t_ok, slot, 0) // PAGE_SIZE

@@ -85,17 +85,29 @@ def multiple_of_16(x):
 
 
 @triton.jit
+def release_next_grid(PDL: tl.constexpr):
+    """Every kernel's first statement. ``PDL`` (the launcher passes True on sm_90+ GPUs): kernels
+    are launched as programmatic dependents of the stream's previous kernel (torch launches with
+    ``launch_pdl``); this lets the next kernel of the stream be launched, and its programs placed,
+    as soon as all of this kernel's programs are running. It orders nothing: each kernel still
+    waits (``wait_for_previous_grid``) before it reads what an earlier kernel may have written."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def wait_for_previous_grid(PDL: tl.constexpr):
-    """Every kernel's first statement. ``PDL`` (the launcher passes True on sm_90+ GPUs): the
-    kernel may be launched as a programmatic dependent of the stream's previous kernel (torch
-    launches with ``launch_pdl``), so its programs start while that kernel still runs; here
-    they wait for it to finish and its writes to be visible, before the first load, then let
-    the next kernel of the stream start the same way. The overlap is the launch and the
-    programs' placement (0.3-0.5 us a kernel on an H200, docs/PERF.md "Session 9"); a kernel
-    launched without the attribute (jax-triton) passes both instructions at once."""
+    """Wait until the stream's previous kernel has finished and its writes are visible
+    (``griddepcontrol.wait``). A kernel reads its launch metadata first (tile and token maps,
+    ``seq_lens``, ``slot_mapping``: arrays no kernel of this project writes, so the kernels
+    before it cannot be changing them; a kernel of someone else's before it was launched without
+    the release above, so ours start only once it has finished), then waits, then reads
+    everything else (queries, caches, scores, block ids, partials, scales) and writes. The
+    metadata's dependent loads (tile map -> length) thus overlap the previous kernel's tail
+    instead of following it. Without PDL (older GPUs, the interpreter, jax-triton's launches)
+    neither instruction is emitted or both pass at once."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit

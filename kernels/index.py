@@ -29,8 +29,8 @@ chosen ids ascending, then -1.
 import triton
 import triton.language as tl
 
-from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, tile_program, tile_row, typed,
-                     visible_len, wait_for_previous_grid, whole_blocks_end)
+from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, release_next_grid, tile_program, tile_row,
+                     typed, visible_len, wait_for_previous_grid, whole_blocks_end)
 
 
 @triton.jit(do_not_specialize=["max_blocks", "blocks_per_program"])
@@ -57,9 +57,9 @@ def index_scores_kernel(
     K_DTYPE: tl.constexpr,            # the index-K cache's element type (float8e4nv: FP8, unscaled)
     SKIP_BLOCKS: tl.constexpr,        # > 0: tiles that see at most this many blocks write nothing
     TILES_ON_AXIS_0: tl.constexpr,    # grid (tiles, chunks), else (chunks, tiles)
-    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.wait_for_previous_grid)
+    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
 ):
-    wait_for_previous_grid(PDL)
+    release_next_grid(PDL)
     tile, chunk = tile_program(TILES_ON_AXIS_0)   # grid (chunks, tiles), or (tiles, chunks)
     k_ptr = typed(k_ptr, K_DTYPE)
     k_off = multiple_of_16(k_off)
@@ -70,6 +70,7 @@ def index_scores_kernel(
     # blocks some token of the tile sees
     tile_kv_len = tl.maximum(seq_len + pos0_minus_len + ntok, 0)
     tile_blocks = tl.cdiv(tile_kv_len, PAGE_SIZE)
+    wait_for_previous_grid(PDL)   # the launch metadata above is read; all else comes from earlier kernels
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -188,9 +189,9 @@ def select_blocks_kernel(
     BLOCKS_PAD: tl.constexpr,
     CHUNK: tl.constexpr,              # 0: one top-k over the row; else two levels, see below
     BLOCK_T: tl.constexpr,            # tokens per program (rows of every tensor below)
-    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.wait_for_previous_grid)
+    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
 ):
-    wait_for_previous_grid(PDL)
+    release_next_grid(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     t_ok = offs_t < num_tokens
@@ -199,6 +200,7 @@ def select_blocks_kernel(
     kv_len = tl.maximum(visible_len(seq_lens_ptr, req, max_blocks) + pos_minus_len + 1, 0)
     # [BLOCK_T, 1]
     visible_blocks = tl.cdiv(kv_len, PAGE_SIZE)[:, None]
+    wait_for_previous_grid(PDL)   # the launch metadata above is read; the scores come from the scorer
     num_chosen = tl.minimum(visible_blocks, TOPK)
     rows = scores_ptr + head * stride_si + offs_t[:, None] * stride_st
 

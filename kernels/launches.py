@@ -12,7 +12,7 @@ by construction.
 
 Kernel signature convention (jax-triton's): input pointers and runtime
 scalars, then the output pointers, then the ``tl.constexpr`` parameters.
-Every kernel also takes ``PDL`` (``common.wait_for_previous_grid``), the one
+Every kernel also takes ``PDL`` (``common.release_next_grid``), the one
 constexpr that is a fact of the device rather than of the shapes: the runners
 add :func:`grid_dependency` of their GPU to every launch (the same value for
 the same GPU).

@@ -10,7 +10,7 @@ comes as strides.
 import triton
 import triton.language as tl
 
-from .common import wait_for_previous_grid
+from .common import release_next_grid, wait_for_previous_grid
 
 # split iterations the merge loops unroll (the dense split-K of a long context has up to 256 splits)
 MERGE_UNROLL = tl.constexpr(16)
@@ -26,9 +26,10 @@ def merge_splits_kernel(
     o_ptr,            # [T, Hq, D] out dtype
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.wait_for_previous_grid)
+    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
 ):
-    wait_for_previous_grid(PDL)
+    release_next_grid(PDL)
+    wait_for_previous_grid(PDL)   # no launch metadata: everything it reads comes from the attention launch
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)

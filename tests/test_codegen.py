@@ -7,6 +7,9 @@ kernel ran about 2x slower on an H200 (benchmarks/results/*jax-vs-torch*).
 These tests compile for Hopper on the CPU (Triton ships ptxas), no GPU needed.
 """
 
+import os
+import re
+
 import numpy as np
 import pytest
 import triton
@@ -129,12 +132,34 @@ def test_programmatic_dependent_launch_only_on_nvidia_sm90():
     assert cuda_capability("gfx942") is None and cuda_capability(None) is None
 
 
-@pytest.mark.parametrize("kernel", ["attention", "merge", "index", "select", "cache_write"])
-def test_programmatic_dependent_launch_waits_before_the_first_load(kernel):
+# Launch metadata a kernel reads before it waits (common.wait_for_previous_grid), as the source lines of
+# its loads: the tile map row and the request's length (one line each); select: the token map row (two
+# lines) and the length; cache writes: the slot.
+METADATA_LOADS = {"attention": 2, "index": 2, "select": 3, "cache_write": 1, "merge": 0}
+METADATA = ("tile_map_ptr", "tl.load(row", "seq_lens_ptr", "token_map_ptr", "slot_mapping_ptr")
+KERNEL_DIR = os.path.dirname(m3_kernels.__file__)
+
+
+def source_lines_of_loads(ptx: str):
+    """The kernel source line of each global load in ``ptx`` (from the ``.loc`` comment before it)."""
+    where = None
+    for line in ptx.splitlines():
+        loc = re.search(r"\.loc\s.*// (\w+\.py):(\d+):\d+", line)
+        if loc:
+            where = loc.groups()
+        elif "ld.global" in line:
+            with open(os.path.join(KERNEL_DIR, where[0])) as f:
+                yield f.read().splitlines()[int(where[1]) - 1].strip()
+
+
+@pytest.mark.parametrize("kernel", sorted(METADATA_LOADS))
+def test_programmatic_dependent_launch_waits_before_reading_earlier_kernels_outputs(kernel):
     """With PDL (sm_90: torch launches every kernel as a programmatic dependent of the one before),
-    a kernel's programs start early; each must wait for the previous kernel before it reads memory
-    (griddepcontrol.wait before the first global load), then release the next kernel. Without PDL
-    (older GPUs, the interpreter) neither instruction is emitted."""
+    a kernel first releases the next one (griddepcontrol.launch_dependents before any memory
+    access), reads only its launch metadata (loads on METADATA_LOADS[kernel] source lines, each
+    naming a metadata array; no cp.async, no store), then waits for the previous kernel
+    (griddepcontrol.wait) before anything else. Without PDL (older GPUs, the interpreter) neither
+    instruction is emitted."""
     if kernel == "attention":
         fn, consts, launch = attention_case(True)
     elif kernel == "merge":
@@ -164,8 +189,16 @@ def test_programmatic_dependent_launch_waits_before_the_first_load(kernel):
             assert "griddepcontrol" not in body
             continue
         wait, release = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
-        first_load = min(i for i in (body.find("ld.global"), body.find("cp.async")) if i >= 0)
-        assert 0 <= wait < release < first_load, (wait, release, first_load)
+        first_access = min(i for i in (body.find("ld.global"), body.find("cp.async"), body.find("st.global"))
+                           if i >= 0)
+        assert 0 <= release < first_access and 0 <= wait, (release, first_access, wait)
+        before = body[:wait]
+        assert "cp.async" not in before and "st.global" not in before and "atom" not in before
+        # each load's source line (the PTX's .loc comments): launch metadata only
+        sources = set(source_lines_of_loads(before))
+        assert all(any(name in text for name in METADATA) for text in sources), sources
+        assert len(sources) == METADATA_LOADS[kernel], sources
+        assert body.count("griddepcontrol.wait") == 1 and body.count("griddepcontrol.launch_dependents") == 1
         if kernel == "merge":   # unrolled: each split's lse and partial row load once, none in a loop
             assert body.count("ld.global") >= 2 * launch.constexprs["NUM_SPLITS"] and "bra" not in body
 
