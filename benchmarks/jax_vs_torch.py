@@ -5,6 +5,9 @@ jitted JAX step, each as 50 back-to-back calls timed as a whole (steady-state
 throughput: host dispatch overlaps the GPU) and as blocking single calls;
 then eight steps on eight input sets per call on both sides (a CUDA graph, one
 jitted function), which compares the device time of the two launch paths.
+``--launch``: the JAX custom call(s) timed (``m3_jax._triton_call.LAUNCH_TARGET``):
+``legacy`` (jax-triton 0.3.1's ``triton_kernel_call``, the default), ``ffi``
+(jaxlib's command-buffer-compatible ``triton_kernel_call_ffi``) or ``both``.
 Writes jax_vs_torch.{json,md} to --out.
 """
 
@@ -20,6 +23,7 @@ import torch
 
 import m3_jax
 import m3_torch
+from m3_jax import _triton_call
 from benchmarks.run import CONFIGS, TOPK, Pool, copy_bandwidth, jax_steps_us, make_step_inputs, time_graph
 
 
@@ -36,12 +40,17 @@ def wall_us(fn, sync, calls=50, reps=5):
     return statistics.median(out)
 
 
+LAUNCHES = {"ffi": "triton_kernel_call_ffi", "legacy": "triton_kernel_call"}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/latest"))
-    ap.add_argument("--cases", default="1:32,1:64,1:128,8:32,8:64", help="decode_query_len:batch, comma-separated")
+    ap.add_argument("--cases", default="1:1,1:8,1:32,1:64,8:8", help="decode_query_len:batch, comma-separated")
     ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--launch", choices=sorted(LAUNCHES) + ["both"], default="legacy")
     args = ap.parse_args()
+    launches = sorted(LAUNCHES) if args.launch == "both" else [args.launch]
     cases = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
     xla_flags = os.environ.get("XLA_FLAGS", "")
     bw = copy_bandwidth()
@@ -56,17 +65,11 @@ def main():
                                                  x["seq_lens"], decode_query_len=n, topk=TOPK, out=out)[0]
         jargs = [jax.dlpack.from_dlpack(x[k]) for k in ("q", "idx_q")] + jpool + \
                 [jax.dlpack.from_dlpack(x[k]) for k in ("block_table", "seq_lens")]
-        step = jax.jit(lambda *a: m3_jax.msa_decode(*a, decode_query_len=n, topk=TOPK))
-        jax_step = lambda: step(*jargs)
-        jax_sync = jax.block_until_ready
         torch_sync = lambda r: torch.cuda.synchronize()
-        same = bool((torch.from_dlpack(jax_step()[0]) == torch_step()).all())
-        row = dict(n=n, batch=batch, context=args.context, bit_identical=same,
+        row = dict(n=n, batch=batch, context=args.context,
                    torch_graph_us=time_graph([torch_step]),
                    torch_eager_us=wall_us(torch_step, torch_sync),
-                   jax_jit_us=wall_us(jax_step, jax_sync),
-                   torch_eager_blocking_us=wall_us(torch_step, torch_sync, calls=1, reps=30),
-                   jax_jit_blocking_us=wall_us(jax_step, jax_sync, calls=1, reps=30))
+                   torch_eager_blocking_us=wall_us(torch_step, torch_sync, calls=1, reps=30))
         # Eight input sets per call on both sides: torch one CUDA graph of eight
         # steps, JAX one jitted function of eight steps, called back to back.
         sets = [x] + [make_step_inputs(pool, cfg, batch, args.context, n, seed=s) for s in range(2, 9)]
@@ -75,13 +78,21 @@ def main():
             lambda s=s, o=o: m3_torch.msa_decode(s["q"], s["idx_q"], pool.k, pool.v, pool.ik, s["block_table"],
                                                  s["seq_lens"], decode_query_len=n, topk=TOPK, out=o)
             for s, o in zip(sets, outs)])
-        row["jax_jit_8_us"] = jax_steps_us(pool, sets, n)
+        for launch in launches:
+            _triton_call.LAUNCH_TARGET = LAUNCHES[launch]   # read when a step is traced: new jitted functions below
+            step = jax.jit(lambda *a: m3_jax.msa_decode(*a, decode_query_len=n, topk=TOPK))
+            jax_step = lambda: step(*jargs)
+            row[f"{launch}_bit_identical"] = bool((torch.from_dlpack(jax_step()[0]) == torch_step()).all())
+            row[f"{launch}_jax_jit_us"] = wall_us(jax_step, jax.block_until_ready)
+            row[f"{launch}_jax_jit_blocking_us"] = wall_us(jax_step, jax.block_until_ready, calls=1, reps=30)
+            row[f"{launch}_jax_jit_8_us"] = jax_steps_us(pool, sets, n)
+        _triton_call.LAUNCH_TARGET = LAUNCHES["legacy"]
         rows.append(row)
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "jax_vs_torch.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, xla_flags=xla_flags,
-                       command="python3 -m " + " ".join(["benchmarks.jax_vs_torch"] + sys.argv[1:]), rows=rows),
+                       jax=jax.__version__, command="python3 -m " + " ".join(["benchmarks.jax_vs_torch"] + sys.argv[1:]), rows=rows),
                   f, indent=1)
     lines = [f"# torch vs JAX launch of the same msa_decode kernels ({torch.cuda.get_device_name()}, "
              f"copy {bw / 1e12:.2f} TB/s)", "",
@@ -89,13 +100,13 @@ def main():
              f"Microseconds per step, M3 shapes, context {args.context // 1024}k. Throughput = 50 back-to-back calls / 50; "
              "blocking = one call then wait; x8 = eight steps on eight input sets per call (torch: one CUDA "
              "graph replay; JAX: one jitted function, 20 calls back to back).", "",
-             "| n | batch | bit-identical | torch graph | torch eager | JAX jit | torch eager blocking "
+             "| n | batch | launch | bit-identical | torch graph | torch eager | JAX jit | torch eager blocking "
              "| JAX jit blocking | torch graph x8 | JAX jit x8 | JAX / torch x8 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['n']} | {r['batch']} | {r['bit_identical']} | {r['torch_graph_us']:.1f} | "
-              f"{r['torch_eager_us']:.1f} | {r['jax_jit_us']:.1f} | {r['torch_eager_blocking_us']:.1f} | "
-              f"{r['jax_jit_blocking_us']:.1f} | {r['torch_graph_8_us']:.1f} | {r['jax_jit_8_us']:.1f} | "
-              f"{r['jax_jit_8_us'] / r['torch_graph_8_us']:.3f} |" for r in rows]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['n']} | {r['batch']} | {la} | {r[la + '_bit_identical']} | {r['torch_graph_us']:.1f} | "
+              f"{r['torch_eager_us']:.1f} | {r[la + '_jax_jit_us']:.1f} | {r['torch_eager_blocking_us']:.1f} | "
+              f"{r[la + '_jax_jit_blocking_us']:.1f} | {r['torch_graph_8_us']:.1f} | {r[la + '_jax_jit_8_us']:.1f} | "
+              f"{r[la + '_jax_jit_8_us'] / r['torch_graph_8_us']:.3f} |" for r in rows for la in launches]
     with open(os.path.join(args.out, "jax_vs_torch.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -3,7 +3,12 @@
 One entry point, two lowerings, the same kernel source:
 
 * GPU backend: ``jax_triton.triton_call`` (jax-triton 0.3.1) with the compiled
-  kernel ``m3_kernels.kernel_module(module, interpret=False).<fn>``.
+  kernel ``m3_kernels.kernel_module(module, interpret=False).<fn>``: its legacy
+  ``triton_kernel_call`` custom call, which XLA launches from the host.
+  ``LAUNCH_TARGET = "triton_kernel_call_ffi"`` lowers the same compiled kernel
+  to jaxlib's FFI custom call (jax >= 0.10.1), which XLA records into its
+  command buffers (CUDA graphs); measured slower for a blocking step (see
+  ``LAUNCH_TARGET``), so not the default.
 * CPU backend: the SAME kernel loaded with Triton's interpreter
   (``kernel_module(module, interpret=True)``), run inside ``jax.pure_callback``
   on torch CPU tensors made from the numpy arrays (bf16 and float8_e4m3fn
@@ -93,6 +98,19 @@ def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, input_out
 
 # -- GPU: jax-triton ------------------------------------------------------------------
 
+#: The custom call the GPU kernels lower to. "triton_kernel_call" (the default): jax-triton 0.3.1's own
+#: lowering, a legacy custom call XLA launches from the host, one by one. "triton_kernel_call_ffi"
+#: (jaxlib >= 0.10.1): jaxlib's XLA FFI handler with the command-buffer trait, so XLA records the kernels
+#: into the CUDA graphs of a jitted step. On an H200 (docs/PERF.md, "Session 10") that made back-to-back
+#: steps 5-17% faster but a blocking step 7-27% slower and the JAX engine's decode step 1.24x slower at
+#: batch 1: XLA updates a command buffer before every launch whose buffers moved (new outputs,
+#: uploads), and each FFI command's update is host time the launch waits for. Kept for
+#: ``benchmarks.jax_vs_torch --launch`` and ``benchmarks.e2e --jax-launch``; read when a step is traced.
+_FFI_TARGET = "triton_kernel_call_ffi"
+LAUNCH_TARGET = "triton_kernel_call"
+_FFI_MIN_JAX = (0, 10, 1)
+
+
 @functools.lru_cache(maxsize=None)
 def _jax_triton():
     """Import jax_triton once, undoing its side effect on Triton's cache knob.
@@ -115,20 +133,66 @@ def _jax_triton():
     return jax_triton, legacy
 
 
+@functools.lru_cache(maxsize=None)
+def _ffi_primitive():
+    """The primitive of one kernel launch through ``triton_kernel_call_ffi``.
+
+    It takes jax-triton's ``triton_kernel_call`` parameters: its lowering runs
+    jax-triton's (which compiles the kernel and serializes the launch into the
+    legacy custom call's backend config), then replaces that custom call by
+    the FFI one carrying the same serialized launch as its ``opaque``
+    attribute, the form jaxlib's handler reads.
+    """
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir, xla
+    from jax.interpreters.mlir import ir
+
+    jt, _ = _jax_triton()
+    lib = jt.triton_lib
+    prim = Primitive("m3_triton_kernel_call")
+    prim.multiple_results = True
+    prim.def_impl(functools.partial(xla.apply_primitive, prim))
+    prim.def_abstract_eval(lib.triton_kernel_call_abstract_eval)
+
+    def lowering(ctx, *array_args, **params):
+        legacy_op = lib.triton_kernel_call_lowering(lib.get_cuda_backend, ctx, *array_args,
+                                                     **params)[0].owner.operation
+        opaque = ir.StringAttr(legacy_op.attributes["backend_config"]).value_bytes
+        legacy_op.erase()
+        rule = jax.ffi.ffi_lowering(_FFI_TARGET, api_version=4,
+                                    operand_output_aliases=dict(params["input_output_aliases"]))
+        return rule(ctx, *array_args, opaque=opaque)
+
+    mlir.register_lowering(prim, lowering, platform="cuda")
+    return prim
+
+
 def _gpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stages, aliases, constexprs):
     jt, legacy = _jax_triton()
     fn = getattr(m3_kernels.kernel_module(module_name, interpret=False), fn_name)
+    args = [_python_scalar(a) if isinstance(a, _SCALAR_TYPES) else a for a in args]
+    array_index = {}
+    for i, a in enumerate(args):
+        if not isinstance(a, _SCALAR_TYPES):
+            array_index[i] = len(array_index)
+    if LAUNCH_TARGET == _FFI_TARGET and jax.__version_info__ < _FFI_MIN_JAX:
+        raise RuntimeError(f"m3_jax on a GPU needs jax >= {'.'.join(map(str, _FFI_MIN_JAX))} "
+                           f"(jaxlib's triton_kernel_call_ffi); found {jax.__version__}")
+    if legacy and LAUNCH_TARGET == _FFI_TARGET:   # later jax-triton releases lower to it themselves
+        lib = jt.triton_lib
+        scalars = tuple((i, lib.get_triton_type(a), a) for i, a in enumerate(args) if i not in array_index)
+        return _ffi_primitive().bind(
+            *(args[i] for i in array_index), fn=fn, scalar_args=scalars, name=fn_name,
+            custom_call_target_name=LAUNCH_TARGET, out_shapes=tuple(out_shapes), grid=grid, num_warps=num_warps,
+            num_stages=num_stages, num_ctas=1, compute_capability=None, enable_fp_fusion=True,
+            input_output_aliases=tuple((array_index[i], o) for i, o in aliases.items()), zeroed_outputs=(),
+            debug=False, serialized_metadata=b"", **constexprs, **_grid_dependency())
     if legacy:
-        array_index = {}
-        for i, a in enumerate(args):
-            if not isinstance(a, _SCALAR_TYPES):
-                array_index[i] = len(array_index)
         jt_aliases = {array_index[i]: o for i, o in aliases.items()}
         shape_kw = {"out_shape": out_shapes}
     else:
         jt_aliases = dict(aliases)
         shape_kw = {"out_type": out_shapes}
-    args = [_python_scalar(a) if isinstance(a, _SCALAR_TYPES) else a for a in args]
     return jt.triton_call(*args, kernel=fn, grid=grid, num_warps=num_warps, num_stages=num_stages,
                           input_output_aliases=jt_aliases, **shape_kw, **constexprs, **_grid_dependency())
 

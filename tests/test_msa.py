@@ -2,6 +2,9 @@
 references; JAX bit-identical to torch; plans, workspaces, jit and CUDA graphs."""
 
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -162,6 +165,58 @@ def test_cuda_graph_capture_after_jax_ran(n, batch, hq, hk):
                                    x["block_table"], x["seq_lens"], decode_query_len=n, topk=16)
     assert not torch.isnan(replayed).any()
     assert torch.equal(replayed, eager)
+
+
+COMMAND_BUFFER_PROBE = """
+import sys
+sys.path.insert(0, "tests")
+import jax
+import m3_jax
+from m3_jax import _triton_call
+from cases import decode
+from targets import jax_inputs
+_triton_call.LAUNCH_TARGET = "triton_kernel_call_ffi"
+case = decode("command_buffers", (3000, 1, 129, 0), hq=16, hk=2, d=128, di=128, topk=16, gpu_only=True)
+j = jax_inputs(case, "gpu")
+q, *rest = (j[k] for k in ("q", "idx_q", "k_cache", "v_cache", "index_k_cache", "block_table", "seq_lens"))
+step = jax.jit(lambda q, *rest: [m3_jax.msa_decode(s * q, *rest, decode_query_len=1, topk=16)[0] for s in (1, -1)])
+jax.block_until_ready(step(q, *rest))
+"""
+
+
+@pytest.mark.gpu
+def test_jax_ffi_launch_runs_inside_xla_command_buffers(monkeypatch):
+    """Issue #15, the measured alternative launch path (``m3_jax._triton_call.LAUNCH_TARGET``): the JAX
+    kernels lowered to jaxlib's command-buffer-compatible FFI custom call (``triton_kernel_call_ffi``)
+    are recorded by XLA into a command buffer (a CUDA graph) instead of being launched one by one from
+    the host: a child process jits two msa_decode calls with XLA's command-buffer pass logging, and the
+    buffer it creates lists the kernel calls. The outputs equal torch's bit for bit, also on a second
+    call with new inputs (new buffers: XLA updates the commands)."""
+    if not jax_gpu_ready():
+        pytest.skip("needs JAX on the GPU with jax_triton")
+    from m3_jax import _triton_call
+    monkeypatch.setattr(_triton_call, "LAUNCH_TARGET", "triton_kernel_call_ffi")
+    case = decode("command_buffers", (3000, 1, 129, 0), hq=16, hk=2, d=128, di=128, topk=16, gpu_only=True)
+    x = make_inputs(case, "cuda")
+    j = _msa_args(jax_inputs(case, "gpu"))
+    step = jax.jit(lambda q, *rest: (m3_jax.msa_decode(q, *rest, decode_query_len=1, topk=16)[0],
+                                     m3_jax.msa_decode(-q, *rest, decode_query_len=1, topk=16)[0]))
+    hlo = step.lower(*j).compile().as_text()
+    kernels = hlo.count('custom_call_target="triton_kernel_call_ffi"')
+    assert kernels >= 6                                  # 2 x (index, select, attention[, merge])
+    assert 'custom_call_target="triton_kernel_call"' not in hlo
+    for q in (x["q"], torch.randn_like(x["q"])):
+        outs = step(to_jax(q), *j[1:])
+        for got, sign in zip(outs, (1, -1)):
+            want, _ = m3_torch.msa_decode(sign * q, x["idx_q"], x["k_cache"], x["v_cache"], x["index_k_cache"],
+                                          x["block_table"], x["seq_lens"], decode_query_len=1, topk=16)
+            assert_same_bits(to_torch(got), want.cpu())
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_conversion_pass=3")
+    probe = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_PROBE], env=env, capture_output=True, text=True,
+                           timeout=240, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    created = [line for line in probe.stderr.splitlines() if "Creating command buffer thunk" in line]
+    assert sum(line.count("m3_triton_kernel_call") for line in created) == kernels, probe.stderr[-3000:]
 
 
 @pytest.mark.gpu
