@@ -129,6 +129,7 @@ def paged_attention_kernel(
 
     # -- the tile's request, tokens and positions
     req, tok0, pos0_minus_len, ntok = tile_row(tile_map_ptr, tile)
+    wait_for_previous_grid(PDL)   # the tile map is read; everything else may come from earlier kernels
     seq_len = visible_len(seq_lens_ptr, req, max_blocks)
     # A block past the request's last written block is never read: its page
     # table entry may hold garbage.
@@ -137,7 +138,6 @@ def paged_attention_kernel(
     # page, which may hold NaN/Inf) are never loaded.
     tile_kv_len = tl.maximum(seq_len + pos0_minus_len + ntok, 0)
     tile_blocks = tl.cdiv(tile_kv_len, PAGE_SIZE)
-    wait_for_previous_grid(PDL)   # the launch metadata above is read; all else comes from earlier kernels
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
 

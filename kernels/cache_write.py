@@ -58,10 +58,10 @@ def cache_write_kernel(
     PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
 ):
     release_next_grid(PDL)
+    wait_for_previous_grid(PDL)   # no map of its own: everything it reads may come from earlier kernels
     kv_pool, index_pool = typed(pool_ptr, KV_DTYPE), typed(pool_ptr, INDEX_DTYPE)
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_mapping_ptr + offs_t, mask=offs_t < num_tokens, other=-1).to(tl.int64)
-    wait_for_previous_grid(PDL)   # the slot mapping is read; the rows and caches belong to earlier kernels
     t_ok = slot >= 0
     # [BLOCK_T]: each token's page and row in it
     page = tl.where(t_ok, slot, 0) // PAGE_SIZE

@@ -98,14 +98,14 @@ def release_next_grid(PDL: tl.constexpr):
 @triton.jit
 def wait_for_previous_grid(PDL: tl.constexpr):
     """Wait until the stream's previous kernel has finished and its writes are visible
-    (``griddepcontrol.wait``). A kernel reads its launch metadata first (tile and token maps,
-    ``seq_lens``, ``slot_mapping``: arrays no kernel of this project writes, so the kernels
-    before it cannot be changing them; a kernel of someone else's before it was launched without
-    the release above, so ours start only once it has finished), then waits, then reads
-    everything else (queries, caches, scores, block ids, partials, scales) and writes. The
-    metadata's dependent loads (tile map -> length) thus overlap the previous kernel's tail
-    instead of following it. Without PDL (older GPUs, the interpreter, jax-triton's launches)
-    neither instruction is emitted or both pass at once."""
+    (``griddepcontrol.wait``). Before it a kernel reads only its row of the tile or token map:
+    the launch layer's own device constants (uploaded by copy once per shape or plan; no kernel
+    writes them). Everything else is read, and everything written, after it: queries, caches,
+    scores, block ids, partials, scales, and also ``seq_lens`` and ``slot_mapping``, which the
+    caller may have just computed with a kernel whose writes only this wait makes visible. The
+    map's load thus overlaps the previous kernel's tail instead of starting the chain after it.
+    Without PDL (older GPUs, the interpreter, jax-triton's launches) neither instruction is
+    emitted or both pass at once."""
     if PDL:
         gdc_wait()
 

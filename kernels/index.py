@@ -66,11 +66,11 @@ def index_scores_kernel(
     stride_kp, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kn)
 
     req, tok0, pos0_minus_len, ntok = tile_row(tile_map_ptr, tile)
+    wait_for_previous_grid(PDL)   # the tile map is read; everything else may come from earlier kernels
     seq_len = visible_len(seq_lens_ptr, req, max_blocks)
     # blocks some token of the tile sees
     tile_kv_len = tl.maximum(seq_len + pos0_minus_len + ntok, 0)
     tile_blocks = tl.cdiv(tile_kv_len, PAGE_SIZE)
-    wait_for_previous_grid(PDL)   # the launch metadata above is read; all else comes from earlier kernels
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -197,10 +197,10 @@ def select_blocks_kernel(
     t_ok = offs_t < num_tokens
     req = tl.load(token_map_ptr + offs_t * 2, mask=t_ok, other=0)
     pos_minus_len = tl.load(token_map_ptr + offs_t * 2 + 1, mask=t_ok, other=-(1 << 30))
+    wait_for_previous_grid(PDL)   # the token map is read; everything else may come from earlier kernels
     kv_len = tl.maximum(visible_len(seq_lens_ptr, req, max_blocks) + pos_minus_len + 1, 0)
     # [BLOCK_T, 1]
     visible_blocks = tl.cdiv(kv_len, PAGE_SIZE)[:, None]
-    wait_for_previous_grid(PDL)   # the launch metadata above is read; the scores come from the scorer
     num_chosen = tl.minimum(visible_blocks, TOPK)
     rows = scores_ptr + head * stride_si + offs_t[:, None] * stride_st
 

@@ -29,7 +29,7 @@ def merge_splits_kernel(
     PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
 ):
     release_next_grid(PDL)
-    wait_for_previous_grid(PDL)   # no launch metadata: everything it reads comes from the attention launch
+    wait_for_previous_grid(PDL)   # no map of its own: everything it reads comes from the attention launch
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)

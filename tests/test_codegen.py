@@ -132,11 +132,11 @@ def test_programmatic_dependent_launch_only_on_nvidia_sm90():
     assert cuda_capability("gfx942") is None and cuda_capability(None) is None
 
 
-# Launch metadata a kernel reads before it waits (common.wait_for_previous_grid), as the source lines of
-# its loads: the tile map row and the request's length (one line each); select: the token map row (two
-# lines) and the length; cache writes: the slot.
-METADATA_LOADS = {"attention": 2, "index": 2, "select": 3, "cache_write": 1, "merge": 0}
-METADATA = ("tile_map_ptr", "tl.load(row", "seq_lens_ptr", "token_map_ptr", "slot_mapping_ptr")
+# What a kernel reads before it waits (common.wait_for_previous_grid), as the source lines of its loads:
+# its row of the tile map (one line: common.tile_row) or of the token map (select: two lines); nothing
+# else, not even seq_lens or slot_mapping (a kernel just before ours may have written them).
+METADATA_LOADS = {"attention": 1, "index": 1, "select": 2, "cache_write": 0, "merge": 0}
+METADATA = ("return tl.load(row), tl.load(row + 1)", "token_map_ptr")
 KERNEL_DIR = os.path.dirname(m3_kernels.__file__)
 
 
@@ -156,9 +156,9 @@ def source_lines_of_loads(ptx: str):
 def test_programmatic_dependent_launch_waits_before_reading_earlier_kernels_outputs(kernel):
     """With PDL (sm_90: torch launches every kernel as a programmatic dependent of the one before),
     a kernel first releases the next one (griddepcontrol.launch_dependents before any memory
-    access), reads only its launch metadata (loads on METADATA_LOADS[kernel] source lines, each
-    naming a metadata array; no cp.async, no store), then waits for the previous kernel
-    (griddepcontrol.wait) before anything else. Without PDL (older GPUs, the interpreter) neither
+    access), reads only its tile or token map row (loads on METADATA_LOADS[kernel] source lines;
+    no cp.async, no store), then waits for the previous kernel (griddepcontrol.wait) before
+    anything else. Without PDL (older GPUs, the interpreter) neither
     instruction is emitted."""
     if kernel == "attention":
         fn, consts, launch = attention_case(True)
@@ -194,7 +194,7 @@ def test_programmatic_dependent_launch_waits_before_reading_earlier_kernels_outp
         assert 0 <= release < first_access and 0 <= wait, (release, first_access, wait)
         before = body[:wait]
         assert "cp.async" not in before and "st.global" not in before and "atom" not in before
-        # each load's source line (the PTX's .loc comments): launch metadata only
+        # each load's source line (the PTX's .loc comments): the map row only
         sources = set(source_lines_of_loads(before))
         assert all(any(name in text for name in METADATA) for text in sources), sources
         assert len(sources) == METADATA_LOADS[kernel], sources
