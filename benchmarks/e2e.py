@@ -84,7 +84,6 @@ M3_SHAPES = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4
                  intermediate_size=256, shared_intermediate_size=256, rope_theta=5e6)
 BATCHES, CONTEXTS = (1, 8, 32, 64), (4096, 32768, 131072)
 QUICK_BATCHES, QUICK_CONTEXTS = (1, 64), (4096, 32768)
-JAX_LAUNCHES = {"ffi": "triton_kernel_call_ffi", "legacy": "triton_kernel_call"}
 TINY_BATCHES, TINY_CONTEXTS = (1, 2), (256, 384)
 TP_BATCHES, TP_CONTEXT, TINY_TP_CONTEXT = (8, 32, 64), 32768, 256
 
@@ -167,12 +166,12 @@ def run_torch(model_dir, context, batches, reps, device) -> dict:
     return out
 
 
-def run_jax(model_dir, context, batches, reps, device, launch="triton_kernel_call") -> dict:
+def run_jax(model_dir, context, batches, reps, device, launch="legacy") -> dict:
     import jax
     import m3_jax
     from m3_jax import _triton_call
 
-    _triton_call.LAUNCH_TARGET = launch   # this process's custom call for the kernels (--jax-launch)
+    _triton_call.LAUNCH_TARGET = _triton_call.LAUNCH_TARGETS[launch]   # this process's kernels' custom call
 
     blocks = -(-context // PAGE_SIZE)
     llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max(batches), max_context=context,
@@ -389,7 +388,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCHES}, contexts {QUICK_CONTEXTS}")
     ap.add_argument("--tiny", action="store_true", help="the tiny test model on the CPU (checks the script)")
     ap.add_argument("--frameworks", default="torch,jax")
-    ap.add_argument("--jax-launch", choices=sorted(JAX_LAUNCHES), default="legacy",
+    ap.add_argument("--jax-launch", choices=("legacy", "ffi"), default="legacy",
                     help="the JAX kernels' custom call: legacy (jax-triton 0.3.1's triton_kernel_call) or ffi "
                          "(triton_kernel_call_ffi, recorded into XLA's command buffers)")
     ap.add_argument("--reps", type=int, default=None)
@@ -418,7 +417,7 @@ def main(argv=None):
             for name, run in (("torch", run_torch), ("jax", run_jax)):
                 if name not in frameworks:
                     continue
-                extra = (JAX_LAUNCHES[args.jax_launch],) if name == "jax" else ()
+                extra = (args.jax_launch,) if name == "jax" else ()
                 try:
                     for batch, row in in_fresh_process(run, model_dir, context, batches, reps, device,
                                                        *extra).items():
@@ -435,7 +434,7 @@ def main(argv=None):
     result = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
                   copy_bandwidth_TBps=in_fresh_process(copy_bandwidth) / 1e12 if device == "cuda" else None,
                   command="python3 -m benchmarks.e2e " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  jax_launch=JAX_LAUNCHES[args.jax_launch],
+                  jax_launch=args.jax_launch,
                   shapes=shapes or "tiny test model", rows=list(rows.values()), errors=errors)
     save_results(args.out, "e2e", result, markdown(result))
     return result

@@ -40,7 +40,7 @@ def wall_us(fn, sync, calls=50, reps=5):
     return statistics.median(out)
 
 
-LAUNCHES = {"ffi": "triton_kernel_call_ffi", "legacy": "triton_kernel_call"}
+LAUNCHES = _triton_call.LAUNCH_TARGETS
 
 
 def main():
