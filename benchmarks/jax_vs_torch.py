@@ -40,17 +40,14 @@ def wall_us(fn, sync, calls=50, reps=5):
     return statistics.median(out)
 
 
-LAUNCHES = _triton_call.LAUNCH_TARGETS
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/latest"))
     ap.add_argument("--cases", default="1:1,1:8,1:32,1:64,8:8", help="decode_query_len:batch, comma-separated")
     ap.add_argument("--context", type=int, default=16384)
-    ap.add_argument("--launch", choices=sorted(LAUNCHES) + ["both"], default="legacy")
+    ap.add_argument("--launch", choices=sorted(_triton_call.LAUNCH_TARGETS) + ["both"], default="legacy")
     args = ap.parse_args()
-    launches = sorted(LAUNCHES) if args.launch == "both" else [args.launch]
+    launches = sorted(_triton_call.LAUNCH_TARGETS) if args.launch == "both" else [args.launch]
     cases = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
     xla_flags = os.environ.get("XLA_FLAGS", "")
     bw = copy_bandwidth()
@@ -79,20 +76,22 @@ def main():
                                                  s["seq_lens"], decode_query_len=n, topk=TOPK, out=o)
             for s, o in zip(sets, outs)])
         for launch in launches:
-            _triton_call.LAUNCH_TARGET = LAUNCHES[launch]   # read when a step is traced: new jitted functions below
+            # read when a step is traced: the jitted functions below are new
+            _triton_call.LAUNCH_TARGET = _triton_call.LAUNCH_TARGETS[launch]
             step = jax.jit(lambda *a: m3_jax.msa_decode(*a, decode_query_len=n, topk=TOPK))
             jax_step = lambda: step(*jargs)
             row[f"{launch}_bit_identical"] = bool((torch.from_dlpack(jax_step()[0]) == torch_step()).all())
             row[f"{launch}_jax_jit_us"] = wall_us(jax_step, jax.block_until_ready)
             row[f"{launch}_jax_jit_blocking_us"] = wall_us(jax_step, jax.block_until_ready, calls=1, reps=30)
             row[f"{launch}_jax_jit_8_us"] = jax_steps_us(pool, sets, n)
-        _triton_call.LAUNCH_TARGET = LAUNCHES["legacy"]
+        _triton_call.LAUNCH_TARGET = _triton_call.LAUNCH_TARGETS["legacy"]
         rows.append(row)
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "jax_vs_torch.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, xla_flags=xla_flags,
-                       jax=jax.__version__, command="python3 -m " + " ".join(["benchmarks.jax_vs_torch"] + sys.argv[1:]), rows=rows),
+                       jax=jax.__version__,
+                       command="python3 -m " + " ".join(["benchmarks.jax_vs_torch"] + sys.argv[1:]), rows=rows),
                   f, indent=1)
     lines = [f"# torch vs JAX launch of the same msa_decode kernels ({torch.cuda.get_device_name()}, "
              f"copy {bw / 1e12:.2f} TB/s)", "",
