@@ -19,6 +19,11 @@ A program owns one (row tile, KV head, split):
   is done once, for all of them), so the tile reads each distinct chosen
   block once.
 
+``SELECT`` (sparse, one token per tile): the program chooses its token's
+blocks from the index scores itself, with ``select_blocks``' code
+(``index.select_rows``), and writes them to ``ids_ptr``, so the MSA ops need
+no selection launch before a one-split attention launch.
+
 Each program writes its softmax-normalised partial output and log-sum-exp
 (base 2); ``merge.merge_splits_kernel`` combines the splits. With one split the
 program writes the final output itself.
@@ -51,6 +56,7 @@ import triton.language as tl
 
 from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, release_next_grid, tile_program, tile_row,
                      typed, visible_len, wait_for_previous_grid, whole_blocks_end)
+from .index import select_rows
 
 
 @triton.jit
@@ -80,7 +86,8 @@ def paged_attention_kernel(
     q_ptr,            # [T, Hq, D]                        q dtype
     k_ptr,            # [pages, Hk, PAGE_SIZE, D] @ k_off  KV_DTYPE (read through any buffer's pointer)
     v_ptr,            # [pages, Hk, PAGE_SIZE, D] @ v_off  KV_DTYPE
-    block_ids_ptr,    # [Hk, T, TOPK] int32, distinct per row, -1 = empty slot (SPARSE only)
+    block_ids_ptr,    # [Hk, T, TOPK] int32, distinct per row, -1 = empty slot (SPARSE, not SELECT)
+    scores_ptr,       # [Hk, T, max_blocks] fp32 index scores (SELECT only)
     block_table_ptr,  # [R, max_blocks] int32
     seq_lens_ptr,     # [R] int32, KV length including the request's query tokens
     tile_map_ptr,     # [num_tiles, 4] int32, see the module docstring
@@ -92,12 +99,14 @@ def paged_attention_kernel(
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_kh, stride_kn, stride_kd,
     stride_vp, stride_vh, stride_vn, stride_vd,
-    stride_ih, stride_it, stride_is,
+    stride_ih, stride_it, stride_is,  # block ids: read (SPARSE), or written to ids_ptr (SELECT)
+    stride_si, stride_st, stride_sb,
     stride_br, stride_bb,
     stride_ot, stride_oh, stride_os, stride_od,
     stride_lt, stride_lh, stride_ls,
     o_ptr,            # NUM_SPLITS == 1: out [T, Hq, D]; else partial out [T, Hq, NUM_SPLITS, D] fp32
     lse_ptr,          # [T, Hq, NUM_SPLITS] fp32 (base-2 log-sum-exp); unused when NUM_SPLITS == 1
+    ids_ptr,          # [Hk, T, TOPK] int32: the blocks SELECT chose (unused otherwise)
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -112,6 +121,11 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     KV_DTYPE: tl.constexpr,           # the caches' element type; float8e4nv: FP8, scaled
     TILES_ON_AXIS_0: tl.constexpr,    # grid (tiles, splits, KV heads), else (splits, tiles, KV heads)
+    SELECT: tl.constexpr,             # one-token sparse tiles: choose the blocks from the scores here,
+    INIT_BLOCKS: tl.constexpr,        # with select_blocks' rule and constants (index.select_rows;
+    LOCAL_BLOCKS: tl.constexpr,       # unused otherwise)
+    BLOCKS_PAD: tl.constexpr,
+    SELECT_CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
 ):
     release_next_grid(PDL)
@@ -166,6 +180,17 @@ def paged_attention_kernel(
         if TOKENS_PER_TILE == 1:
             # one token: walk its TOPK slots; -1 or out-of-range ids are masked
             num_steps = TOPK
+            if SELECT:
+                # the token's blocks from its scores ([TOPK_PAD], ascending, then -1: select_blocks'
+                # code); each split would choose the same, split 0 writes them (the launch layer
+                # selects here only in launches of one split: launches.Selection)
+                offs_s = tl.arange(0, TOPK_PAD)
+                score_row = scores_ptr + kv_head * stride_si + tok0 * stride_st
+                chosen = tl.reshape(select_rows(score_row + tl.zeros([1, 1], tl.int32), stride_sb,
+                                                tile_blocks + tl.zeros([1, 1], tl.int32), TOPK, TOPK_PAD,
+                                                INIT_BLOCKS, LOCAL_BLOCKS, BLOCKS_PAD, SELECT_CHUNK), [TOPK_PAD])
+                tl.store(ids_ptr + kv_head * stride_ih + tok0 * stride_it + offs_s * stride_is, chosen,
+                         mask=(offs_s < TOPK) & (split == 0) & (ntok > 0))
         else:
             # several tokens: the tile's distinct chosen blocks, each done once for all of them
             e_block, e_ok, e_rank = distinct_blocks(block_ids_ptr + kv_head * stride_ih + tok0 * stride_it,
@@ -213,7 +238,11 @@ def paged_attention_kernel(
             if SPARSE:
                 if TOKENS_PER_TILE == 1:
                     # [STEP_GROUP]
-                    g_block = tl.load(ids_base + g_step * stride_is, mask=g_in, other=-1)
+                    if SELECT:
+                        nth = offs_s[None, :] == g_step[:, None]
+                        g_block = tl.where(g_in, tl.max(tl.where(nth, chosen[None, :], -1), axis=1), -1)
+                    else:
+                        g_block = tl.load(ids_base + g_step * stride_is, mask=g_in, other=-1)
                     g_ok = g_in & (g_block >= 0) & (g_block < req_blocks)
                     # the valid slots only, in slot order: a token that sees fewer than TOPK blocks
                     # (short contexts) runs fewer iterations (an empty slot's would change nothing)

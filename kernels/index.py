@@ -172,38 +172,19 @@ def _top(keys, K: tl.constexpr):
     return top
 
 
-@triton.jit(do_not_specialize=["num_tokens", "max_blocks"])
-def select_blocks_kernel(
-    scores_ptr,       # [Hi, T, max_blocks] fp32, any strides
-    seq_lens_ptr,     # [R] int32
-    token_map_ptr,    # [T, 2] int32: request, position - seq_len
-    stride_si, stride_st, stride_sb,
-    stride_oi, stride_ot, stride_ok,
-    num_tokens,
-    max_blocks,
-    ids_ptr,          # [Hi, T, TOPK] int32, any strides
-    TOPK: tl.constexpr,
-    TOPK_PAD: tl.constexpr,
-    INIT_BLOCKS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr,
-    BLOCKS_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,              # 0: one top-k over the row; else two levels, see below
-    BLOCK_T: tl.constexpr,            # tokens per program (rows of every tensor below)
-    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
-):
-    release_next_grid(PDL)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head = tl.program_id(1)
-    t_ok = offs_t < num_tokens
-    req = tl.load(token_map_ptr + offs_t * 2, mask=t_ok, other=0)
-    pos_minus_len = tl.load(token_map_ptr + offs_t * 2 + 1, mask=t_ok, other=-(1 << 30))
-    wait_for_previous_grid(PDL)   # the token map is read; everything else may come from earlier kernels
-    kv_len = tl.maximum(visible_len(seq_lens_ptr, req, max_blocks) + pos_minus_len + 1, 0)
-    # [BLOCK_T, 1]
-    visible_blocks = tl.cdiv(kv_len, PAGE_SIZE)[:, None]
-    num_chosen = tl.minimum(visible_blocks, TOPK)
-    rows = scores_ptr + head * stride_si + offs_t[:, None] * stride_st
+@triton.jit
+def select_rows(rows, stride_sb, visible_blocks, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                INIT_BLOCKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCKS_PAD: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """The chosen blocks of score rows: ``rows`` ``[R, 1]`` pointers to their first scores,
+    ``visible_blocks`` ``[R, 1]`` -> ``[R, TOPK_PAD]`` int32, each row's ids ascending, then -1.
 
+    ``select_blocks_kernel`` runs it on its tokens; sparse attention with one token per tile
+    (``attention.py``, ``SELECT``) on its token, so a one-split attention launch needs no
+    selection launch before it.
+    """
+    BLOCK_T: tl.constexpr = rows.shape[0]
+    num_chosen = tl.minimum(visible_blocks, TOPK)
     # [BLOCK_T, BLOCKS_PAD]
     key = _rank_keys(rows, stride_sb, tl.arange(0, BLOCKS_PAD)[None, :], visible_blocks, TOPK, INIT_BLOCKS,
                      LOCAL_BLOCKS, BLOCKS_PAD)
@@ -226,6 +207,40 @@ def select_blocks_kernel(
     # -- ascending ids, then -1
     if TOPK_PAD > 1:
         ids = tl.sort(ids)
-    ids = tl.where(ids < BLOCKS_PAD, ids, -1)
+    return tl.where(ids < BLOCKS_PAD, ids, -1)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "max_blocks"])
+def select_blocks_kernel(
+    scores_ptr,       # [Hi, T, max_blocks] fp32, any strides
+    seq_lens_ptr,     # [R] int32
+    token_map_ptr,    # [T, 2] int32: request, position - seq_len
+    stride_si, stride_st, stride_sb,
+    stride_oi, stride_ot, stride_ok,
+    num_tokens,
+    max_blocks,
+    ids_ptr,          # [Hi, T, TOPK] int32, any strides
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    INIT_BLOCKS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,              # 0: one top-k over the row; else two levels (select_rows)
+    BLOCK_T: tl.constexpr,            # tokens per program (rows of every tensor below)
+    PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
+):
+    release_next_grid(PDL)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    t_ok = offs_t < num_tokens
+    req = tl.load(token_map_ptr + offs_t * 2, mask=t_ok, other=0)
+    pos_minus_len = tl.load(token_map_ptr + offs_t * 2 + 1, mask=t_ok, other=-(1 << 30))
+    wait_for_previous_grid(PDL)   # the token map is read; everything else may come from earlier kernels
+    kv_len = tl.maximum(visible_len(seq_lens_ptr, req, max_blocks) + pos_minus_len + 1, 0)
+    # [BLOCK_T, 1]
+    visible_blocks = tl.cdiv(kv_len, PAGE_SIZE)[:, None]
+    rows = scores_ptr + head * stride_si + offs_t[:, None] * stride_st
+    ids = select_rows(rows, stride_sb, visible_blocks, TOPK, TOPK_PAD, INIT_BLOCKS, LOCAL_BLOCKS, BLOCKS_PAD, CHUNK)
+    offs_k = tl.arange(0, TOPK_PAD)[None, :]
     out = ids_ptr + head * stride_oi + offs_t[:, None] * stride_ot + offs_k * stride_ok
     tl.store(out, ids, mask=t_ok[:, None] & (offs_k < TOPK))

@@ -165,29 +165,68 @@ def select_blocks(*, scores: Operand, seq_lens, token_map, topk: int, init_block
 
 # -- paged attention ----------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The MSA ops' block selection ahead of their sparse attention: ``select_blocks`` of
+    ``scores`` (``[Hk, T, max_blocks]``; ``token_map`` its token map) -> the ``block_ids``
+    output (``[Hk, T, topk]`` int32, ``out_strides``). :func:`paged_attention` runs it inside
+    the attention launch or as a launch of its own before it (see below)."""
+    scores: Operand
+    token_map: Any
+    topk: int
+    init_blocks: int
+    local_blocks: int
+    out_strides: tuple
+
+
+# A sparse attention launch of one-token tiles and ONE split selects its tokens' blocks itself (each
+# program runs select_blocks' code on its token's scores, in registers: index.select_rows) instead of
+# reading them from a selection launch before it. H200, msa_decode, n = 1, same-call A/B of both
+# trees, each run twice (results/2026-12-01-h200-s11-fused-select-ab.md): batch 32-128 (one split)
+# 0.91-0.99x the time, msa_prefill at 128k 92.8 against 101.5 ms; batch 1-8 (4-16 splits, each
+# re-running the whole top-k before its first block) 0.96-1.06x, so launches with splits keep the
+# selection launch.
+
+
 def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[Operand], block_table: Operand,
                     seq_lens, tile_map, tile: RowTile, sm_scale: float, out_dtype: str, out_strides,
-                    interpret: bool, k_scale=None, v_scale=None) -> Launch:
+                    interpret: bool, k_scale=None, v_scale=None, select: Optional[Selection] = None) -> Launch:
     """Paged GQA attention over ``tile_map``'s row tiles -> ``out [T, Hq, D]``.
 
-    Sparse when ``block_ids`` is given (each token's chosen blocks), dense
-    otherwise (every visible block). With several splits the attention launch
-    writes float32 partials (scratch outputs) and a merge launch follows.
+    Sparse when ``block_ids`` is given (each token's chosen blocks) or ``select``
+    (chosen first, :class:`Selection`; the ids are then the ``block_ids`` output), dense
+    otherwise (every visible block). With several splits the attention launch writes
+    float32 partials (scratch outputs) and a merge launch follows.
     FP8 caches (``k.dtype`` float8_e4m3fn) read ``k_scale``/``v_scale``: one-element
     float32 arrays (the public ops make them from None or Python floats); the
     launch of any other cache ignores them.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, max_blocks = k.shape[1], block_table.shape[1]
-    sparse = block_ids is not None
-    topk = block_ids.shape[2] if sparse else 1
+    if select is not None and block_ids is not None:
+        raise ValueError("paged_attention: block_ids or select, not both")
+    if select is not None and tuple(select.scores.shape[:2]) + (max_blocks,) != tuple(select.scores.shape):
+        raise ValueError(f"select: scores {tuple(select.scores.shape)} need one row of {max_blocks} blocks "
+                         "(the block table's width) per token")
+    sparse = block_ids is not None or select is not None
+    topk = select.topk if select is not None else block_ids.shape[2] if sparse else 1
     num_tiles = int(tile_map.shape[0])
     cfg = tuning.attention(tile=tile, num_tiles=num_tiles, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            topk=topk if sparse else 0, max_blocks=max_blocks, sparse=sparse, interpret=interpret,
                            dtype=out_dtype, kv_fp8=k.triton_dtype == tl.float8e4nv)
+    if select is not None and not (tile.tokens_per_tile == 1 and cfg.num_splits == 1):   # not fused: see above
+        first = select_blocks(scores=select.scores, seq_lens=seq_lens, token_map=select.token_map, topk=topk,
+                              init_blocks=select.init_blocks, local_blocks=select.local_blocks,
+                              out_strides=select.out_strides, interpret=interpret)
+        chosen = Operand(Prev(0), 0, first.outputs[0].shape, tuple(select.out_strides), "int32")
+        return dataclasses.replace(first, then=paged_attention(
+            q=q, k=k, v=v, block_ids=chosen, block_table=block_table, seq_lens=seq_lens, tile_map=tile_map,
+            tile=tile, sm_scale=sm_scale, out_dtype=out_dtype, out_strides=out_strides, interpret=interpret,
+            k_scale=k_scale, v_scale=v_scale))
     check_cache_layout("k_cache", k.offset, k.strides)
     check_cache_layout("v_cache", v.offset, v.strides)
     out = Output("out", (num_tokens, num_q_heads, head_dim), out_dtype, tuple(out_strides))
+    grid, tiles_on_x = tile_grid(num_tiles, cfg.num_splits, num_kv_heads)
     if cfg.num_splits == 1:
         # the program writes the output itself; the lse pointer is never touched
         outputs = (out, Output("partial_lse", (1,), "float32", (1,), scratch=True, unused=True))
@@ -199,20 +238,33 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
         o_strides, lse_strides = contiguous_strides(part_o), contiguous_strides(part_lse)
         outputs = (Output("partial_out", part_o, "float32", o_strides, scratch=True),
                    Output("partial_lse", part_lse, "float32", lse_strides, scratch=True))
-    # dense: the block-id pointer is never read; the block table stands in for it
-    ids = block_ids if sparse else Operand(block_table.ref, 0, (0, 0, 0), (0, 0, 0))
+    # pointers the variant never reads get the block table as a stand-in: the block ids (dense, or
+    # chosen here), the scores (unless chosen here)
+    absent = Operand(block_table.ref, 0, (0, 0, 0), (0, 0, 0))
+    ids = block_ids if block_ids is not None else absent
+    scores = select.scores if select is not None else absent
+    constexprs = dict(GROUP=tile.heads, GROUP_PAD=tile.heads_pad, HEAD_DIM=head_dim, TOPK=topk,
+                      TOPK_PAD=next_pow2(topk), TOKENS_PER_TILE=tile.tokens_per_tile,
+                      ENTRIES_PAD=tile.tokens_per_tile * next_pow2(topk), BLOCK_M=tile.block_m,
+                      BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, SPARSE=sparse,
+                      NUM_SPLITS=cfg.num_splits, KV_DTYPE=k.triton_dtype, TILES_ON_AXIS_0=tiles_on_x,
+                      SELECT=False, INIT_BLOCKS=0, LOCAL_BLOCKS=0, BLOCKS_PAD=1, SELECT_CHUNK=0)
+    if select is not None:
+        sel = tuning.select_blocks(num_tokens=num_tokens, num_heads=num_kv_heads, max_blocks=max_blocks, topk=topk,
+                                   interpret=interpret)
+        constexprs.update(SELECT=True, INIT_BLOCKS=select.init_blocks, LOCAL_BLOCKS=select.local_blocks,
+                          BLOCKS_PAD=sel.blocks_pad, SELECT_CHUNK=sel.chunk)
+        ids_strides = tuple(select.out_strides)
+        outputs += (Output("block_ids", (num_kv_heads, num_tokens, topk), "int32", ids_strides),)
+    else:
+        ids_strides = ids.strides
+        outputs += (Output("block_ids", (1,), "int32", (1,), unused=True),)
     scales = _scales(k, k_scale, v_scale, seq_lens)
-    args = (q.ref, k.ref, v.ref, ids.ref, block_table.ref, seq_lens, tile_map, *scales, float(sm_scale) * LOG2E,
-            k.offset, v.offset, max_blocks, *q.strides, *k.strides, *v.strides, *ids.strides,
-            *block_table.strides, *o_strides, *lse_strides)
-    grid, tiles_on_x = tile_grid(num_tiles, cfg.num_splits, num_kv_heads)
-    launch = Launch("attention.paged_attention_kernel", grid, args, outputs,
-                    dict(GROUP=tile.heads, GROUP_PAD=tile.heads_pad, HEAD_DIM=head_dim, TOPK=topk,
-                         TOPK_PAD=next_pow2(topk), TOKENS_PER_TILE=tile.tokens_per_tile,
-                         ENTRIES_PAD=tile.tokens_per_tile * next_pow2(topk), BLOCK_M=tile.block_m,
-                         BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, SPARSE=sparse,
-                         NUM_SPLITS=cfg.num_splits, KV_DTYPE=k.triton_dtype, TILES_ON_AXIS_0=tiles_on_x),
-                    cfg.num_warps, cfg.num_stages)
+    args = (q.ref, k.ref, v.ref, ids.ref, scores.ref, block_table.ref, seq_lens, tile_map, *scales,
+            float(sm_scale) * LOG2E, k.offset, v.offset, max_blocks, *q.strides, *k.strides, *v.strides,
+            *ids_strides, *scores.strides, *block_table.strides, *o_strides, *lse_strides)
+    launch = Launch("attention.paged_attention_kernel", grid, args, outputs, constexprs, cfg.num_warps,
+                    cfg.num_stages)
     if cfg.num_splits == 1:
         return launch
     merge = Launch("merge.merge_splits_kernel", (num_tokens, num_q_heads),

@@ -78,12 +78,23 @@ def _select_blocks(scores, seq_lens, token_map, topk, init_blocks, local_blocks)
                                   interpret=not ops.on_gpu())
 
 
-def _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, sm_scale, kv_scales) -> launches.Launch:
+def _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, sm_scale, kv_scales,
+               select=None) -> launches.Launch:
     return launches.paged_attention(
         q=operand(q), k=operand(k), v=operand(v), block_ids=None if block_ids is None else operand(block_ids),
         block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map, tile=tile, sm_scale=sm_scale,
         out_dtype=str(q.dtype), out_strides=strides(q.shape), interpret=not ops.on_gpu(), k_scale=kv_scales[0],
-        v_scale=kv_scales[1])
+        v_scale=kv_scales[1], select=select)
+
+
+def _select_and_attend(q, k, v, scores, block_table, seq_lens, token_map, tile, tile_map, sm_scale, kv_scales,
+                       topk, init_blocks, local_blocks):
+    """The MSA ops' selection and sparse attention -> (out, block_ids): selection inside the attention
+    kernel or before it (``launches.Selection``)."""
+    select = launches.Selection(operand(scores), token_map, topk, init_blocks, local_blocks,
+                                strides((scores.shape[0], scores.shape[1], topk)))
+    result = run(_attention(q, k, v, None, block_table, seq_lens, tile_map, tile, sm_scale, kv_scales, select))
+    return result["out"], result["block_ids"]
 
 
 def _kv(k_cache, v_cache, kv_layout):
@@ -171,7 +182,8 @@ def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len
 def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, decode_query_len, topk=16,
                init_blocks=0, local_blocks=1, sm_scale=None, kv_layout="HND", k_scale=None, v_scale=None,
                backend=None):
-    """``index_scores`` -> ``select_blocks`` -> ``sparse_decode``; returns ``(out, block_ids)``.
+    """``index_scores`` -> ``select_blocks`` -> ``sparse_decode``; returns ``(out, block_ids)``
+    (selection inside the attention launch when it has one split: ``launches.Selection``).
 
     out [T, Hq, D] in q's dtype; block_ids [Hk, T, topk] int32. The scores are
     an intermediate of the jitted computation (XLA reuses its buffer).
@@ -189,14 +201,12 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     tile = _maps.index_tile(call.num_index_heads, n)
     tile_map, token_map = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
     scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, topk)
-    block_ids = run(_select_blocks(scores, seq_lens, token_map, topk, int(init_blocks), int(local_blocks)))["block_ids"]
     tile = _maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk,
                              num_requests=call.num_requests, num_kv_heads=call.num_kv_heads,
                              interpret=not ops.on_gpu())
     tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
-    launch = _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
-                        _kv_scales(k, k_scale, v_scale))
-    return run(launch)["out"], block_ids
+    return _select_and_attend(q, k, v, scores, block_table, seq_lens, token_map, tile, tile_map, call.sm_scale,
+                              _kv_scales(k, k_scale, v_scale), topk, int(init_blocks), int(local_blocks))
 
 
 # -- prefill --------------------------------------------------------------------------------
@@ -275,7 +285,8 @@ def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=No
 def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q=None, topk=16,
                 init_blocks=0, local_blocks=1, sm_scale=None, plan=None, kv_layout="HND", k_scale=None,
                 v_scale=None, backend=None):
-    """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``.
+    """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``
+    (selection inside the attention launch when it has one split: ``launches.Selection``).
 
     ``backend``: the indexer's, as in ``index_scores``.
     """
@@ -291,12 +302,9 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     backend = _backend(backend, idx_q, index_k)
     tile, tile_map = maps_.tile(call.num_index_heads, "index")
     scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, int(topk))
-    launch = _select_blocks(scores, seq_lens, maps_.token_map, int(topk), int(init_blocks), int(local_blocks))
-    block_ids = run(launch)["block_ids"]
     tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(True, call.max_blocks, int(topk)))
-    launch = _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
-                        _kv_scales(k, k_scale, v_scale))
-    return run(launch)["out"], block_ids
+    return _select_and_attend(q, k, v, scores, block_table, seq_lens, maps_.token_map, tile, tile_map, call.sm_scale,
+                              _kv_scales(k, k_scale, v_scale), int(topk), int(init_blocks), int(local_blocks))
 
 
 # -- mixed step -----------------------------------------------------------------------------
@@ -386,16 +394,18 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     outs, ids = [], []
     for rows, toks, bound, index_maps, attention_maps in spans:
         table, lens = block_table[rows, :bound], seq_lens[rows]
-        block_ids = None
         if sparse:
             tile, tile_map, token_map = index_maps
             scores = _scores(backend, idx_q[toks], index_k, table, lens, tile_map, tile, cfg.topk)
-            launch = _select_blocks(scores, lens, token_map, cfg.topk, int(init_blocks), int(local_blocks))
-            block_ids = run(launch)["block_ids"]
+            tile, tile_map = attention_maps
+            out, block_ids = _select_and_attend(q[toks], k, v, scores, table, lens, token_map, tile, tile_map,
+                                                call.sm_scale, scales, cfg.topk, int(init_blocks), int(local_blocks))
+            outs.append(out)
             ids.append(block_ids)
-        tile, tile_map = attention_maps
-        outs.append(run(_attention(q[toks], k, v, block_ids, table, lens, tile_map, tile, call.sm_scale,
-                                   scales))["out"])
+        else:
+            tile, tile_map = attention_maps
+            outs.append(run(_attention(q[toks], k, v, None, table, lens, tile_map, tile, call.sm_scale,
+                                       scales))["out"])
     out = jnp.concatenate(outs, axis=0) if outs else jnp.zeros(q.shape, q.dtype)
     if not sparse:
         return out, None

@@ -163,7 +163,8 @@ def dense_decode(q, k_cache, v_cache, block_table, seq_lens, *, decode_query_len
 
 def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, decode_query_len, topk=16,
                init_blocks=0, local_blocks=1, sm_scale=None, out=None, k_scale=None, v_scale=None, backend=None):
-    """``index_scores`` -> ``select_blocks`` -> ``sparse_decode``; returns ``(out, block_ids)``.
+    """``index_scores`` -> ``select_blocks`` -> ``sparse_decode``; returns ``(out, block_ids)``
+    (selection inside the attention launch when it has one split: ``launches.Selection``).
 
     The scores live in a persistent per-device workspace, reused across calls.
     ``backend``: the indexer's, as in ``index_scores``.
@@ -183,13 +184,14 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     tile = maps.index_tile(call.num_index_heads, n)
     tile_map, token_map = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
-    ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
     tile = maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk,
                             num_requests=call.num_requests, num_kv_heads=call.num_kv_heads,
                             interpret=device.type != "cuda")
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
+    # selection and sparse attention: selecting inside the attention kernel or before it (launches.Selection)
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
-                        tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device))
+                        tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device), scores,
+                        token_map, [topk, int(init_blocks), int(local_blocks)])
     return out, block_ids
 
 
@@ -277,7 +279,8 @@ def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q, s
 def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q, topk=16,
                 init_blocks=0, local_blocks=1, sm_scale=None, plan=None, out=None, k_scale=None, v_scale=None,
                 backend=None):
-    """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``.
+    """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``
+    (selection inside the attention launch when it has one split: ``launches.Selection``).
 
     ``backend``: the indexer's, as in ``index_scores``.
     """
@@ -297,10 +300,10 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     block_ids = torch.empty((call.num_kv_heads, call.num_tokens, topk), dtype=torch.int32, device=device)
     tile, tile_map, token_map = ops.prefill_maps(plan, device, call.num_index_heads, "index")
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
-    ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.group, maps.prefill_tile_kind(True, call.max_blocks, topk))
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
-                        tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device))
+                        tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device), scores,
+                        token_map, [topk, int(init_blocks), int(local_blocks)])
     return out, block_ids
 
 
@@ -360,14 +363,14 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                     num_requests=span.num_rows, num_kv_heads=cfg.num_kv_heads,
                                     interpret=device.type != "cuda")
             attention_maps = (tile, *ops.decode_maps(device, span.num_rows, n, tile.tokens_per_tile))
-        ids = None
+        ids, selection = None, ()
         if sparse:
             ids = block_ids[:, toks]
             scores = arena.region("scores", (cfg.num_kv_heads, span.num_tokens, span.max_blocks))
             tile, tile_map, token_map = index_maps
             scorer(idx_q[toks], index_k_cache, table, lens, tile_map, scores, tile.tokens_per_tile)
-            ops.select_blocks(scores, lens, token_map, ids, cfg.topk, int(init_blocks), int(local_blocks))
+            selection = (scores, token_map, [cfg.topk, int(init_blocks), int(local_blocks)])
         tile, tile_map, _ = attention_maps
         ops.paged_attention(q[toks], k_cache, v_cache, ids, table, lens, tile_map, out[toks], *partials,
-                            tile.tokens_per_tile, call.sm_scale, *kv_scales)
+                            tile.tokens_per_tile, call.sm_scale, *kv_scales, *selection)
     return out, block_ids

@@ -191,6 +191,13 @@ STEP_CASES = [
 
 ALL_CASES = CASES + GPU_CASES
 
+# The MSA ops select each token's blocks inside the attention launch when it has one-token tiles and
+# one split (m3_kernels.launches.Selection). The interpreter splits these small batches, so these
+# copies run with one program per row tile; batch 32 at M3 shapes has one split on a GPU.
+ONE_SPLIT_CASES = [dataclasses.replace(c, name=f"{c.name}_one_split", one_program=True) for c in CASES
+                   if c.name in ("edges_n1_g4", "pad_n2_g1_fp16", "nhd_init_g4", "fp8_kv_pool_n2")] + [
+    decode("m3_n1_batch32", (1, 127, 128, 129, 3000, 0, 2049, 16384) * 4, **M3)]
+
 
 # -- inputs --------------------------------------------------------------------------------
 

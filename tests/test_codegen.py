@@ -51,24 +51,30 @@ def operand(*shape, dtype="bfloat16"):
     return Operand(None, 0, shape, maps.contiguous_strides(shape), dtype)
 
 
-def attention_case(sparse, kv_dtype="bfloat16", batch=64):
-    """The launch of M3 decode at batch 64 (or ``batch``), 18k context (141 blocks), as both frameworks build it."""
+def attention_case(sparse, kv_dtype="bfloat16", batch=64, select=False):
+    """The launch of M3 decode at batch 64 (or ``batch``), 18k context (141 blocks), as both frameworks build it.
+    ``select``: as the MSA ops launch it, choosing the blocks from the scores itself (batch 64: one split)."""
     tile = maps.decode_tile(16, 1, sparse, max_blocks=141, topk=16, num_requests=batch, num_kv_heads=4,
                             interpret=False)
+    selection = launches.Selection(operand(4, batch, 141), None, 16, 0, 1, (batch * 16, 16, 1)) if select else None
     launch = launches.paged_attention(
         q=operand(batch, 64, 128), k=operand(9000, 4, 128, 128, dtype=kv_dtype),
-        v=operand(9000, 4, 128, 128, dtype=kv_dtype), block_ids=operand(4, batch, 16) if sparse else None,
-        block_table=operand(batch, 141), seq_lens=None, tile_map=np.zeros((batch, 4), np.int32), tile=tile,
-        sm_scale=1.0, out_dtype="bfloat16", out_strides=(64 * 128, 128, 1), interpret=False, k_scale=1, v_scale=1)
-    consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_is=1, stride_bb=1)
+        v=operand(9000, 4, 128, 128, dtype=kv_dtype),
+        block_ids=operand(4, batch, 16) if sparse and not select else None, block_table=operand(batch, 141),
+        seq_lens=None, tile_map=np.zeros((batch, 4), np.int32), tile=tile, sm_scale=1.0, out_dtype="bfloat16",
+        out_strides=(64 * 128, 128, 1), interpret=False, k_scale=1, v_scale=1, select=selection)
+    assert launch.kernel == "attention.paged_attention_kernel" and launch.constexprs["SELECT"] == select
+    consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_is=1, stride_bb=1,
+                  stride_sb=1)
     return m3_kernels.kernel_module("attention", False).paged_attention_kernel, consts, launch
 
 
-def index_case(index_dtype="bfloat16", skip_blocks=0, query_dtype="bfloat16"):
+def index_case(index_dtype="bfloat16", skip_blocks=0, query_dtype="bfloat16", tokens=1):
+    """M3's indexer at 64 tokens: decode (one token per request) or ``tokens`` per tile (prefill: 32)."""
     launch = launches.index_scores(idx_q=operand(64, 4, 128, dtype=query_dtype),
                                    index_k=operand(9000, 128, 128, dtype=index_dtype),
                                    block_table=operand(64, 141), seq_lens=None, tile_map=np.zeros((64, 4), np.int32),
-                                   tile=maps.index_tile(4, 1), out_strides=(64 * 141, 141, 1), dtype=query_dtype,
+                                   tile=maps.index_tile(4, tokens), out_strides=(64 * 141, 141, 1), dtype=query_dtype,
                                    interpret=False, skip_blocks=skip_blocks)
     consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_bb=1, stride_sb=1)
     return m3_kernels.kernel_module("index", False).index_scores_kernel, consts, launch
@@ -87,13 +93,16 @@ def fresh_compile_after_an_interpreted_op(tmp_path_factory):
         yield
 
 
-@pytest.mark.parametrize("case", ["sparse_n1", "dense_n1", "index", "index_msa"])
+@pytest.mark.parametrize("case", ["sparse_n1", "sparse_select_n1", "dense_n1", "index", "index_msa", "index_prefill"])
 def test_loads_pipeline_without_divisibility_facts(case):
-    """index_msa: the scorer variant of the MSA ops, which skips tiles that see at most topk blocks."""
+    """index_msa: the scorer variant of the MSA ops, which skips tiles that see at most topk blocks;
+    index_prefill: its 128-row tiles; sparse_select_n1: the attention variant of the MSA ops that
+    selects the blocks itself."""
     if case.startswith("index"):
-        fn, consts, launch = index_case(skip_blocks=16 if case == "index_msa" else 0)
+        fn, consts, launch = index_case(skip_blocks=16 if case == "index_msa" else 0,
+                                        tokens=32 if case == "index_prefill" else 1)
     else:
-        fn, consts, launch = attention_case(case == "sparse_n1")
+        fn, consts, launch = attention_case(case != "dense_n1", select=case == "sparse_select_n1")
     kernels = [compile_for_hopper(fn, consts, launch.num_warps, launch.num_stages, divisible)
                for divisible in (True, False)]
     as_torch, as_jax = (k.asm["ptx"] for k in kernels)
@@ -135,7 +144,7 @@ def test_programmatic_dependent_launch_only_on_nvidia_sm90():
 # What a kernel reads before it waits (common.wait_for_previous_grid), as the source lines of its loads:
 # its row of the tile map (one line: common.tile_row) or of the token map (select: two lines); nothing
 # else, not even seq_lens or slot_mapping (a kernel just before ours may have written them).
-METADATA_LOADS = {"attention": 1, "index": 1, "select": 2, "cache_write": 0, "merge": 0}
+METADATA_LOADS = {"attention": 1, "attention_select": 1, "index": 1, "select": 2, "cache_write": 0, "merge": 0}
 METADATA = ("return tl.load(row), tl.load(row + 1)", "token_map_ptr")
 KERNEL_DIR = os.path.dirname(m3_kernels.__file__)
 
@@ -160,8 +169,8 @@ def test_programmatic_dependent_launch_waits_before_reading_earlier_kernels_outp
     no cp.async, no store), then waits for the previous kernel (griddepcontrol.wait) before
     anything else. Without PDL (older GPUs, the interpreter) neither
     instruction is emitted."""
-    if kernel == "attention":
-        fn, consts, launch = attention_case(True)
+    if kernel.startswith("attention"):
+        fn, consts, launch = attention_case(True, select=kernel == "attention_select")
     elif kernel == "merge":
         _, _, attention = attention_case(True, batch=1)
         launch = attention.then

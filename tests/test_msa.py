@@ -1,6 +1,7 @@
 """msa_decode / msa_prefill (index -> select -> sparse attention in one call) vs the float64
 references; JAX bit-identical to torch; plans, workspaces, jit and CUDA graphs."""
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -12,15 +13,15 @@ import torch
 
 import m3_jax
 import m3_torch
-from m3_kernels import planner
+from m3_kernels import planner, tuning
 from m3_torch import reference as ref
 
-from cases import ALL_CASES, TOLERANCE, decode, make_inputs, prefill, random_block_ids, rel_err
+from cases import ALL_CASES, ONE_SPLIT_CASES, TOLERANCE, decode, make_inputs, prefill, random_block_ids, rel_err
 from targets import (assert_same_bits, attention_reference, check_attention, check_empty_ids, check_twin, grid,
                      jax_gpu_ready, jax_inputs, kv_scales, run, selected_blocks, targets, to_jax, to_torch)
 
 
-@pytest.mark.parametrize("case, target", grid(ALL_CASES))
+@pytest.mark.parametrize("case, target", grid(ALL_CASES + ONE_SPLIT_CASES))
 def test_msa(case, target):
     out, ids = run(target, "msa", case)
     # the selection is the reference selection of the float64 scores (random data: no near-ties at the
@@ -34,6 +35,39 @@ def test_msa(case, target):
     check_empty_ids(case, ids)
     check_attention(case, out, attention_reference(case, ids))
     check_twin(target, "msa", case)
+
+
+@pytest.mark.parametrize("case, target", grid(ONE_SPLIT_CASES))
+def test_msa_selects_inside_the_attention_launch_when_it_has_one_split(case, target, monkeypatch):
+    """launches.Selection: when the MSA op's attention launch has one-token tiles and one split, that
+    launch chooses the blocks (the attention kernel's SELECT variant writes block_ids) and no
+    select_blocks launch runs; with several splits select_blocks runs first. Both choose the same
+    ids (and test_msa checks both against the references)."""
+    launched = []
+
+    def spy(real):
+        def run_and_record(launch, *args):
+            chain = launch
+            while chain is not None:
+                launched.append((chain.kernel.split(".")[1], chain.constexprs.get("SELECT")))
+                chain = chain.then
+            return real(launch, *args)
+        return run_and_record
+
+    monkeypatch.setattr(m3_torch.ops, "run", spy(m3_torch.ops.run))
+    monkeypatch.setattr(m3_jax.api, "run", spy(m3_jax.api.run))
+    ids = {}
+    for splits, programs in (("one", 1), ("several", 1 << 12)):
+        launched.clear()
+        with tuning.override(sparse_target_programs=programs):
+            _, ids[splits] = run.__wrapped__(target, "msa", dataclasses.replace(case, one_program=False))
+        attention = [select for kernel, select in launched if kernel == "paged_attention_kernel"]
+        if splits == "one":
+            assert attention == [True] and "select_blocks_kernel" not in dict(launched), launched
+        else:
+            assert attention == [False] and "select_blocks_kernel" in dict(launched), launched
+            assert "merge_splits_kernel" in dict(launched), launched
+    assert torch.equal(ids["one"], ids["several"])
 
 
 def _msa_args(j):
