@@ -4,8 +4,9 @@ A builder here turns operands (arrays as the kernel sees them: the object
 passed as the pointer, an element offset, shape and strides), maps and
 options into a :class:`Launch`: the kernel, its grid, its arguments in
 signature order, its outputs, constexprs, warps and stages, and the launch
-that follows it (the split-K merge). ``m3_torch.ops.run(launch, outputs)``
-and ``m3_jax.ops.run(launch)`` execute a Launch; they add only
+that follows it (the split-K merge; after select_blocks, the attention that
+reads its ids). ``m3_torch.ops.run(launch, outputs)`` and
+``m3_jax.ops.run(launch)`` execute a Launch; they add only
 :func:`grid_dependency` (below), so the two frameworks compile the same
 kernel variant with the same arguments, and their results are bit-identical
 by construction.
@@ -170,7 +171,8 @@ class Selection:
     """The MSA ops' block selection ahead of their sparse attention: ``select_blocks`` of
     ``scores`` (``[Hk, T, max_blocks]``; ``token_map`` its token map) -> the ``block_ids``
     output (``[Hk, T, topk]`` int32, ``out_strides``). :func:`paged_attention` runs it inside
-    the attention launch or as a launch of its own before it (see below)."""
+    the attention launch (whose tile map then gives the tokens' positions; ``token_map`` is not
+    read) or as a launch of its own before it (see below)."""
     scores: Operand
     token_map: Any
     topk: int
@@ -182,7 +184,7 @@ class Selection:
 # A sparse attention launch of one-token tiles and ONE split selects its tokens' blocks itself (each
 # program runs select_blocks' code on its token's scores, in registers: index.select_rows) instead of
 # reading them from a selection launch before it. H200, msa_decode, n = 1, same-call A/B of both
-# trees, each run twice (results/2026-12-01-h200-s11-fused-select-ab.md): batch 32-128 (one split)
+# trees, each run twice (results/2026-12-01-h200-s11-fused-select-ab.json, -s11.md): batch 32-128 (one split)
 # 0.91-0.99x the time, msa_prefill at 128k 92.8 against 101.5 ms; batch 1-8 (4-16 splits, each
 # re-running the whole top-k before its first block) 0.96-1.06x, so launches with splits keep the
 # selection launch.
@@ -205,9 +207,9 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
     num_kv_heads, max_blocks = k.shape[1], block_table.shape[1]
     if select is not None and block_ids is not None:
         raise ValueError("paged_attention: block_ids or select, not both")
-    if select is not None and tuple(select.scores.shape[:2]) + (max_blocks,) != tuple(select.scores.shape):
-        raise ValueError(f"select: scores {tuple(select.scores.shape)} need one row of {max_blocks} blocks "
-                         "(the block table's width) per token")
+    if select is not None and tuple(select.scores.shape) != (num_kv_heads, num_tokens, max_blocks):
+        raise ValueError(f"select: scores {tuple(select.scores.shape)}, expected (KV heads, tokens, the block "
+                         f"table's width) = {(num_kv_heads, num_tokens, max_blocks)}")
     sparse = block_ids is not None or select is not None
     topk = select.topk if select is not None else block_ids.shape[2] if sparse else 1
     num_tiles = int(tile_map.shape[0])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from .maps import PAGE_SIZE, RowTile, cdiv, next_pow2
+from .maps import MAX_TILE_ROWS, PAGE_SIZE, RowTile, cdiv, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,17 +131,19 @@ class IndexConfig:
 
 def index_scores(*, tile: RowTile, num_tiles: int, head_dim: int, max_blocks: int, interpret: bool,
                  dtype: str = "bfloat16") -> IndexConfig:
-    """The indexer's block chunking: ~target programs over (row tiles x block chunks). Prefill's
-    128-row tiles run 4 warps and 2 stages (H200, M3, one prompt, index_scores_prefill, alternated
-    twice in one call, results/2026-12-01-h200-s11-index-tune.json: 128k 19.8 / 19.7 ms against
-    22.6 / 22.8 with 8 warps and 3 stages, 32k 1.66 / 1.42 against 1.68 / 1.70; the same scores);
-    float32 tiles keep 8 warps (a 128 x 128 float32 query is 128 registers a thread at 4)."""
+    """The indexer's block chunking: ~target programs over (row tiles x block chunks). Full tiles
+    (prefill's: MAX_TILE_ROWS = 128 rows) of queries narrower than float32 run 4 warps and 2 stages (H200, M3, one
+    prompt, index_scores_prefill, alternated twice in one call, results/2026-12-01-h200-s11-index-tune.json:
+    128k 19.8 / 19.7 ms against 22.6 / 22.8 with 8 warps and 3 stages, 32k 1.66 / 1.42 against
+    1.68 / 1.70; the same scores); other tiles of 64+ rows keep 8 warps (not measured), float32 ones
+    too (a 128 x 128 float32 query is 128 registers a thread at 4 warps)."""
     chunks = max(1, min(cdiv(targets(interpret).target_programs, max(num_tiles, 1)), max_blocks))
     per_program = max(1, cdiv(max_blocks, chunks))
-    big = tile.block_m >= 64
+    full = tile.block_m >= MAX_TILE_ROWS and not wide(dtype)
     return IndexConfig(num_chunks=max(1, cdiv(max_blocks, per_program)), blocks_per_program=per_program,
                        block_n=128 if head_dim <= 128 and not wide(dtype) else 64,
-                       num_warps=8 if big and wide(dtype) else 4, num_stages=2 if wide(dtype) or big else 3)
+                       num_warps=8 if tile.block_m >= 64 and not full else 4,
+                       num_stages=2 if wide(dtype) or full else 3)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -189,9 +189,9 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
                             interpret=device.type != "cuda")
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
     # selection and sparse attention: selecting inside the attention kernel or before it (launches.Selection)
-    ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
+    ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None,
                         tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device), scores,
-                        token_map, [topk, int(init_blocks), int(local_blocks)])
+                        token_map, [topk, int(init_blocks), int(local_blocks)], block_ids)
     return out, block_ids
 
 
@@ -301,9 +301,9 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     tile, tile_map, token_map = ops.prefill_maps(plan, device, call.num_index_heads, "index")
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.group, maps.prefill_tile_kind(True, call.max_blocks, topk))
-    ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
+    ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None,
                         tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device), scores,
-                        token_map, [topk, int(init_blocks), int(local_blocks)])
+                        token_map, [topk, int(init_blocks), int(local_blocks)], block_ids)
     return out, block_ids
 
 
@@ -363,14 +363,13 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                     num_requests=span.num_rows, num_kv_heads=cfg.num_kv_heads,
                                     interpret=device.type != "cuda")
             attention_maps = (tile, *ops.decode_maps(device, span.num_rows, n, tile.tokens_per_tile))
-        ids, selection = None, ()
+        selection = ()
         if sparse:
-            ids = block_ids[:, toks]
             scores = arena.region("scores", (cfg.num_kv_heads, span.num_tokens, span.max_blocks))
             tile, tile_map, token_map = index_maps
             scorer(idx_q[toks], index_k_cache, table, lens, tile_map, scores, tile.tokens_per_tile)
-            selection = (scores, token_map, [cfg.topk, int(init_blocks), int(local_blocks)])
+            selection = (scores, token_map, [cfg.topk, int(init_blocks), int(local_blocks)], block_ids[:, toks])
         tile, tile_map, _ = attention_maps
-        ops.paged_attention(q[toks], k_cache, v_cache, ids, table, lens, tile_map, out[toks], *partials,
+        ops.paged_attention(q[toks], k_cache, v_cache, None, table, lens, tile_map, out[toks], *partials,
                             tile.tokens_per_tile, call.sm_scale, *kv_scales, *selection)
     return out, block_ids

@@ -196,33 +196,33 @@ def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, token_map: torch
         {"block_ids": out})
 
 
-@torch.library.custom_op("m3::paged_attention", mutates_args=("out", "partial_out", "partial_lse", "block_ids"))
+@torch.library.custom_op("m3::paged_attention", mutates_args=("out", "partial_out", "partial_lse", "selected"))
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_ids: Optional[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
                     tile_map: torch.Tensor, out: torch.Tensor, partial_out: Optional[torch.Tensor],
                     partial_lse: Optional[torch.Tensor], tokens_per_tile: int, sm_scale: float,
                     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                     scores: Optional[torch.Tensor] = None, token_map: Optional[torch.Tensor] = None,
-                    select: Optional[list[int]] = None) -> None:
-    """Sparse with ``block_ids``, dense without; ``partial_*``: flat float32 split-K buffers, or None
-    for the device's workspaces; ``k_scale``/``v_scale``: float32 tensors for FP8 caches, else None.
-    ``scores``, ``token_map`` and ``select = [topk, init_blocks, local_blocks]``: the blocks are
-    selected first and written to ``block_ids`` (``launches.Selection``)."""
+                    select: Optional[list[int]] = None, selected: Optional[torch.Tensor] = None) -> None:
+    """Sparse with ``block_ids`` (read) or ``scores``, dense with neither; ``partial_*``: flat float32
+    split-K buffers, or None for the device's workspaces; ``k_scale``/``v_scale``: float32 tensors for
+    FP8 caches, else None. ``scores``, ``token_map`` and ``select = [topk, init_blocks, local_blocks]``:
+    the blocks are selected first and written to ``selected`` (``launches.Selection``)."""
     tile = maps.row_tile(q.shape[1] // k_cache.shape[1], tokens_per_tile)
     selection = None
     if scores is not None:
         topk, init_blocks, local_blocks = select
         selection = launches.Selection(operand(scores), token_map, int(topk), int(init_blocks), int(local_blocks),
-                                       block_ids.stride())
+                                       selected.stride())
     launch = launches.paged_attention(
         q=operand(q), k=operand(k_cache), v=operand(v_cache),
-        block_ids=None if block_ids is None or selection is not None else operand(block_ids),
-        block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map, tile=tile, sm_scale=sm_scale,
-        out_dtype=str(q.dtype), out_strides=out.stride(), interpret=out.device.type != "cuda", k_scale=k_scale,
-        v_scale=v_scale, select=selection)
+        block_ids=None if block_ids is None else operand(block_ids), block_table=operand(block_table),
+        seq_lens=seq_lens, tile_map=tile_map, tile=tile, sm_scale=sm_scale, out_dtype=str(q.dtype),
+        out_strides=out.stride(), interpret=out.device.type != "cuda", k_scale=k_scale, v_scale=v_scale,
+        select=selection)
     outputs = {"out": out}
     if selection is not None:
-        outputs["block_ids"] = block_ids
+        outputs["block_ids"] = selected
     if partial_out is not None:
         outputs.update(partial_out=partial_out, partial_lse=partial_lse)
     run(launch, outputs)

@@ -182,6 +182,9 @@ STEP_CASES = [
          dtype="float32", topk=3),
     step("context_only", (3, 4, 1), (133, 4, 0), num_context=3, hq=2, d=16, di=16, dtype="float32", topk=3),
     step("generation_only", (1, 1, 1), (131, 1, 0), num_context=0, hq=2, d=16, di=16, dtype="float32", topk=3),
+    # the generation span's attention launch has one split, so it selects into block_ids[:, 25:] itself (2 KV heads)
+    step("mixed_hk2_one_split", (20, 5, 1, 1, 1), (220, 1005, 300, 1300, 0), num_context=2, hq=4, hk=2, d=16,
+         di=16, dtype="float32", topk=3, one_program=True),
     step("m3_mixed_n2", (300, 64, 2, 2, 2, 2), (1300, 64, 5002, 129, 3, 0), num_context=2, **M3),
     step("fp8_mixed", (4, 1, 1), (133, 140, 0), num_context=1, hq=2, d=16, di=16, topk=3,
          kv_dtype=E4M3, index_dtype=E4M3, kv_scales=(0.02, 0.03)),
@@ -193,9 +196,11 @@ ALL_CASES = CASES + GPU_CASES
 
 # The MSA ops select each token's blocks inside the attention launch when it has one-token tiles and
 # one split (m3_kernels.launches.Selection). The interpreter splits these small batches, so these
-# copies run with one program per row tile; batch 32 at M3 shapes has one split on a GPU.
+# copies run with one program per row tile; batch 32 at M3 shapes has one split on a GPU. The prefill
+# case's tiles hold one token (its tokens would share few of their 12 blocks: maps.prefill_tile_kind).
 ONE_SPLIT_CASES = [dataclasses.replace(c, name=f"{c.name}_one_split", one_program=True) for c in CASES
                    if c.name in ("edges_n1_g4", "pad_n2_g1_fp16", "nhd_init_g4", "fp8_kv_pool_n2")] + [
+    prefill("token_tiles_one_split", (3, 2, 1), (1300, 1500, 0), hq=4, hk=2, d=16, di=16, topk=2, one_program=True),
     decode("m3_n1_batch32", (1, 127, 128, 129, 3000, 0, 2049, 16384) * 4, **M3)]
 
 

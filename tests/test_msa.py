@@ -13,7 +13,7 @@ import torch
 
 import m3_jax
 import m3_torch
-from m3_kernels import planner, tuning
+from m3_kernels import maps, planner, tuning
 from m3_torch import reference as ref
 
 from cases import ALL_CASES, ONE_SPLIT_CASES, TOLERANCE, decode, make_inputs, prefill, random_block_ids, rel_err
@@ -68,6 +68,42 @@ def test_msa_selects_inside_the_attention_launch_when_it_has_one_split(case, tar
             assert attention == [False] and "select_blocks_kernel" in dict(launched), launched
             assert "merge_splits_kernel" in dict(launched), launched
     assert torch.equal(ids["one"], ids["several"])
+
+
+@pytest.mark.parametrize("target", targets())
+def test_selection_inside_attention_equals_select_blocks_then_sparse_attention(target):
+    """The attention kernel's SELECT variant (one split) on rows of 1500 blocks (select_rows' two-level
+    top-k) with random scores: the same ids as select_blocks and the same output, bit for bit, as
+    sparse_decode over them with one split; ids written through a transposed view (torch)."""
+    g = torch.Generator().manual_seed(1500)
+    hq, hk, d, max_blocks, topk, pages = 4, 2, 16, 1500, 16, 1600
+    seq_lens = torch.tensor([max_blocks * 128, 40 * 128 + 3, 1, 0], dtype=torch.int32)
+    q = torch.randn(4, hq, d, generator=g).bfloat16()
+    k, v = (torch.randn(pages, hk, 128, d, generator=g).bfloat16() for _ in range(2))
+    table = torch.randint(0, pages, (4, max_blocks), generator=g, dtype=torch.int32)
+    scores = torch.randn(hk, 4, max_blocks, generator=g)
+    scores[1, 0, 100:140] = 3.0   # a tie spread over three chunks
+    sel = dict(topk=topk, init_blocks=1, local_blocks=1)
+    with target.active(), tuning.override(sparse_target_programs=1):
+        if target.framework == "torch":
+            ids = m3_torch.select_blocks(scores, seq_lens, decode_query_len=1, **sel)
+            want = m3_torch.sparse_decode(q, k, v, ids, table, seq_lens, decode_query_len=1)
+            out = torch.full_like(q, math.nan)
+            chosen = torch.full((4, hk, topk), -7, dtype=torch.int32).transpose(0, 1)
+            tile_map, token_map = m3_torch.ops.decode_maps("cpu", 4, 1, 1)
+            m3_torch.ops.paged_attention(q, k, v, None, table, seq_lens, tile_map, out, None, None, 1, d ** -0.5,
+                                         None, None, scores, token_map, [topk, 1, 1], chosen)
+        else:
+            j = [to_jax(x) for x in (q, k, v, table, seq_lens, scores)]
+            ids = to_torch(m3_jax.select_blocks(j[5], j[4], decode_query_len=1, **sel))
+            want = to_torch(m3_jax.sparse_decode(*j[:3], to_jax(ids), j[3], j[4], decode_query_len=1))
+            tile_map, token_map = m3_jax.ops.decode_maps(4, 1, 1)
+            got = m3_jax.api._select_and_attend(j[0], *(m3_jax.api.as_kv_view(x, "HND", "kv") for x in j[1:3]),
+                                                j[5], j[3], j[4], token_map, maps.row_tile(hq // hk, 1), tile_map,
+                                                d ** -0.5, (None, None), topk, 1, 1)
+            out, chosen = (to_torch(x) for x in got)
+    assert torch.equal(chosen, ids) and (ids[:, :2] >= 0).all() and (ids[:, 3] == -1).all()
+    assert_same_bits(out, want)
 
 
 def _msa_args(j):
