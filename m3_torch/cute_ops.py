@@ -25,6 +25,8 @@ import torch
 from m3_kernels import backends, maps, tuning
 from m3_kernels.validate import check_cache_layout
 
+from . import ops
+
 _lock = threading.Lock()
 _compiled: dict = {}
 
@@ -97,9 +99,8 @@ def _check_index_k(index_k_cache: torch.Tensor):
                          f"{index_k_cache.data_ptr():#x}; use backend='triton'")
 
 
-@torch.library.custom_op("m3::index_scores_cutedsl", mutates_args=("out",))
-def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor, tokens_per_tile: int) -> None:
+def _index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor, tokens_per_tile: int) -> None:
     """``scores [Hi, T, max_blocks]`` (any strides) of ``tile_map``'s row tiles, with the CuTeDSL kernel."""
     num_tokens, num_heads, head_dim = idx_q.shape
     num_requests, max_blocks = block_table.shape
@@ -129,4 +130,6 @@ def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: 
            seq_lens.stride(0), *out.stride(), stream)
 
 
-index_scores.register_fake(lambda *args, **kwargs: None)
+index_scores = ops.define(
+    "index_scores_cutedsl(Tensor idx_q, Tensor index_k_cache, Tensor block_table, Tensor seq_lens, "
+    "Tensor tile_map, Tensor(a!) out, int tokens_per_tile) -> ()", _index_scores)

@@ -175,10 +175,29 @@ def step_arena(layout, device) -> StepArena:
 
 # -- one custom op per kernel --------------------------------------------------------------
 
-@torch.library.custom_op("m3::index_scores", mutates_args=("out",))
-def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor, tokens_per_tile: int,
-                 skip_blocks: int = 0) -> None:
+# The ops are defined with torch.library.Library (schema strings) rather than the torch.library.custom_op
+# decorator: both give torch.ops.m3.* ops that torch.compile traces through their fakes and CUDA graphs
+# capture, but custom_op wraps every call in Python (its autograd and in-place/view layers, the filling
+# of defaults): 149 us a call against 5 us for this op's schema on a 2-core CPU host (torch 2.13). An
+# eager msa_decode makes two such calls, a prefill layer four or more. And torch 2.11's custom_op raised
+# IndexError for a call that left out trailing defaulted arguments its mutates_args named (sparse_decode's
+# paged_attention without `selected`); a schema's defaults are filled by the dispatcher in every version.
+_lib = torch.library.Library("m3", "DEF")
+
+
+def define(schema: str, fn):
+    """Define ``m3::<schema>`` with ``fn`` as its kernel on every device and a fake that returns
+    nothing (every op writes into arguments its schema marks mutated); -> ``torch.ops.m3.<name>``."""
+    name = schema.split("(", 1)[0]
+    _lib.define(schema)
+    _lib.impl(name, fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"m3::{name}", lambda *args, **kwargs: None, lib=_lib)
+    return getattr(torch.ops.m3, name)
+
+
+def _index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor, tokens_per_tile: int,
+                   skip_blocks: int = 0) -> None:
     tile = maps.index_tile(idx_q.shape[1], tokens_per_tile)
     run(launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k_cache),
                               block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map, tile=tile,
@@ -187,23 +206,21 @@ def index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table: 
         {"scores": out})
 
 
-@torch.library.custom_op("m3::select_blocks", mutates_args=("out",))
-def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, token_map: torch.Tensor, out: torch.Tensor,
-                  topk: int, init_blocks: int, local_blocks: int) -> None:
+def _select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, token_map: torch.Tensor, out: torch.Tensor,
+                   topk: int, init_blocks: int, local_blocks: int) -> None:
     run(launches.select_blocks(scores=operand(scores), seq_lens=seq_lens, token_map=token_map, topk=topk,
                                init_blocks=init_blocks, local_blocks=local_blocks, out_strides=out.stride(),
                                interpret=out.device.type != "cuda"),
         {"block_ids": out})
 
 
-@torch.library.custom_op("m3::paged_attention", mutates_args=("out", "partial_out", "partial_lse", "selected"))
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_ids: Optional[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    tile_map: torch.Tensor, out: torch.Tensor, partial_out: Optional[torch.Tensor],
-                    partial_lse: Optional[torch.Tensor], tokens_per_tile: int, sm_scale: float,
-                    k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                    scores: Optional[torch.Tensor] = None, token_map: Optional[torch.Tensor] = None,
-                    select: Optional[list[int]] = None, selected: Optional[torch.Tensor] = None) -> None:
+def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_ids: Optional[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     tile_map: torch.Tensor, out: torch.Tensor, partial_out: Optional[torch.Tensor],
+                     partial_lse: Optional[torch.Tensor], tokens_per_tile: int, sm_scale: float,
+                     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                     scores: Optional[torch.Tensor] = None, token_map: Optional[torch.Tensor] = None,
+                     select: Optional[list[int]] = None, selected: Optional[torch.Tensor] = None) -> None:
     """Sparse with ``block_ids`` (read) or ``scores``, dense with neither; ``partial_*``: flat float32
     split-K buffers, or None for the device's workspaces; ``k_scale``/``v_scale``: float32 tensors for
     FP8 caches, else None. ``scores``, ``token_map`` and ``select = [topk, init_blocks, local_blocks]``:
@@ -228,11 +245,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     run(launch, outputs)
 
 
-@torch.library.custom_op("m3::write_cache", mutates_args=("pool",))
-def write_cache(k: torch.Tensor, v: torch.Tensor, index_k: Optional[torch.Tensor], slot_mapping: torch.Tensor,
-                pool: torch.Tensor, offsets: list[int], k_cache_strides: list[int], v_cache_strides: list[int],
-                index_k_cache_strides: list[int], kv_cache_dtype: torch.dtype, index_cache_dtype: torch.dtype,
-                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> None:
+def _write_cache(k: torch.Tensor, v: torch.Tensor, index_k: Optional[torch.Tensor], slot_mapping: torch.Tensor,
+                 pool: torch.Tensor, offsets: list[int], k_cache_strides: list[int], v_cache_strides: list[int],
+                 index_k_cache_strides: list[int], kv_cache_dtype: torch.dtype, index_cache_dtype: torch.dtype,
+                 k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> None:
     """Write into the flat buffer ``pool`` (its bytes: any dtype); a cache is absent (not in this buffer)
     when its strides are []; offsets and strides count the cache dtype's elements from the buffer's start."""
     def cache(i, strides, dtype):
@@ -247,5 +263,18 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, index_k: Optional[torch.Tensor
         {"pool": pool})
 
 
-for _op in (index_scores, select_blocks, paged_attention, write_cache):
-    _op.register_fake(lambda *args, **kwargs: None)
+index_scores = define(
+    "index_scores(Tensor idx_q, Tensor index_k_cache, Tensor block_table, Tensor seq_lens, Tensor tile_map, "
+    "Tensor(a!) out, int tokens_per_tile, int skip_blocks=0) -> ()", _index_scores)
+select_blocks = define(
+    "select_blocks(Tensor scores, Tensor seq_lens, Tensor token_map, Tensor(a!) out, int topk, int init_blocks, "
+    "int local_blocks) -> ()", _select_blocks)
+paged_attention = define(
+    "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_ids, Tensor block_table, "
+    "Tensor seq_lens, Tensor tile_map, Tensor(a!) out, Tensor(b!)? partial_out, Tensor(c!)? partial_lse, "
+    "int tokens_per_tile, float sm_scale, Tensor? k_scale, Tensor? v_scale, Tensor? scores=None, "
+    "Tensor? token_map=None, int[]? select=None, Tensor(d!)? selected=None) -> ()", _paged_attention)
+write_cache = define(
+    "write_cache(Tensor k, Tensor v, Tensor? index_k, Tensor slot_mapping, Tensor(a!) pool, int[] offsets, "
+    "int[] k_cache_strides, int[] v_cache_strides, int[] index_k_cache_strides, ScalarType kv_cache_dtype, "
+    "ScalarType index_cache_dtype, Tensor? k_scale, Tensor? v_scale) -> ()", _write_cache)

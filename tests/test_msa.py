@@ -86,13 +86,16 @@ def test_selection_inside_attention_equals_select_blocks_then_sparse_attention(t
     sel = dict(topk=topk, init_blocks=1, local_blocks=1)
     with target.active(), tuning.override(sparse_target_programs=1):
         if target.framework == "torch":
+            dev = target.torch_device
+            q, k, v, table, seq_lens, scores = (x.to(dev) for x in (q, k, v, table, seq_lens, scores))
             ids = m3_torch.select_blocks(scores, seq_lens, decode_query_len=1, **sel)
             want = m3_torch.sparse_decode(q, k, v, ids, table, seq_lens, decode_query_len=1)
             out = torch.full_like(q, math.nan)
-            chosen = torch.full((4, hk, topk), -7, dtype=torch.int32).transpose(0, 1)
-            tile_map, token_map = m3_torch.ops.decode_maps("cpu", 4, 1, 1)
+            chosen = torch.full((4, hk, topk), -7, dtype=torch.int32, device=dev).transpose(0, 1)
+            tile_map, token_map = m3_torch.ops.decode_maps(dev, 4, 1, 1)
             m3_torch.ops.paged_attention(q, k, v, None, table, seq_lens, tile_map, out, None, None, 1, d ** -0.5,
                                          None, None, scores, token_map, [topk, 1, 1], chosen)
+            ids, out, chosen, want = (x.cpu() for x in (ids, out, chosen, want))
         else:
             j = [to_jax(x) for x in (q, k, v, table, seq_lens, scores)]
             ids = to_torch(m3_jax.select_blocks(j[5], j[4], decode_query_len=1, **sel))
@@ -104,6 +107,41 @@ def test_selection_inside_attention_equals_select_blocks_then_sparse_attention(t
             out, chosen = (to_torch(x) for x in got)
     assert torch.equal(chosen, ids) and (ids[:, :2] >= 0).all() and (ids[:, 3] == -1).all()
     assert_same_bits(out, want)
+
+
+def test_torch_ops_trace_under_torch_compile():
+    """The torch.ops.m3 schemas and fakes (m3_torch.ops.define): torch.compile (aot_eager, one graph) traces
+    msa_decode's two ops, selection inside the attention launch, and gives the eager bits (without a fake
+    the trace fails)."""
+    g = torch.Generator().manual_seed(7)
+    hq, hk, d, max_blocks, pages = 4, 2, 16, 20, 24
+    seq_lens = torch.tensor([20 * 128, 300, 1], dtype=torch.int32)
+    q = torch.randn(3, hq, d, generator=g).bfloat16()
+    idx_q = torch.randn(3, hk, d, generator=g).bfloat16()
+    k, v = (torch.randn(pages, hk, 128, d, generator=g).bfloat16() for _ in range(2))
+    index_k = torch.randn(pages, 128, d, generator=g).bfloat16()
+    table = torch.randperm(pages, generator=g)[:max_blocks].repeat(3, 1).to(torch.int32)
+    index_tile = maps.index_tile(hk, 1)
+    index_map, token_map = m3_torch.ops.decode_maps("cpu", 3, 1, index_tile.tokens_per_tile)
+    tile_map, _ = m3_torch.ops.decode_maps("cpu", 3, 1, 1)
+
+    def step(q, idx_q, k, v, index_k, table, seq_lens):
+        scores = torch.full((hk, 3, max_blocks), math.nan)
+        ids = torch.full((hk, 3, 4), -7, dtype=torch.int32)
+        out = torch.full_like(q, math.nan)
+        torch.ops.m3.index_scores(idx_q, index_k, table, seq_lens, index_map, scores, index_tile.tokens_per_tile)
+        torch.ops.m3.paged_attention(q, k, v, None, table, seq_lens, tile_map, out, None, None, 1, d ** -0.5,
+                                     None, None, scores, token_map, [4, 0, 1], ids)
+        return out, ids
+
+    args = (q, idx_q, k, v, index_k, table, seq_lens)
+    with tuning.override(sparse_target_programs=1):   # one split: selection inside the attention launch
+        want_out, want_ids = step(*args)
+        torch._dynamo.reset()
+        got_out, got_ids = torch.compile(step, backend="aot_eager", fullgraph=True)(*args)
+    assert (want_ids[:, 0] >= 0).all() and (want_ids[:, 2, 1:] == -1).all() and not want_out.isnan().any()
+    assert torch.equal(got_ids, want_ids)
+    assert_same_bits(got_out, want_out)
 
 
 def _msa_args(j):
