@@ -216,15 +216,13 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
     cfg = tuning.attention(tile=tile, num_tiles=num_tiles, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            topk=topk if sparse else 0, max_blocks=max_blocks, sparse=sparse, interpret=interpret,
                            dtype=out_dtype, kv_fp8=k.triton_dtype == tl.float8e4nv)
+    first = None   # the selection launch, when the attention launch does not select itself
     if select is not None and not (tile.tokens_per_tile == 1 and cfg.num_splits == 1):   # not fused: see above
         first = select_blocks(scores=select.scores, seq_lens=seq_lens, token_map=select.token_map, topk=topk,
                               init_blocks=select.init_blocks, local_blocks=select.local_blocks,
                               out_strides=select.out_strides, interpret=interpret)
-        chosen = Operand(Prev(0), 0, first.outputs[0].shape, tuple(select.out_strides), "int32")
-        return dataclasses.replace(first, then=paged_attention(
-            q=q, k=k, v=v, block_ids=chosen, block_table=block_table, seq_lens=seq_lens, tile_map=tile_map,
-            tile=tile, sm_scale=sm_scale, out_dtype=out_dtype, out_strides=out_strides, interpret=interpret,
-            k_scale=k_scale, v_scale=v_scale))
+        block_ids = Operand(Prev(0), 0, first.outputs[0].shape, tuple(select.out_strides), "int32")
+        select = None
     check_cache_layout("k_cache", k.offset, k.strides)
     check_cache_layout("v_cache", v.offset, v.strides)
     out = Output("out", (num_tokens, num_q_heads, head_dim), out_dtype, tuple(out_strides))
@@ -267,13 +265,13 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
             *ids_strides, *scores.strides, *block_table.strides, *o_strides, *lse_strides)
     launch = Launch("attention.paged_attention_kernel", grid, args, outputs, constexprs, cfg.num_warps,
                     cfg.num_stages)
-    if cfg.num_splits == 1:
-        return launch
-    merge = Launch("merge.merge_splits_kernel", (num_tokens, num_q_heads),
-                   (Prev(0), Prev(1), *o_strides, *lse_strides, *out_strides), (out,),
-                   dict(HEAD_DIM=head_dim, NUM_SPLITS=cfg.num_splits),
-                   tuning.MERGE_NUM_WARPS, 1)
-    return dataclasses.replace(launch, then=merge)
+    if cfg.num_splits > 1:
+        merge = Launch("merge.merge_splits_kernel", (num_tokens, num_q_heads),
+                       (Prev(0), Prev(1), *o_strides, *lse_strides, *out_strides), (out,),
+                       dict(HEAD_DIM=head_dim, NUM_SPLITS=cfg.num_splits),
+                       tuning.MERGE_NUM_WARPS, 1)
+        launch = dataclasses.replace(launch, then=merge)
+    return launch if first is None else dataclasses.replace(first, then=launch)
 
 
 def _scales(cache: Operand, k_scale, v_scale, dummy) -> tuple:
