@@ -9,7 +9,7 @@ context, ``max_batch`` 64, a pool for 64 requests of that context) and, for
 each batch (1, 8, 32, 64), one decode step with every request at that context
 (random block tables of distinct slots, random caches) is timed:
 
-* ``torch_step_us``: ``m3_torch.LLM.step_logits`` + greedy argmax + the
+* ``torch_step_us``: ``TorchRunner.execute`` (model + the greedy sampling kernel) + the
   tokens on the host, wall clock (the CUDA-graph replay of the step plus its
   host work: metadata upload, logits gather); the scheduler's own host time
   (~0.3-1 ms per step) is not included, on either side.
@@ -69,10 +69,11 @@ import torch
 
 import m3_torch
 from m3_kernels.planner import PAGE_SIZE
-from m3_kernels.scheduler import Step
-from m3_kernels import checkpoint
-from m3_kernels.model_config import M3TextConfig
-from m3_kernels.tiny_model import tiny_text_config
+from m3_engine.runner import SamplingBatch
+from m3_engine.scheduler import Step
+from m3_engine import checkpoint
+from m3_engine.model_config import M3TextConfig
+from m3_engine.tiny_model import tiny_text_config
 
 from benchmarks import e2e_ranks
 from benchmarks.e2e_ranks import replay_us, timed, wall_us
@@ -91,7 +92,7 @@ TP_BATCHES, TP_CONTEXT, TINY_TP_CONTEXT = (8, 32, 64), 32768, 256
 def write_model(path: Path, shapes: dict, max_context: int) -> Path:
     """A random bf16 checkpoint (config.json + model.safetensors, transformers' text-model names) of
     ``tiny_text_config(**shapes)``: the tiny model's layout and init scales, drawn with torch (the
-    numpy writer of ``m3_kernels.tiny_model`` takes ~1 min at these sizes)."""
+    numpy writer of ``m3_engine.tiny_model`` takes ~1 min at these sizes)."""
     from safetensors.torch import save_file
 
     text = tiny_text_config(dtype="bfloat16", **shapes)
@@ -139,20 +140,21 @@ def decode_step(planner, max_blocks: int, batch: int, context: int, seed: int) -
 def attention_us(llm, step: Step, reps: int) -> float:
     """The step's attention alone: every layer's write_cache + msa_attention_step, random q/k/v."""
     layers = range(llm.config.num_hidden_layers)
-    return timed(e2e_ranks.attention_call(llm.runner, step, layers), reps, llm.device)
+    return timed(e2e_ranks.attention_call(llm.runner.rank0, step, layers), reps, llm.runner.device)
 
 
 def run_torch(model_dir, context, batches, reps, device) -> dict:
     blocks = -(-context // PAGE_SIZE)
     llm = m3_torch.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max(batches), max_context=context,
                        max_cache_pages=max(batches) * blocks)
-    llm.pool.normal_(generator=torch.Generator(device=llm.device).manual_seed(0))
+    llm.runner.pool.normal_(generator=torch.Generator(device=llm.runner.device).manual_seed(0))
     out = {}
     for batch in batches:
         step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
-        row = dict(torch_step_us=wall_us(lambda: llm.step_logits(step).argmax(-1).tolist(), reps))
-        if llm.graphs is not None:
-            graph, _ = llm.graphs.graphs[(step.plan.num_rows, step.plan.generation.max_blocks)]
+        greedy = SamplingBatch.greedy(len(step.logits_indices))
+        row = dict(torch_step_us=wall_us(lambda: llm.runner.execute(step, greedy), reps))
+        if llm.runner.graphs is not None:
+            graph, _ = llm.runner.graphs.graphs[(step.plan.num_rows, step.plan.generation.max_blocks)]
             row["torch_graph_us"] = replay_us(graph, reps)
         row["attention_us"] = attention_us(llm, step, reps)
         row["attention_share"] = row["attention_us"] / row.get("torch_graph_us", row["torch_step_us"])
@@ -176,17 +178,16 @@ def run_jax(model_dir, context, batches, reps, device, launch="legacy") -> dict:
     blocks = -(-context // PAGE_SIZE)
     llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max(batches), max_context=context,
                      max_cache_pages=max(batches) * blocks)
-    key = jax.device_put(jax.random.key(0), llm.device)
     planner = llm.planner   # the engine's graph batch sizes
     out = {}
-    with jax.default_device(llm.device):   # the kernels trace their GPU or CPU path from it
+    with jax.default_device(llm.runner.device):   # the kernels trace their GPU or CPU path from it
         for batch in batches:
             step = decode_step(planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
-            index = {i: i for i in range(batch)}
+            greedy = SamplingBatch.greedy(len(step.logits_indices))
             t0 = time.perf_counter()
-            llm._run_step(step, index, 0.0, 1.0, key, False)   # compiles for this batch
+            llm.runner.execute(step, greedy)   # compiles for this batch
             compile_s = time.perf_counter() - t0
-            out[batch] = dict(jax_step_us=wall_us(lambda: llm._run_step(step, index, 0.0, 1.0, key, False), reps),
+            out[batch] = dict(jax_step_us=wall_us(lambda: llm.runner.execute(step, greedy), reps),
                               jax_first_step_s=compile_s)
             print(f"  jax   batch {batch:3d} context {context:6d}: " +
                   " ".join(f"{k}={v:.3g}" for k, v in out[batch].items()), flush=True)
@@ -212,15 +213,16 @@ def run_torch_tp(model_dir, tp: int, context: int, batches, reps: int, device) -
     out = {}
     with m3_torch.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max(batches), max_context=context,
                       max_cache_pages=max(batches) * blocks, tensor_parallel_size=tp) as llm:
-        llm.collective_rpc(e2e_ranks.fill_pool)
+        llm.runner.collective_rpc(e2e_ranks.fill_pool)
         for batch in batches:
             step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
-            row = dict(step_us=wall_us(lambda: llm.step_logits(step).argmax(-1).tolist(), reps))
-            graph = llm.collective_rpc(e2e_ranks.graph_replay_us, (step.plan.num_rows,
+            greedy = SamplingBatch.greedy(len(step.logits_indices))
+            row = dict(step_us=wall_us(lambda: llm.runner.execute(step, greedy), reps))
+            graph = llm.runner.collective_rpc(e2e_ranks.graph_replay_us, (step.plan.num_rows,
                                                                    step.plan.generation.max_blocks), reps)[0]
             if graph is not None:
                 row["graph_us"] = graph
-            row.update(llm.collective_rpc(e2e_ranks.layer_times, step, reps)[0])
+            row.update(llm.runner.collective_rpc(e2e_ranks.layer_times, step, reps)[0])
             row["all_reduce_share"] = row["all_reduce_us"] / row.get("graph_us", row["step_us"])
             out[batch] = row
             print(f"  torch tp {tp} batch {batch:3d} context {context:6d}: " +
@@ -245,25 +247,24 @@ def run_jax_tp(model_dir, tp: int, context: int, batches, reps: int, device) -> 
     llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=platform if tp > 1 else jax.devices(platform)[0],
                      max_batch=max(batches), max_context=context, max_cache_pages=max(batches) * blocks,
                      tensor_parallel_size=tp)
-    key = llm._put(jax.random.key(0))
     c = llm.config
     out = {}
-    with jax.default_device(llm.device):   # the kernels trace their GPU or CPU path from it
+    with jax.default_device(llm.runner.device):   # the kernels trace their GPU or CPU path from it
         for batch in batches:
             step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
-            index = {i: i for i in range(batch)}
+            greedy = SamplingBatch.greedy(len(step.logits_indices))
             t0 = time.perf_counter()
-            llm._run_step(step, index, 0.0, 1.0, key, False)   # compiles for this batch
+            llm.runner.execute(step, greedy)   # compiles for this batch
             row = dict(first_step_s=time.perf_counter() - t0,
-                       step_us=wall_us(lambda: llm._run_step(step, index, 0.0, 1.0, key, False), reps))
-            if llm.mesh is not None:
+                       step_us=wall_us(lambda: llm.runner.execute(step, greedy), reps))
+            if llm.runner.mesh is not None:
                 def reduces(x):
                     for _ in range(2 * c.num_hidden_layers):
                         x = jax.lax.psum(x, "tp") * 0.5
                     return x
-                fn = jax.jit(jax.shard_map(reduces, mesh=llm.mesh, in_specs=P("tp"), out_specs=P()))
+                fn = jax.jit(jax.shard_map(reduces, mesh=llm.runner.mesh, in_specs=P("tp"), out_specs=P()))
                 x = jax.device_put(jnp.ones((tp * step.plan.num_tokens, c.hidden_size), jnp.bfloat16),
-                                   jax.sharding.NamedSharding(llm.mesh, P("tp")))
+                                   jax.sharding.NamedSharding(llm.runner.mesh, P("tp")))
                 row["all_reduce_us"] = wall_us(lambda: fn(x).block_until_ready(), reps)
             else:
                 row["all_reduce_us"] = 0.0

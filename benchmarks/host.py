@@ -1,6 +1,6 @@
 """Host-side costs of the engines' decode loop (no GPU needed): ``python3 -m benchmarks.host``.
 
-* ``schedule`` / ``update``: ``m3_kernels.scheduler.Scheduler`` alone, median of 50 decode steps after the
+* ``schedule`` / ``update``: ``m3_engine.scheduler.Scheduler`` alone, median of 50 decode steps after the
   prompts are prefilled (tiny model config, 1024 block-table columns), at batch 8 / 4k and batch 64 / 32k.
   The engines run both between steps with the GPU idle.
 * ``tp_round_trip``: ``m3_torch.LLM(tensor_parallel_size=2)`` on the CPU (gloo), median of 100
@@ -17,9 +17,9 @@ import time
 import numpy as np
 
 from benchmarks.e2e_ranks import wall_us
-from m3_kernels.model_config import M3TextConfig
-from m3_kernels.scheduler import Scheduler, SchedulerConfig
-from m3_kernels.tiny_model import tiny_text_config, write_tiny_checkpoint
+from m3_engine.model_config import M3TextConfig
+from m3_engine.scheduler import Scheduler, SchedulerConfig
+from m3_engine.tiny_model import tiny_text_config, write_tiny_checkpoint
 
 
 def scheduler_us(batch: int, context: int, steps: int = 50) -> tuple[float, float]:
@@ -58,7 +58,7 @@ def tp_round_trip_us(calls: int = 100) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(tmp, seed=0)
         with m3_torch.LLM(model_dir, tensor_parallel_size=2, device="cpu", max_batch=4, max_context=512) as llm:
-            return wall_us(lambda: llm.collective_rpc(_rank, payload), calls)
+            return wall_us(lambda: llm.runner.collective_rpc(_rank, payload), calls)
 
 
 def main():

@@ -33,13 +33,13 @@ def main(argv=None):
                            max_context=args.context, max_cache_pages=max(batches) * blocks)
     for batch in batches:
         step = e2e.decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, args.context, seed=batch)
-        tensors = llm.step_tensors(step)
+        tensors = llm.runner.step_tensors(step)
         for _ in range(3):
-            llm.model.forward(tensors, step.plan, llm.caches)
+            llm.runner.model.forward(tensors, step.plan, llm.runner.caches)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.reps):
-                llm.model.forward(tensors, step.plan, llm.caches)
+                llm.runner.model.forward(tensors, step.plan, llm.runner.caches)
             torch.cuda.synchronize()
         events = prof.key_averages()
         gpu_us = sum(e.device_time_total for e in events) / args.reps

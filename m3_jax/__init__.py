@@ -11,9 +11,11 @@ from .api import (StepSpec, dense_decode, dense_prefill, index_scores, index_sco
                   msa_decode, msa_prefill, select_blocks, select_blocks_prefill, sparse_decode, sparse_prefill,
                   step_inputs)
 from .cache import allocate_pool, layer_views, write_cache, write_layer
-from .engine import LLM
+from .llm import LLM
+from m3_engine import CompletionOutput, RequestOutput, SamplingParams
 from .interop import StepMetadata, to_jax, to_torch
 from .ops import PrefillMaps, prefill_maps
+from .sampling import sample
 from .views import PagedView, as_index_k_view, as_kv_view, index_k_view, kv_cache_view
 
 __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode",
@@ -21,4 +23,5 @@ __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "ms
            "PrefillMaps", "prefill_maps", "msa_attention_step", "StepSpec", "step_inputs",
            "PagedView", "kv_cache_view", "index_k_view", "as_kv_view", "as_index_k_view",
            "cache", "allocate_pool", "layer_views", "write_cache", "write_layer",
-           "interop", "StepMetadata", "to_jax", "to_torch", "ops", "reference", "LLM"]
+           "interop", "StepMetadata", "to_jax", "to_torch", "ops", "reference", "sample", "LLM", "SamplingParams",
+           "RequestOutput", "CompletionOutput"]

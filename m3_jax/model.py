@@ -1,7 +1,7 @@
 """MiniMax-M3 text model in JAX: the math of one forward step over the paged pool.
 
 Pure functions over a params pytree: the flat dict of canonical tensor names
-(``m3_kernels.checkpoint``: transformers' ``MiniMaxM3VLForCausalLM`` state-dict
+(``m3_engine.checkpoint``: transformers' ``MiniMaxM3VLForCausalLM`` state-dict
 names, ``model.layers.{i}.self_attn.q_proj.weight`` ...) -> jax arrays, all in
 the model dtype. :func:`forward` runs every token of one step (context rows'
 prompt chunks first, generation rows last, as the step planner wants) through
@@ -10,51 +10,12 @@ index-K) rows into the pool with ``m3_jax.write_cache`` and attends with
 ``m3_jax.msa_attention_step`` (``sparse=True`` on MSA layers). Under
 ``jax.jit`` with the pool donated the cache writes are in place.
 
-Semantics are transformers 5.23's ``MiniMaxM3VLForCausalLM`` (text model);
-the torch twin is ``m3_torch/model.py`` (same math, same order of roundings):
-
-* RMSNorm is Gemma-style: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in float32,
-  cast back to the input dtype. The q/k norms act per head over ``head_dim``
-  (the indexer's over ``index_head_dim``), before RoPE.
-* RoPE is the non-interleaved ("rotate_half") form on the FIRST ``rotary_dim``
-  channels of each head (``M3TextConfig.rotary_dim``; see there for the width
-  rule); the rest pass through. cos/sin are computed in float32 and cast to the
-  activation dtype, as transformers does. The indexer reuses the table sliced
-  to ``[:index_head_dim]``, exactly as transformers slices it.
-* Sparse layers: ``idx_q = q_norm(indexer.q_proj(h))`` with ``index_n_heads``
-  heads and ONE shared index-K head ``idx_k = k_norm(indexer.k_proj(h))``, both
-  rotated; block scores are ``idx_q . idx_k`` in float32 without scale.
-* Dense MLP and shared expert: SwiGLU-OAI, ``gate, up = split(h @ W_gu^T)``,
-  ``gate = min(gate, limit)``, ``up = clip(up, -limit, limit)``,
-  ``(up + 1) * gate * sigmoid(alpha * gate)``, then ``down_proj``.
-* MoE: ``w = sigmoid(router_logits.float())``; experts chosen by top-k of
-  ``w + e_score_correction_bias``; weights ``w[chosen]`` renormalised to sum 1;
-  ``routed_scaling_factor * sum_k w_k * expert_k(h) + shared_expert(h)``.
-  transformers adds each expert's weighted output into a buffer of the model
-  dtype; here the sum over k is float32, cast once (the same in float32 up to
-  rounding, a little more precise in bf16). Experts run as
-  ``jax.lax.ragged_dot_general`` over token rows sorted by expert (the
-  canonical ``[E, out, in]`` weights, no transpose).
-
-Where our kernels differ from transformers' indexer (``MiniMaxM3VLIndexer``)
-and why the outputs still agree (tests/test_model_jax.py checks the logits and
-tokens against transformers):
-
-* transformers scores every key, masks future keys to ``-inf``, max-pools per
-  block of 128 keys, sets the ``index_local_blocks`` blocks ending at the
-  query's own block to ``+inf`` and takes ``torch.topk(min(topk,
-  num_key_blocks))``, mapping ``-inf`` picks to ``-1``. SPEC.md's
-  ``index_scores``/``select_blocks`` compute the same per-block causal max and
-  force the same local blocks (``b >= nb - local_blocks``, ``nb - 1`` being the
-  query's block): the chosen SET is the same.
-* Order: transformers lists ids by descending score (the local block first);
-  SPEC lists them ascending. Attention over a set of blocks ignores the order.
-* Ties: ``torch.topk`` breaks equal block scores in an unspecified order, SPEC
-  picks the lower id. Only exactly equal float32 maxima can differ.
-* transformers' eager attention adds a dense mask (``finfo.min`` outside the
-  chosen blocks) and takes a softmax over all keys; our kernels visit only the
-  chosen blocks. Masked keys weigh exactly 0 in both.
-* ``init_blocks`` (SPEC) has no transformers counterpart: it is 0 here.
+Semantics: transformers 5.23's ``MiniMaxM3VLForCausalLM`` (text model); the
+math, and where and why this project differs from transformers, are written
+once, in docs/ENGINE.md ("The model's semantics"). The torch twin is
+``m3_torch/model.py`` (same math, same order of roundings). Experts run as
+``jax.lax.ragged_dot_general`` over token rows sorted by expert (the canonical
+``[E, out, in]`` weights, no transpose); the sum over the k experts is float32.
 """
 
 from __future__ import annotations
@@ -65,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3_kernels.model_config import M3TextConfig
+from m3_engine.model_config import M3TextConfig
 from m3_kernels.pool import PoolLayout
 
 from .cache import layer_views, write_cache
@@ -236,7 +197,7 @@ def hidden_states(params: Mapping, pool, batch: StepBatch, maps, *, config: M3Te
 
     all_reduce: None, or ``all_reduce(x) -> x`` summed over a tensor-parallel
             axis. The model knows nothing of tensor parallelism: given one
-            shard's slices of the weights (``m3_kernels.tp``) and their config
+            shard's slices of the weights (``m3_engine.tp``) and their config
             (``TPPlan.local_config``), the outputs of ``o_proj`` and of each
             MLP are partial sums, which this hook completes (``m3_jax.tp``
             passes ``jax.lax.psum`` over the mesh axis); ``lm_head`` is not used.

@@ -2,7 +2,7 @@
 
     llm = m3_jax.LLM(model_dir, tensor_parallel_size=2)   # the first 2 devices of the default backend
 
-The split is ``m3_kernels.tp`` (the same as ``m3_torch``'s). Here:
+The split is ``m3_engine.tp`` (the same as ``m3_torch``'s). Here:
 
 * **mesh**: ``Mesh(devices, ("tp",))``; shard ``r`` is rank ``r`` of the plan.
 * **weights**: global arrays laid out with ``NamedSharding``: a sharded tensor
@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from m3_kernels import checkpoint
+from m3_engine import checkpoint
 from m3_kernels.pool import PoolLayout
-from m3_kernels.tp import TPPlan
+from m3_engine.tp import TPPlan
 
 from . import model
 

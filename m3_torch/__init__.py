@@ -11,9 +11,13 @@ from .api import (dense_decode, dense_prefill, index_scores, index_scores_prefil
                   msa_prefill, prefill_plan, select_blocks, select_blocks_prefill, sparse_decode, sparse_prefill)
 from .cache import allocate_pool, layer_caches, write_cache
 from .ops import StepArena, step_arena
-from .engine import LLM
+from .sampling import sample
+from .llm import LLM
+from m3_engine import CompletionOutput, RequestOutput, SamplingParams
 
 __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode",
            "index_scores_prefill", "select_blocks_prefill", "sparse_prefill", "dense_prefill", "msa_prefill",
            "msa_attention_step", "prefill_plan", "StepArena", "step_arena",
-           "cache", "allocate_pool", "layer_caches", "write_cache", "ops", "reference", "LLM"]
+           "cache", "allocate_pool", "layer_caches", "write_cache", "ops", "reference", "sample",
+           "LLM", "SamplingParams",
+           "RequestOutput", "CompletionOutput"]

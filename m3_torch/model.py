@@ -9,54 +9,10 @@ with the step's plan (``sparse=True`` on MSA layers, ``False`` on dense ones).
 Weights and activations stay in the weights' dtype; norms, the router and the
 attention softmax compute in float32 where transformers does.
 
-Semantics are transformers 5.23's ``MiniMaxM3VLForCausalLM`` (text model):
-
-* RMSNorm is Gemma-style: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in float32,
-  cast back to the input dtype. The q/k norms act per head over ``head_dim``
-  (the indexer's over ``index_head_dim``), before RoPE.
-* RoPE is the non-interleaved ("rotate_half") form on the FIRST ``rotary_dim``
-  channels of each head; the rest pass through. cos/sin are computed in float32
-  and cast to the activation dtype, as transformers does. The indexer applies
-  the same table cut to its first ``index_head_dim`` columns
-  (``config.index_rotary_dim`` = min(rotary_dim, index_head_dim) of them), as
-  transformers' ``cos[..., :index_head_dim]`` does: with ``index_head_dim >=
-  rotary_dim`` (M3: 128 >= 64) that is the attention's rotation of the first
-  ``rotary_dim`` channels.
-* Sparse layers: ``idx_q = q_norm(index_q_proj(h))`` with ``index_n_heads``
-  heads, ONE shared index-K head ``idx_k = k_norm(index_k_proj(h))``, both
-  rotated; scores are ``idx_q . idx_k`` in float32 without scale.
-* Dense MLP and shared expert: SwiGLU-OAI, ``gate, up = chunk(h @ W_gu^T)``,
-  ``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``,
-  ``(up + 1) * gate * sigmoid(alpha * gate)``, then ``down_proj``.
-* MoE: ``w = sigmoid(router_logits.float())``; experts chosen by top-k of
-  ``w + e_score_correction_bias``; weights ``w[chosen]`` renormalised to sum 1;
-  ``routed_scaling_factor * sum_k w_k * expert_k(h) + shared_expert(h)``.
-
-Where our kernels differ from transformers' indexer (``MiniMaxM3VLIndexer``)
-and why the outputs still agree:
-
-* transformers scores every key, masks future ones to ``-inf``, max-pools per
-  block of 128 keys, sets the ``index_local_blocks`` blocks ending at the
-  query's own block to ``+inf`` (``q_block - j`` clamped at 0) and takes
-  ``torch.topk(min(topk, num_key_blocks))``, mapping ``-inf`` picks to ``-1``.
-  SPEC.md's ``index_scores``/``select_blocks`` compute the same per-block causal
-  max and force the same local blocks (``b >= nb - local_blocks``, where
-  ``nb - 1`` is the query's block): the chosen SET is the same.
-* Order: transformers lists ids by descending score (local block first, as it
-  scores ``+inf``); we list them ascending. Attention over a set of blocks does
-  not depend on their order.
-* Ties: ``torch.topk`` breaks equal block scores in an unspecified order; SPEC
-  picks the lower block id. Only exactly equal float32 maxima differ (never
-  seen with real-valued keys); the tests compare logits, not ids.
-* transformers' eager path attends with a dense additive mask (``finfo.min``
-  outside the chosen blocks) and a softmax over all keys; our kernels visit
-  only the chosen blocks. Masked keys get probability exactly 0 in both.
-* ``init_blocks`` (SPEC) has no transformers counterpart: it is 0 here.
-* Low precision: transformers casts the softmax probabilities to the
-  activation dtype before ``P @ V`` and sums the k experts' outputs in that
-  dtype; the kernels keep P and the accumulators in float32 and the expert sum
-  is float32 here. In bf16 these differ by rounding only (the tests measure
-  our bf16 error against transformers' own bf16 error, both vs float32).
+Semantics: transformers 5.23's ``MiniMaxM3VLForCausalLM`` (text model); the
+math, and where and why this project differs from transformers, are written
+once, in docs/ENGINE.md ("The model's semantics"). The JAX twin is
+``m3_jax/model.py`` (same math, same order of roundings).
 
 MoE experts run as ``torch.nn.functional.grouped_mm`` over token rows sorted
 by expert (no host sync, so decode steps can be captured in CUDA graphs; the
@@ -74,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from m3_kernels import planner as step_planner
-from m3_kernels.model_config import M3TextConfig
+from m3_engine.model_config import M3TextConfig
 
 from .api import msa_attention_step
 from .cache import LayerCaches, write_cache
@@ -172,7 +128,7 @@ class M3Model:
     """MiniMax-M3 text model over a weights dict (transformers' ``MiniMaxM3VLForCausalLM``
     state-dict names, ``model.layers.{i}.self_attn.q_proj.weight`` ...).
 
-    config:     an ``m3_kernels.model_config.M3TextConfig``: the shapes of ``weights``.
+    config:     an ``m3_engine.model_config.M3TextConfig``: the shapes of ``weights``.
     weights:    name -> tensor, all on one device in one float dtype (the engine
                 loads and casts them); every expected tensor must be there and
                 no other. A layer's q/k/v (and index q/k) projections are fused
@@ -180,7 +136,7 @@ class M3Model:
     all_reduce: None, or ``all_reduce(t) -> t``, the sum of ``t`` over the ranks
                 of a tensor-parallel group. The model itself knows nothing of
                 tensor parallelism: given one rank's slices of the weights
-                (``m3_kernels.tp``: its heads, its rows of each MLP) and the
+                (``m3_engine.tp``: its heads, its rows of each MLP) and the
                 config of those slices (``TPPlan.local_config``), the outputs
                 of ``o_proj`` and of each MLP are partial sums, and this hook
                 completes them (``m3_torch.tp``), which keeps the residual

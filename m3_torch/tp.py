@@ -10,7 +10,7 @@ What ``LLM(..., tensor_parallel_size=N)`` does, as vLLM's ``LLM`` does:
   == "__main__":`` guard) and joins them and itself in a ``torch.distributed``
   group: NCCL on GPUs (rank ``r`` on CUDA device ``index + r``), gloo on a
   CPU; rendezvous through a ``FileStore`` in a temporary directory;
-* every rank loads ITS slices of the checkpoint (``m3_kernels.tp``,
+* every rank loads ITS slices of the checkpoint (``m3_engine.tp``,
   ``checkpoint.iter_weights(shard=...)``), allocates its pool (its KV heads and
   the whole index-K) and, on GPUs, its own CUDA graphs;
 * rank 0 (the calling process) runs the scheduler; before each step it sends
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from m3_kernels import tuning
-from m3_kernels.tp import TPPlan
+from m3_engine.tp import TPPlan
 
 __all__ = ["Workers", "all_reduce", "portable", "DEFAULT_TIMEOUT"]
 
@@ -90,7 +90,7 @@ class Workers:
 
     plan:        the tensor-parallel plan (``plan.size`` ranks).
     device:      rank 0's device (CUDA: NCCL, ranks on consecutive devices; CPU: gloo).
-    runner_args: the keyword arguments of ``m3_torch.engine.Runner`` every rank shares.
+    runner_args: the keyword arguments of ``m3_torch.rank.Runner`` every rank shares.
     timeout:     collectives and start-up steps that wait longer raise.
 
     Construction starts the workers and joins the group; :meth:`wait_ready`
@@ -296,7 +296,7 @@ def _worker_main(rank: int, plan: TPPlan, device: torch.device, runner_args: dic
     """A worker's life: join the group, load its slices, then run what rank 0 sends until "stop"."""
     try:
         conn.send(("started", os.getpid()))
-        from .engine import Runner, rank_device
+        from .rank import Runner, rank_device
 
         if backend == "nccl":
             torch.cuda.set_device(rank_device(device, rank))

@@ -1,7 +1,7 @@
 """The semantic reference of the model tests: transformers 5.23's ``MiniMaxM3VLForCausalLM``.
 
 float32, eager attention, on the CPU, weights loaded by transformers itself
-(never by ``m3_kernels.checkpoint``), from either checkpoint form: the VL form
+(never by ``m3_engine.checkpoint``), from either checkpoint form: the VL form
 (original tensor names) goes through ``MiniMaxM3SparseForConditionalGeneration``
 and its conversion mapping, the text form through ``MiniMaxM3VLForCausalLM``.
 

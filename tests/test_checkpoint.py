@@ -1,4 +1,4 @@
-"""m3_kernels.checkpoint: original / transformers tensor names -> one canonical naming, and its errors."""
+"""m3_engine.checkpoint: original / transformers tensor names -> one canonical naming, and its errors."""
 
 import json
 import logging
@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from m3_kernels import checkpoint
-from m3_kernels.model_config import load_config
-from m3_kernels.tiny_model import write_tiny_checkpoint
+from m3_engine import checkpoint
+from m3_engine.model_config import load_config
+from m3_engine.tiny_model import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +82,15 @@ def test_half_precision_checkpoints(tmp_path, dtype):
 
 
 def test_skipped_tensors_are_logged_once(tiny, caplog):
-    with caplog.at_level(logging.INFO, logger="m3_kernels.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="m3_engine.checkpoint"):
         checkpoint.load_weights(tiny[0])
-    records = [r for r in caplog.records if r.name == "m3_kernels.checkpoint"]
+    records = [r for r in caplog.records if r.name == "m3_engine.checkpoint"]
     assert len(records) == 1
     assert "skipped 12 tensors" in records[0].getMessage()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="m3_kernels.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="m3_engine.checkpoint"):
         checkpoint.load_weights(tiny[1])  # nothing to skip: nothing logged
-    assert not [r for r in caplog.records if r.name == "m3_kernels.checkpoint"]
+    assert not [r for r in caplog.records if r.name == "m3_engine.checkpoint"]
 
 
 def test_canonical_names():

@@ -1,12 +1,12 @@
-"""m3_kernels.model_config: config.json (flat, nested, legacy keys) -> M3TextConfig, and the RoPE-width rule."""
+"""m3_engine.model_config: config.json (flat, nested, legacy keys) -> M3TextConfig, and the RoPE-width rule."""
 
 import copy
 import json
 
 import pytest
 
-from m3_kernels.model_config import M3TextConfig, load_config
-from m3_kernels.tiny_model import tiny_text_config, write_tiny_checkpoint
+from m3_engine.model_config import M3TextConfig, load_config
+from m3_engine.tiny_model import tiny_text_config, write_tiny_checkpoint
 
 
 def legacy_text():

@@ -15,10 +15,11 @@ import pytest
 import m3_jax
 import m3_torch
 from m3_kernels import tuning
-from m3_kernels.tiny_model import write_tiny_checkpoint
+from m3_engine.tiny_model import write_tiny_checkpoint
 
 import hf_reference
 from jax_helpers import _jax_device, jax_gpu_ready  # noqa: F401  (autouse: CPU tests run on JAX's CPU device)
+from engine_helpers import generate_ids
 
 
 def prompt(n, seed):
@@ -32,8 +33,8 @@ def model_dir(tmp_path_factory):
 
 def generate_both(model_dir, prompts, max_new_tokens, **kwargs):
     with tuning.override(target_programs=1, sparse_target_programs=1):   # fewer interpreter programs
-        torch_out = m3_torch.LLM(model_dir, **kwargs).generate(prompts, max_new_tokens=max_new_tokens)
-        jax_out = m3_jax.LLM(model_dir, **kwargs).generate(prompts, max_new_tokens=max_new_tokens)
+        torch_out = generate_ids(m3_torch.LLM(model_dir, **kwargs), prompts, max_new_tokens=max_new_tokens)
+        jax_out = generate_ids(m3_jax.LLM(model_dir, **kwargs), prompts, max_new_tokens=max_new_tokens)
     return torch_out, jax_out
 
 
@@ -72,8 +73,8 @@ def test_gpu_bf16_engines_agree(tmp_path):
     model_dir = write_tiny_checkpoint(tmp_path / "bf16", seed=1, form="vl", dtype="bfloat16")
     prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
     kwargs = dict(max_batch=4, max_context=1024, prefill_chunk=500)
-    torch_out = m3_torch.LLM(model_dir, device="cuda", **kwargs).generate(prompts, max_new_tokens=16)
-    jax_out = m3_jax.LLM(model_dir, device=jax.devices("gpu")[0], **kwargs).generate(prompts, max_new_tokens=16)
+    torch_out = generate_ids(m3_torch.LLM(model_dir, device="cuda", **kwargs), prompts, max_new_tokens=16)
+    jax_out = generate_ids(m3_jax.LLM(model_dir, device=jax.devices("gpu")[0], **kwargs), prompts, max_new_tokens=16)
     agree = sum(next((i for i, (a, b) in enumerate(zip(t, j)) if a != b), min(len(t), len(j)))
                 for t, j in zip(torch_out, jax_out))
     total = sum(max(len(t), len(j)) for t, j in zip(torch_out, jax_out))
@@ -89,11 +90,11 @@ def test_engines_agree_with_fp8_caches(model_dir):
     kwargs = dict(max_batch=1, max_context=256, prefill_chunk=100, kv_cache_dtype="fp8", index_cache_dtype="fp8")
     with tuning.override(target_programs=1, sparse_target_programs=1):
         llm = m3_torch.LLM(model_dir, **kwargs)
-        assert llm.pool.dtype == torch.uint8
-        assert {c.k_cache.dtype for c in llm.caches} == {torch.float8_e4m3fn}
-        assert {c.index_k_cache.dtype for c in llm.caches if c.index_k_cache is not None} == {torch.float8_e4m3fn}
-        torch_out = llm.generate(prompts, max_new_tokens=2)
+        assert llm.runner.pool.dtype == torch.uint8
+        assert {c.k_cache.dtype for c in llm.runner.caches} == {torch.float8_e4m3fn}
+        assert {c.index_k_cache.dtype for c in llm.runner.caches if c.index_k_cache is not None} == {torch.float8_e4m3fn}
+        torch_out = generate_ids(llm, prompts, max_new_tokens=2)
         jax_llm = m3_jax.LLM(model_dir, **kwargs)
-        assert jax_llm.pool.dtype == np.uint8
-        jax_out = jax_llm.generate(prompts, max_new_tokens=2)
+        assert jax_llm.runner.pool.dtype == np.uint8
+        jax_out = generate_ids(jax_llm, prompts, max_new_tokens=2)
     assert_same_tokens(model_dir, prompts, torch_out, jax_out, 2)

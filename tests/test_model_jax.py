@@ -1,6 +1,6 @@
 """m3_jax's MiniMax-M3 model and engine against transformers 5.23 (the semantic reference).
 
-CPU, float32, the tiny random checkpoint of ``m3_kernels.tiny_model`` (layer 0
+CPU, float32, the tiny random checkpoint of ``m3_engine.tiny_model`` (layer 0
 dense attention + dense MLP, layers 1-3 MSA + MoE, top-2 blocks of 128: the
 selection matters from 257 tokens on). The reference is
 ``MiniMaxM3VLForCausalLM`` with eager attention (tests/hf_reference.py, shared
@@ -22,15 +22,16 @@ import pytest
 import torch
 
 import m3_jax
-from m3_jax import engine as jengine
 from m3_jax import model as jm
-from m3_kernels import checkpoint, planner, tuning
-from m3_kernels.model_config import load_config
-from m3_kernels.scheduler import Scheduler
-from m3_kernels.tiny_model import write_tiny_checkpoint
+from m3_engine import checkpoint
+from m3_kernels import planner, tuning
+from m3_engine.model_config import load_config
+from m3_engine.scheduler import Scheduler
+from m3_engine.tiny_model import write_tiny_checkpoint
 
 import hf_reference
 from jax_helpers import _jax_device, jax_gpu_ready  # noqa: F401  (autouse: CPU tests run on JAX's CPU device)
+from engine_helpers import generate_ids
 
 NEW_TOKENS = 16
 
@@ -181,14 +182,14 @@ def test_generate_matches_transformers(model_dir, one_program_per_tile):
     boundaries. Greedy tokens equal transformers'; the decode step compiled once per batch size."""
     prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
     llm = m3_jax.LLM(model_dir, max_batch=4, max_context=1024, prefill_chunk=500)
-    outputs = llm.generate(prompts, max_new_tokens=NEW_TOKENS)
+    outputs = generate_ids(llm, prompts, max_new_tokens=NEW_TOKENS)
     checked = [hf_reference.assert_tokens_match(hf_reference.reference_generate(model_dir, p, NEW_TOKENS), out)
                for p, out in zip(prompts, outputs)]
     assert sum(checked) >= 2 * NEW_TOKENS
-    decode = [s.generation_rows for s in llm.compiled_steps if s.context_rows == 0]
+    decode = [s.generation_rows for s in llm.runner.compiled_steps if s.context_rows == 0]
     assert sorted(decode) == sorted(set(decode)), decode        # one compilation per decode batch size, whatever
     assert len(decode) < NEW_TOKENS // 2                        # the lengths (127 + 16 crosses a block)
-    assert any(s.context_rows and s.generation_rows for s in llm.compiled_steps)   # a mixed step ran
+    assert any(s.context_rows and s.generation_rows for s in llm.runner.compiled_steps)   # a mixed step ran
 
 
 @pytest.mark.long
@@ -198,19 +199,19 @@ def test_batching_is_invisible(model_dir, monkeypatch, one_program_per_tile):
     finished request is poisoned with NaN before it is reused: no stale row is ever read."""
     prompts = [prompt(1, seed=1), prompt(127, seed=127), prompt(129, seed=129)]
     llm = m3_jax.LLM(model_dir, max_batch=2, max_context=256, max_cache_pages=3, prefill_chunk=64)
-    llm.pool = jnp.full(llm.pool.shape, jnp.nan, llm.pool.dtype)
+    llm.runner.pool = jnp.full(llm.runner.pool.shape, jnp.nan, llm.runner.pool.dtype)
     freed, finish = [], Scheduler._finish
 
     def poison(scheduler, request):
         freed.append(request.slots.tolist())
-        slots = llm.pool.reshape(llm.pool_layout.num_slots, -1)
-        llm.pool = slots.at[jnp.asarray(request.slots)].set(jnp.nan).reshape(-1)
+        slots = llm.runner.pool.reshape(llm.runner.pool_layout.num_slots, -1)
+        llm.runner.pool = slots.at[jnp.asarray(request.slots)].set(jnp.nan).reshape(-1)
         finish(scheduler, request)
 
     monkeypatch.setattr(Scheduler, "_finish", poison)
-    outputs = llm.generate(prompts, max_new_tokens=6)
+    outputs = generate_ids(llm, prompts, max_new_tokens=6)
     assert len(freed) == 3 and set(freed[2]) & (set(freed[0]) | set(freed[1]))   # the last one reused slots
-    decode = [s.generation_rows for s in llm.compiled_steps if s.context_rows == 0]
+    decode = [s.generation_rows for s in llm.runner.compiled_steps if s.context_rows == 0]
     assert sorted(decode) == sorted(set(decode))   # one decode compilation per batch size, though 127 + 6 crosses
     for p, out in zip(prompts, outputs):
         ref = hf_reference.reference_generate(model_dir, p, NEW_TOKENS)
@@ -226,14 +227,14 @@ def test_bad_input_fails_before_any_work(model_dir):
     for bad, match in (([[]], "empty"), ([prompt(257, seed=1)], "max_context"), ([good + [512]], "vocabulary"),
                        ([good, [-1]], "vocabulary")):
         with pytest.raises(ValueError, match=match):
-            llm.generate(bad, max_new_tokens=2)
-    for kwargs, match in ((dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
+            generate_ids(llm, bad, max_new_tokens=2)
+    for kwargs, match in ((dict(max_new_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
                           (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")):
         with pytest.raises(ValueError, match=match):
-            llm.generate([good], **kwargs)
+            generate_ids(llm, [good], **kwargs)
     with pytest.raises(TypeError, match="seed"):
-        llm.generate([good], seed=1.5)
-    assert not llm.scheduler.has_unfinished() and not llm.compiled_steps   # nothing queued, nothing ran
+        generate_ids(llm, [good], seed=1.5)
+    assert not llm.engine.scheduler.has_unfinished() and not llm.runner.compiled_steps   # nothing queued, nothing ran
 
     with pytest.raises(ValueError, match="max_cache_pages"):
         m3_jax.LLM(model_dir, max_batch=2, max_context=1024, max_cache_pages=7)
@@ -249,38 +250,18 @@ def test_dtype_and_device_arguments(model_dir):
     cpu = jax.devices("cpu")[0]
     for dtype in ("bfloat16", jnp.bfloat16, jnp.dtype("bfloat16")):
         llm = m3_jax.LLM(model_dir, dtype=dtype, device=cpu, max_batch=1, max_context=128)
-        assert llm.dtype == "bfloat16" and llm.pool.dtype == jnp.bfloat16
-        assert {w.dtype for w in llm.params.values()} == {jnp.dtype(jnp.bfloat16)}
+        assert llm.runner.dtype == "bfloat16" and llm.runner.pool.dtype == jnp.bfloat16
+        assert {w.dtype for w in llm.runner.params.values()} == {jnp.dtype(jnp.bfloat16)}
     llm = m3_jax.LLM(model_dir, device="cpu:0", max_batch=1, max_context=128)
-    assert llm.dtype == "float32" and llm.pool.devices() == {cpu}
-
-
-def test_sampling():
-    """Greedy at temperature 0; top-p keeps the nucleus; one key per (seed, prompt, output index)."""
-    row = np.random.default_rng(0).standard_normal(50)
-    row[7] = 10.0                        # token 7 holds > 0.99 of the mass at temperature 1
-    logits = jnp.asarray(np.tile(row, (4, 1)), jnp.float32)   # four equal rows: only their keys differ
-
-    def run(temperature, top_p, seed=0, prompts=(0, 1, 2, 3)):
-        s = jengine.Sampling(jnp.full(4, temperature, jnp.float32), jnp.full(4, top_p, jnp.float32),
-                             jnp.asarray(prompts, jnp.int32), jnp.zeros(4, jnp.int32), jax.random.key(seed))
-        return np.asarray(jengine.sample(logits, s, do_sample=temperature > 0))
-
-    assert (run(0.0, 1.0) == 7).all()
-    assert (run(1.0, 0.5) == 7).all()                       # the nucleus is token 7 alone
-    hot = [run(50.0, 1.0, seed) for seed in range(6)]
-    assert (hot[0] == run(50.0, 1.0, 0)).all()              # reproducible per seed
-    assert len({tuple(h) for h in hot}) > 1                 # and the seed matters
-    assert (run(50.0, 1.0, 3, prompts=(1, 1, 1, 1)) == hot[3][1]).all()   # a row's key: its prompt, not its row
-    assert len(set(hot[3])) > 1
+    assert llm.runner.dtype == "float32" and llm.runner.pool.devices() == {cpu}
 
 
 def test_seeded_generation_is_reproducible(model_dir, one_program_per_tile):
     llm = m3_jax.LLM(model_dir, max_batch=2, max_context=128)
     prompts = [prompt(5, seed=5), prompt(2, seed=2)]
     kwargs = dict(max_new_tokens=3, temperature=5.0, top_p=0.9)
-    first = llm.generate(prompts, seed=11, **kwargs)
-    assert llm.generate(prompts[:1], seed=11, **kwargs)[0] == first[0]   # alone or batched: same tokens
+    first = generate_ids(llm, prompts, seed=11, **kwargs)
+    assert generate_ids(llm, prompts[:1], seed=11, **kwargs)[0] == first[0]   # alone or batched: same tokens
     # (a different seed gives different draws: test_sampling)
 
 
@@ -305,12 +286,12 @@ def test_gpu_bf16_against_transformers(tmp_path):
     assert err <= 2 * yardstick + 1e-3
     prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
     llm = m3_jax.LLM(model_dir, device=gpu, max_batch=4, max_context=1024, prefill_chunk=500)
-    outputs = llm.generate(prompts, max_new_tokens=NEW_TOKENS)
+    outputs = generate_ids(llm, prompts, max_new_tokens=NEW_TOKENS)
     agree = total = 0
     for p, out in zip(prompts, outputs):
         ref = hf_reference.reference_generate(model_dir, p, NEW_TOKENS).tokens
         n = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
         agree, total = agree + n, total + len(ref)
     print(f"bf16 JAX engine vs fp32 transformers: {agree}/{total} greedy tokens agree before the first divergence")
-    decode = [s.generation_rows for s in llm.compiled_steps if s.context_rows == 0]
+    decode = [s.generation_rows for s in llm.runner.compiled_steps if s.context_rows == 0]
     assert sorted(decode) == sorted(set(decode))   # one decode compilation per batch size

@@ -1,6 +1,6 @@
 """m3_torch.LLM / m3_torch.model against transformers 5.23's MiniMaxM3VLForCausalLM (fp32, eager attention).
 
-The tiny random checkpoint (``m3_kernels.tiny_model``, original MiniMax-M3 VL
+The tiny random checkpoint (``m3_engine.tiny_model``, original MiniMax-M3 VL
 names): layer 0 dense attention + dense MLP, layers 1-3 MSA + MoE, 2 KV heads,
 top-2 blocks of 128, so prompts of 700 tokens select among 6 blocks. Greedy
 tokens are compared up to the first step where the reference's top-2 logit
@@ -19,7 +19,8 @@ import torch
 
 import m3_torch
 from m3_kernels import tuning
-from m3_kernels.tiny_model import write_tiny_checkpoint
+from m3_engine.tiny_model import write_tiny_checkpoint
+from engine_helpers import generate_ids
 
 hf_reference = pytest.importorskip("hf_reference")
 pytest.importorskip("transformers")
@@ -55,19 +56,19 @@ def prompt(length, seed):
 def record_prompt_logits(llm):
     """Make ``llm`` compute logits for EVERY token of its context rows; -> {request id: {position: logits}}."""
     seen = {}
-    step_logits = llm.step_logits
+    step_logits = llm.runner.step_logits
 
     def all_rows(step):
         if step.num_context == 0:
             return step_logits(step)
         rows = np.arange(step.num_tokens, dtype=np.int32)
-        logits = llm.model.forward(llm.step_tensors(step, logits_rows=rows), step.plan, llm.caches).float()
+        logits = llm.runner.model.forward(llm.runner.step_tensors(step, logits_rows=rows), step.plan, llm.runner.caches).float()
         for i, (request, _) in enumerate(step.rows[:step.num_context]):
             for t in range(step.cu_seqlens_q[i], step.cu_seqlens_q[i + 1]):
                 seen.setdefault(request.id, {})[int(step.positions[t])] = logits[t]
         return logits[torch.from_numpy(step.logits_indices).long()]
 
-    llm.step_logits = all_rows
+    llm.runner.step_logits = all_rows
     return seen
 
 
@@ -102,7 +103,7 @@ def test_mlps_match_transformers(tiny_dir):
     for i in range(llm.config.num_hidden_layers):   # layer 0: dense SwiGLU-OAI; 1-3: MoE + shared expert
         with torch.no_grad():
             expected = ref.model.layers[i].mlp(h[None])[0]
-        torch.testing.assert_close(llm.model.mlp(i, h), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(llm.runner.model.mlp(i, h), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_block_selection_matches_transformers_indexer(tiny_dir):
@@ -113,7 +114,7 @@ def test_block_selection_matches_transformers_indexer(tiny_dir):
     c, layer, T = llm.config, 2, 420                    # 4 blocks, top-2: selection matters from token 256
     h = torch.randn(T, c.hidden_size, generator=torch.Generator().manual_seed(5))
     positions = torch.arange(T)
-    _, _, _, idx_q, idx_k = llm.model.projections(layer, h, positions)
+    _, _, _, idx_q, idx_k = llm.runner.model.projections(layer, h, positions)
     index_k_cache = torch.full((4, 128, c.index_head_dim), float("nan"))   # rows past T stay NaN
     index_k_cache.view(-1, c.index_head_dim)[:T] = idx_k
     table, lens, cu = (torch.arange(4, dtype=torch.int32)[None], torch.tensor([T], dtype=torch.int32),
@@ -140,9 +141,9 @@ def test_prompt_logits_and_greedy_tokens_match_transformers(tiny_dir, one_progra
     """Prompts of 1, 127, 129 (and 700: a long run) tokens in one batch (chunked prefill, mixed steps)."""
     prompts = [prompt(n, seed=n) for n in lengths]
     llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=4, max_context=1024, prefill_chunk=384)
-    assert llm.dtype == torch.float32
+    assert llm.runner.dtype == torch.float32
     seen = record_prompt_logits(llm)
-    outputs = llm.generate(prompts, max_new_tokens=NEW_TOKENS)
+    outputs = generate_ids(llm, prompts, max_new_tokens=NEW_TOKENS)
     for request_id, (p, tokens) in enumerate(zip(prompts, outputs)):
         ours = stacked(seen[request_id], len(p))
         expected = hf_reference.reference_prompt_logits(tiny_dir, p)
@@ -160,22 +161,24 @@ BATCH_NEW = 8
 
 
 def poison_free_slots(llm, reused):
-    """After every step: NaN into every pool slot no running request holds; note slots that changed hands."""
-    pool = llm.pool.view(llm.layout.num_slots, llm.layout.slot_numel)
+    """Before every step: NaN into every pool slot no running request holds; note slots that changed hands."""
+    pool = llm.runner.pool.view(llm.runner.layout.num_slots, llm.runner.layout.slot_numel)
     owners: dict = {}
+    step_logits = llm.runner.step_logits
 
-    def after_step(_):
+    def poisoned_step(step):
         held = set()
-        for request in llm.scheduler.requests.values():
+        for request in llm.engine.scheduler.requests.values():
             if not request.finished:
                 held.update(request.slots.tolist())
                 for slot in request.slots.tolist():
                     owners.setdefault(slot, set()).add(request.id)
-        pool[sorted(set(range(llm.layout.num_slots)) - held)] = float("nan")
+        pool[sorted(set(range(llm.runner.layout.num_slots)) - held)] = float("nan")
         reused[:] = [s for s, ids in owners.items() if len(ids) > 1]
+        return step_logits(step)
 
     pool.fill_(float("nan"))
-    return after_step
+    llm.runner.step_logits = poisoned_step
 
 
 @pytest.mark.parametrize("order, chunk, max_batch, pages", [
@@ -189,18 +192,18 @@ def test_batching_is_invisible(tiny_dir, one_program_per_tile, order, chunk, max
     llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=max_batch, max_context=384, prefill_chunk=chunk,
                        max_cache_pages=pages)
     reused: list = []
-    outputs = dict(zip(order, llm.generate([prompts[i] for i in order], max_new_tokens=BATCH_NEW,
-                                           progress=poison_free_slots(llm, reused))))
+    poison_free_slots(llm, reused)
+    outputs = dict(zip(order, generate_ids(llm, [prompts[i] for i in order], max_new_tokens=BATCH_NEW)))
     refs = [hf_reference.reference_generate(tiny_dir, p, BATCH_NEW) for p in prompts]
     for i, ref in enumerate(refs):
         hf_reference.assert_tokens_match(ref, outputs[i])
     if pages is not None:
         assert reused, "no slot changed hands: the test did not exercise freed slots"
     else:
-        alone = m3_torch.LLM(tiny_dir, device="cpu", max_batch=1, max_context=384).generate(
-            [prompts[0]], max_new_tokens=BATCH_NEW)[0]
+        alone = generate_ids(m3_torch.LLM(tiny_dir, device="cpu", max_batch=1, max_context=384),
+                             [prompts[0]], max_new_tokens=BATCH_NEW)[0]
         n = hf_reference.checked_steps(refs[0])
-        assert alone[:n] == outputs[0][:n]
+        assert n > 0 and alone[:n] == outputs[0][:n]
 
 
 # -- sampling --------------------------------------------------------------------------------------
@@ -209,18 +212,12 @@ def test_sampling_is_reproducible_and_batch_independent(tiny_dir, one_program_pe
     llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=2, max_context=128)
     prompts = [prompt(3, seed=7), prompt(5, seed=8)]
     kw = dict(max_new_tokens=3, temperature=1.5, top_p=0.95)
-    first = llm.generate(prompts, seed=11, **kw)
-    assert llm.generate(prompts[:1], seed=11, **kw)[0] == first[0]       # same seed and prompt index, alone
-    assert llm.generate(prompts, seed=12, **kw) != first
-    nucleus_of_one = llm.generate(prompts, max_new_tokens=3, temperature=1.0, top_p=1e-6, seed=3)
+    first = generate_ids(llm, prompts, seed=11, **kw)
+    assert generate_ids(llm, prompts[:1], seed=11, **kw)[0] == first[0]       # same seed, alone
+    assert generate_ids(llm, prompts, seed=12, **kw) != first
+    nucleus_of_one = generate_ids(llm, prompts, max_new_tokens=3, temperature=1.0, top_p=1e-6, seed=3)
     for p, tokens in zip(prompts, nucleus_of_one):                        # = greedy
         hf_reference.assert_tokens_match(hf_reference.reference_generate(tiny_dir, p, 3), tokens)
-
-
-def test_sample_respects_top_p():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    drawn = {m3_torch.engine.sample(logits, 1.0, 0.7, [(0, 0, i)])[0] for i in range(200)}
-    assert drawn == {0, 1}                      # 0.5 + 0.3 reaches 0.7: tokens 2 and 3 are outside
 
 
 # -- dtypes and bad input ----------------------------------------------------------------------------
@@ -229,10 +226,10 @@ def test_sample_respects_top_p():
 def test_half_precision_engine(tiny_dir, one_program_per_tile, dtype):
     llm = m3_torch.LLM(tiny_dir, dtype=dtype, device="cpu", max_batch=1, max_context=128)
     want = torch.bfloat16 if dtype == "bfloat16" else torch.float16
-    assert llm.dtype == want and llm.pool.dtype == want and llm.model.embed.dtype == want
+    assert llm.runner.dtype == want and llm.runner.pool.dtype == want and llm.runner.model.embed.dtype == want
     p = prompt(20, seed=9)
     seen = record_prompt_logits(llm)
-    tokens = llm.generate([p], max_new_tokens=2)[0]
+    tokens = generate_ids(llm, [p], max_new_tokens=2)[0]
     assert len(tokens) == 2
     err = rel_err(stacked(seen[0], len(p)), hf_reference.reference_prompt_logits(tiny_dir, p))
     [yardstick] = transformers_errors(tiny_dir, [p], want)
@@ -256,12 +253,12 @@ def test_bad_engine_arguments(tiny_dir, kwargs, exc, words):
     (([[5] * 200],), {}, ValueError, "max_context"),
     (([[5, 512]],), {}, ValueError, "vocabulary"),
     (([[5, -1]],), {}, ValueError, "vocabulary"),
-    (([[5]],), dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+    (([[5]],), dict(max_new_tokens=0), ValueError, "max_tokens"),
     (([[5]],), dict(temperature=-1.0), ValueError, "temperature"),
     (([[5]],), dict(top_p=0.0), ValueError, "top_p"),
     (([[5]],), dict(top_p=1.5), ValueError, "top_p"),
     (([[5]],), dict(seed=-2), ValueError, "seed"),
-    (("hello",), {}, TypeError, "prompts"),
+    (([[5], 3.5],), {}, TypeError, "prompt"),
 ])
 def test_bad_generate_input_fails_before_any_work(tiny_dir, args, kwargs, exc, words):
     llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=2, max_context=128)
@@ -269,10 +266,10 @@ def test_bad_generate_input_fails_before_any_work(tiny_dir, args, kwargs, exc, w
     def no_work(step):
         raise AssertionError("a step ran")
 
-    llm.step_logits = no_work
+    llm.runner.step_logits = no_work
     with pytest.raises(exc, match=words):
-        llm.generate(*args, **kwargs)
-    assert llm.generate([], max_new_tokens=3) == []
+        generate_ids(llm, *args, **kwargs)
+    assert generate_ids(llm, [], max_new_tokens=3) == []
 
 
 # -- GPU (bf16, CUDA graphs) --------------------------------------------------------------------------
@@ -283,7 +280,7 @@ def test_gpu_bf16_matches_transformers(gpu_tiny_dir):
     llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_batch=4, max_context=1024,
                        prefill_chunk=384)
     seen = record_prompt_logits(llm)
-    outputs = llm.generate(prompts, max_new_tokens=NEW_TOKENS)
+    outputs = generate_ids(llm, prompts, max_new_tokens=NEW_TOKENS)
     yardsticks = transformers_errors(gpu_tiny_dir, prompts, torch.bfloat16)
     agree, total = 0, 0
     for request_id, (p, tokens, yardstick) in enumerate(zip(prompts, outputs, yardsticks)):
@@ -301,34 +298,34 @@ def test_gpu_bf16_matches_transformers(gpu_tiny_dir):
 @pytest.mark.gpu
 def test_gpu_cuda_graph_decode_equals_eager(gpu_tiny_dir):
     llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_batch=8, max_context=1024)
-    graphs, compared = llm.graphs, []
+    graphs, compared = llm.runner.graphs, []
     replay = graphs.run
 
     def run(step):
         captured = (step.plan.num_rows, step.plan.generation.max_blocks) in graphs.graphs
         logits = replay(step)
         if captured:  # a replay: run the same step eagerly (rewrites the same K/V rows) and compare
-            eager = llm.model.forward(llm.step_tensors(step), step.plan, llm.caches)
+            eager = llm.runner.model.forward(llm.runner.step_tensors(step), step.plan, llm.runner.caches)
             compared.append((logits.float().clone(), eager.float()))
         return logits
 
     graphs.run = run
     prompts = [prompt(n, seed=300 + n) for n in (5, 120, 250)]   # decode batch 3 -> graph batch 4; bounds 2, 4
-    outputs = llm.generate(prompts, max_new_tokens=24)
+    outputs = generate_ids(llm, prompts, max_new_tokens=24)
     assert len(graphs.graphs) >= 2 and len(compared) >= 10, (sorted(graphs.graphs), len(compared))
     for graph_logits, eager_logits in compared:
         torch.testing.assert_close(graph_logits, eager_logits, rtol=2e-2, atol=2e-2)
     eager_llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_batch=8, max_context=1024,
-                             cuda_graphs=False)
-    assert eager_llm.graphs is None
-    agree = sum(a == b for o, e in zip(outputs, eager_llm.generate(prompts, max_new_tokens=24)) for a, b in zip(o, e))
+                             enforce_eager=True)
+    assert eager_llm.runner.graphs is None
+    agree = sum(a == b for o, e in zip(outputs, generate_ids(eager_llm, prompts, max_new_tokens=24)) for a, b in zip(o, e))
     print(f"CUDA-graph vs eager engine tokens: {agree}/{sum(map(len, outputs))} equal")
 
 
 def test_a_dropped_engine_frees_its_pool_at_once(tmp_path):
     """``del llm`` frees the engine's pool without the garbage collector, also after generate(): torch
     imports torch._dynamo on the first custom-op call, and that import leaves a frame cycle holding the
-    calling stack (m3_torch.engine imports it up front). A fresh process, the collector off."""
+    calling stack (m3_torch.rank imports it up front). A fresh process, the collector off."""
     import subprocess
     import sys
     import textwrap
@@ -337,11 +334,11 @@ def test_a_dropped_engine_frees_its_pool_at_once(tmp_path):
         import gc, sys, weakref
         gc.disable()
         import m3_torch
-        from m3_kernels.tiny_model import write_tiny_checkpoint
+        from m3_engine.tiny_model import write_tiny_checkpoint
         llm = m3_torch.LLM(write_tiny_checkpoint({str(tmp_path)!r}, seed=0), device="cpu", max_batch=2,
                            max_context=256)
-        llm.generate([[5, 6, 7]], max_new_tokens=1)
-        pool = weakref.ref(llm.pool)
+        llm.generate([[5, 6, 7]], m3_torch.SamplingParams(max_tokens=1), use_tqdm=False)
+        pool = weakref.ref(llm.runner.pool)
         del llm
         sys.exit(0 if pool() is None else 3)
     """)

@@ -1,4 +1,4 @@
-"""m3_kernels.scheduler on its own: admission, chunked prefill, row order, slots, padding, stops, bad input.
+"""m3_engine.scheduler on its own: admission, chunked prefill, row order, slots, padding, stops, bad input.
 
 A fake model checks the metadata end to end: it writes each step's token ids
 into a fake paged cache at ``slot_mapping`` and, for each logits row, reads the
@@ -11,8 +11,8 @@ reference.
 import numpy as np
 import pytest
 
-from m3_kernels.model_config import M3TextConfig
-from m3_kernels.scheduler import Scheduler, SchedulerConfig
+from m3_engine.model_config import M3TextConfig
+from m3_engine.scheduler import Scheduler, SchedulerConfig
 
 PAGE = 128
 VOCAB, EOS = 1000, 999

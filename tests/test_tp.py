@@ -1,12 +1,12 @@
-"""m3_kernels.tp (how the model splits over tensor-parallel ranks) and the checkpoint's sliced reads."""
+"""m3_engine.tp (how the model splits over tensor-parallel ranks) and the checkpoint's sliced reads."""
 
 import numpy as np
 import pytest
 
-from m3_kernels import checkpoint
-from m3_kernels.model_config import M3TextConfig, load_config
-from m3_kernels.tiny_model import tiny_text_config, write_tiny_checkpoint
-from m3_kernels.tp import TPPlan, TensorSlice
+from m3_engine import checkpoint
+from m3_engine.model_config import M3TextConfig, load_config
+from m3_engine.tiny_model import tiny_text_config, write_tiny_checkpoint
+from m3_engine.tp import TPPlan, TensorSlice
 
 M3 = M3TextConfig.from_dict({"num_hidden_layers": 4, "layer_types": ["full_attention"] + ["minimax_m3_sparse"] * 3,
                              "mlp_layer_types": ["dense"] + ["sparse"] * 3})

@@ -3,7 +3,7 @@
 CPU: two fake CPU devices need ``XLA_FLAGS=--xla_force_host_platform_device_count=2``
 before JAX initialises, so the TP run happens in a subprocess (with
 ``PJRT_NPROC=3``: JAX's CPU client needs a thread more than the devices for the
-interpreted kernels' callbacks, see ``m3_jax.engine._check_cpu_threads``). The
+interpreted kernels' callbacks, see ``m3_jax.runner._check_cpu_threads``). The
 tiny checkpoint, fp32; tokens are compared up to the first step whose
 reference (transformers) top-2 margin is below 1e-3, as in the other model
 tests. GPU (2 devices): bf16, TP=2 vs TP=1 in this process.
@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 import m3_jax
-from m3_kernels.tiny_model import write_tiny_checkpoint
+from m3_engine.tiny_model import write_tiny_checkpoint
 
 import hf_reference
+from engine_helpers import generate_ids
 from jax_helpers import _jax_device, jax_gpu_ready  # noqa: F401  (autouse: JAX on its CPU device)
 
 NEW_TOKENS = 2
@@ -33,12 +34,16 @@ import jax, numpy as np
 import m3_jax
 from m3_kernels import tuning
 
+def generate_ids(llm, prompts, max_new_tokens):
+    params = m3_jax.SamplingParams(temperature=0, max_tokens=max_new_tokens)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
 model_dir, prompts, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 kwargs = dict(device="cpu", max_batch=2, max_context=256)
 
 def caches(llm, flat, layer, slots):
     # a layer's K, V, index-K pages of one shard's flat pool, as numpy
-    view = llm.pool_layout.layer(layer)
+    view = llm.runner.pool_layout.layer(layer)
     def take(sub):
         a = np.lib.stride_tricks.as_strided(flat[sub.offset:], sub.shape, [s * flat.itemsize for s in sub.strides])
         return a[slots].copy()
@@ -47,8 +52,8 @@ def caches(llm, flat, layer, slots):
 out = {"devices": len(jax.devices())}
 with tuning.override(target_programs=1, sparse_target_programs=1):
     tp1 = m3_jax.LLM(model_dir, **kwargs)
-    out["tp1"] = tp1.generate(prompts, max_new_tokens=new)
-    c1 = caches(tp1, np.asarray(tp1.pool), 1, [0, 1])
+    out["tp1"] = generate_ids(tp1, prompts, max_new_tokens=new)
+    c1 = caches(tp1, np.asarray(tp1.runner.pool), 1, [0, 1])
 
     saved = os.environ.get("PJRT_NPROC")
     os.environ["PJRT_NPROC"] = "2"          # the guard reads it: too few threads for 2 devices -> ValueError
@@ -60,7 +65,7 @@ with tuning.override(target_programs=1, sparse_target_programs=1):
     os.environ["PJRT_NPROC"] = saved
 
     tp2 = m3_jax.LLM(model_dir, tensor_parallel_size=2, **kwargs)
-    out["tp2"] = tp2.generate(prompts, max_new_tokens=new)
+    out["tp2"] = generate_ids(tp2, prompts, max_new_tokens=new)
     out["specs"] = {n: str(tp2.params[n].sharding.spec) for n in (
         "model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.q_proj.weight",
         "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.o_proj.weight",
@@ -68,9 +73,9 @@ with tuning.override(target_programs=1, sparse_target_programs=1):
         "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
         "model.layers.1.mlp.gate.weight")}
     out["shapes"] = {n: list(tp2.params[n].shape) for n in out["specs"]}
-    out["pool"] = [list(tp2.pool.shape), str(tp2.pool.sharding.spec), len(tp2.pool.devices())]
-    out["shard_devices"] = sorted(s.device.id for s in tp2.pool.addressable_shards)
-    pool2 = np.asarray(tp2.pool)
+    out["pool"] = [list(tp2.runner.pool.shape), str(tp2.runner.pool.sharding.spec), len(tp2.runner.pool.devices())]
+    out["shard_devices"] = sorted(s.device.id for s in tp2.runner.pool.addressable_shards)
+    pool2 = np.asarray(tp2.runner.pool)
     diffs, index_k = [], []
     for rank in range(2):
         k, v, ik = caches(tp2, pool2[rank], 1, [0, 1])
@@ -167,12 +172,12 @@ def test_gpu_tp2_jax_bf16_gives_the_tokens_of_tp1(gpu_model_dir):
         pytest.skip("needs a JAX GPU backend with 2 devices and jax_triton")
     prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
     kwargs = dict(dtype="bfloat16", max_batch=4, max_context=1024, prefill_chunk=500)
-    want = m3_jax.LLM(gpu_model_dir, device=jax.devices("gpu")[0], **kwargs).generate(prompts, max_new_tokens=16)
+    want = generate_ids(m3_jax.LLM(gpu_model_dir, device=jax.devices("gpu")[0], **kwargs), prompts, max_new_tokens=16)
     tp2 = m3_jax.LLM(gpu_model_dir, device="gpu", tensor_parallel_size=2, **kwargs)
-    got = tp2.generate(prompts, max_new_tokens=16)
+    got = generate_ids(tp2, prompts, max_new_tokens=16)
     agree = sum(next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), len(w)) for w, g in zip(want, got))
     total = sum(map(len, want))
     print(f"bf16 JAX TP=2 vs TP=1: {agree}/{total} greedy tokens agree before the first divergence")
     assert agree >= total // 2
-    decode = [s.generation_rows for s in tp2.compiled_steps if s.context_rows == 0]
+    decode = [s.generation_rows for s in tp2.runner.compiled_steps if s.context_rows == 0]
     assert sorted(decode) == sorted(set(decode))   # one decode compilation per batch size

@@ -17,10 +17,11 @@ import torch
 
 import m3_torch
 from m3_kernels import tuning
-from m3_kernels.tiny_model import write_tiny_checkpoint
+from m3_engine.tiny_model import write_tiny_checkpoint
 
 import hf_reference
 import tp_helpers
+from engine_helpers import generate_ids
 
 NEW_TOKENS = 2
 
@@ -39,7 +40,7 @@ def record_margins(llm, first_logits=None):
     """Record the top-2 logit margin of every sampled row of ``llm``'s steps: {(request, output index): margin}
     (and, into ``first_logits``, each request's first sampled logits row: {request: logits})."""
     margins = {}
-    step_logits = llm.step_logits
+    step_logits = llm.runner.step_logits
 
     def recording(step):
         logits = step_logits(step)
@@ -51,7 +52,7 @@ def record_margins(llm, first_logits=None):
                 first_logits[r] = logits[i].cpu()
         return logits
 
-    llm.step_logits = recording
+    llm.runner.step_logits = recording
     return margins
 
 
@@ -79,14 +80,14 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
     with tuning.override(target_programs=1, sparse_target_programs=1):   # fewer interpreter programs (all ranks)
         tp1 = m3_torch.LLM(model_dir, **kwargs)
         margins = record_margins(tp1)
-        want = tp1.generate(prompts, max_new_tokens=NEW_TOKENS)
+        want = generate_ids(tp1, prompts, max_new_tokens=NEW_TOKENS)
         with m3_torch.LLM(model_dir, tensor_parallel_size=2, **kwargs) as tp2:
             procs = tp2._workers.procs
             with pytest.raises(ValueError, match="empty"):   # checked on rank 0 before any rank sees a step
-                tp2.generate([[5], []], max_new_tokens=2)
-            got = tp2.generate(prompts, max_new_tokens=NEW_TOKENS)
-            info = tp2.collective_rpc(tp_helpers.rank_info)
-            caches = tp2.collective_rpc(tp_helpers.layer_caches, 1, [0, 1])   # the MSA layer; the requests' slots
+                generate_ids(tp2, [[5], []], max_new_tokens=2)
+            got = generate_ids(tp2, prompts, max_new_tokens=NEW_TOKENS)
+            info = tp2.runner.collective_rpc(tp_helpers.rank_info)
+            caches = tp2.runner.collective_rpc(tp_helpers.layer_caches, 1, [0, 1])   # the MSA layer; the requests' slots
         assert wait_dead(procs, 1.0), "workers outlived the engine"
     assert_same_tokens(want, got, margins)
 
@@ -97,7 +98,7 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
         assert rank_info["qkv_rows"] == [4 * d, 4 * d + di + di]   # q 2 heads, k 1, v 1 (+ idx q 1, idx k)
         assert rank_info["expert_rows"][1] == (4, 2 * 32 // 2, 128)       # every expert: half its gate/up rows
         assert rank_info["lm_head"] == (rank == 0) and rank_info["pool_kv_heads"] == [1]
-    k1, v1, ik1 = tp_helpers.layer_caches(tp1.runner, 1, [0, 1])
+    k1, v1, ik1 = tp_helpers.layer_caches(tp1.runner.rank0, 1, [0, 1])
     for rank, (k, v, ik) in enumerate(caches):   # rank r: KV head r of the TP=1 pool, the whole index-K
         np.testing.assert_allclose(k, k1[:, rank:rank + 1], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(v, v1[:, rank:rank + 1], rtol=1e-4, atol=1e-5)
@@ -105,7 +106,7 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
         assert np.abs(ik).sum() > 0
     np.testing.assert_array_equal(caches[0][2], caches[1][2])   # one index-K head, computed alike on every rank
     with pytest.raises(RuntimeError, match="closed"):
-        tp2.generate(prompts, max_new_tokens=1)
+        generate_ids(tp2, prompts, max_new_tokens=1)
 
 
 @pytest.mark.parametrize("overrides, tp, words", [
@@ -121,13 +122,13 @@ def test_heads_that_do_not_split_are_rejected_before_anything_starts(tmp_path, o
 
 def test_a_failing_worker_raises_on_rank0_and_ends_the_engine(model_dir):
     llm = m3_torch.LLM(model_dir, device="cpu", max_batch=1, max_context=128, tensor_parallel_size=2)
-    procs = llm._workers.procs
-    assert llm.collective_rpc(tp_helpers.fail_in_next_step, 1) == [0, 1]
+    procs = llm.runner._workers.procs
+    assert llm.runner.collective_rpc(tp_helpers.fail_in_next_step, 1) == [0, 1]
     with pytest.raises(RuntimeError, match=r"(?s)tensor-parallel rank 1 failed.*injected fault on rank 1"):
-        llm.generate([[5, 6, 7]], max_new_tokens=2)
+        generate_ids(llm, [[5, 6, 7]], max_new_tokens=2)
     assert wait_dead(procs)
     with pytest.raises(RuntimeError, match="closed"):
-        llm.generate([[5, 6, 7]], max_new_tokens=2)
+        generate_ids(llm, [[5, 6, 7]], max_new_tokens=2)
     llm.close()   # idempotent
 
 
@@ -135,13 +136,13 @@ def test_a_failing_rank0_step_ends_the_workers(model_dir):
     """Rank 0 raises in the middle of a step (the workers wait in its all-reduce): its error comes out, the
     workers are terminated, not left hanging."""
     llm = m3_torch.LLM(model_dir, device="cpu", max_batch=1, max_context=128, tensor_parallel_size=2)
-    procs = llm._workers.procs
-    tp_helpers.fail_in_next_step(llm.runner, 0)
+    procs = llm.runner._workers.procs
+    tp_helpers.fail_in_next_step(llm.runner.rank0, 0)
     with pytest.raises(RuntimeError, match="injected fault on rank 0"):
-        llm.generate([[5, 6, 7]], max_new_tokens=2)
+        generate_ids(llm, [[5, 6, 7]], max_new_tokens=2)
     assert wait_dead(procs)
     with pytest.raises(RuntimeError, match="closed"):
-        llm.collective_rpc(tp_helpers.nothing)
+        llm.runner.collective_rpc(tp_helpers.nothing)
 
 
 # -- GPU: two devices, NCCL, bf16, CUDA graphs --------------------------------------------------------
@@ -168,12 +169,12 @@ def test_gpu_tp2_bf16_gives_the_tokens_of_tp1(gpu_model_dir):
     tp1 = m3_torch.LLM(gpu_model_dir, **kwargs)
     first1, first2 = {}, {}
     margins = record_margins(tp1, first1)
-    want = tp1.generate(prompts, max_new_tokens=16)
+    want = generate_ids(tp1, prompts, max_new_tokens=16)
     with m3_torch.LLM(gpu_model_dir, tensor_parallel_size=2, **kwargs) as tp2:
         record_margins(tp2, first2)
-        got = tp2.generate(prompts, max_new_tokens=16)
-        info = tp2.collective_rpc(tp_helpers.rank_info)
-        replayed = [tp2.generate(prompts, max_new_tokens=16) for _ in range(2)]   # decode: graph replays only
+        got = generate_ids(tp2, prompts, max_new_tokens=16)
+        info = tp2.runner.collective_rpc(tp_helpers.rank_info)
+        replayed = [generate_ids(tp2, prompts, max_new_tokens=16) for _ in range(2)]   # decode: graph replays only
     assert info[0]["device"] == "cuda:0" and info[1]["device"] == "cuda:1"
     assert info[0]["graphs"] and info[0]["graphs"] == info[1]["graphs"]   # same captures on both ranks
     errors = [float((first2[r] - first1[r]).norm() / first1[r].norm()) for r in sorted(first1)]

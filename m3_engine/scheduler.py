@@ -1,6 +1,6 @@
 """Continuous batching over the flat sub-page pool: which tokens run in each step.
 
-The engines (``m3_torch.LLM``, ``m3_jax.LLM``) drive one loop::
+The engine (``m3_engine.engine.LLMEngine``) drives one loop::
 
     scheduler = Scheduler(SchedulerConfig(max_batch=8, max_context=4096, num_slots=256), model_config)
     ids = scheduler.add_requests(prompts, max_new_tokens=16)   # validates everything first
@@ -29,10 +29,12 @@ Policy (vLLM-like, deterministic):
   token id 0, position 0, ``slot_mapping = -1``; CUDA graphs / a jitted decode
   step replay at that size). Steps with context rows are never padded here
   (an engine that compiles them per bucket pads them itself).
-* **Stops**: a request finishes at one of the config's eos ids (kept in its
-  output), after ``max_new_tokens`` tokens, or when its KV cache is full
-  (``len(prompt) + len(output) - 1 == max_context``: the next token would need
-  position ``max_context``).
+* **Stops**: a request finishes at one of its stop token ids or (unless it
+  ignores them) the config's eos ids (kept in its output), after
+  ``max_new_tokens`` tokens, or when its KV cache is full (``len(prompt) +
+  len(output) - 1 == max_context``: the next token would need position
+  ``max_context``); the engine ends requests early with :meth:`finish_request`
+  (stop strings, aborts).
 
 Bad input (empty prompt, a prompt longer than ``max_context``, a token id
 outside ``[0, vocab_size)``, ``max_new_tokens < 1``) raises ``ValueError``
@@ -49,7 +51,7 @@ from typing import Sequence
 import numpy as np
 
 from .model_config import M3TextConfig
-from .planner import PAGE_SIZE, StepConfig, StepPlan, StepPlanner
+from m3_kernels.planner import PAGE_SIZE, StepConfig, StepPlan, StepPlanner
 
 __all__ = ["SchedulerConfig", "Scheduler", "Step", "Request", "DEFAULT_MAX_CONTEXT", "default_graph_batch_sizes"]
 
@@ -136,11 +138,14 @@ class Request:
     id: int
     prompt: np.ndarray                  # [len] int32, read-only
     max_new_tokens: int
+    stop_token_ids: frozenset = frozenset()   # end the request (besides the model's eos ids)
+    ignore_eos: bool = False            # the model's eos ids do not end it
     output: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0                 # tokens whose K/V are in the cache
     slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))  # int32, reserved at admission
     table_row: np.ndarray | None = None  # [max_blocks] int32: slots, then -1; built once at admission
-    finish_reason: str | None = None    # None (running) | "stop" (eos) | "length"
+    finish_reason: str | None = None    # None (running) | "stop" (eos, stop token or string) | "length" | "abort"
+    stop_reason: int | None = None      # the stop token id that ended it (None for eos)
 
     @property
     def num_tokens(self) -> int:
@@ -238,46 +243,48 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------------
 
-    def add_requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
-        """Queue prompts (lists of token ids); -> their request ids, in order.
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, stop_token_ids: Sequence[int] = (),
+                    ignore_eos: bool = False) -> int:
+        """Queue one prompt (token ids); -> its request id. ``ValueError`` for an empty prompt,
+        one longer than ``max_context``, a token id outside ``[0, vocab_size)`` or
+        ``max_new_tokens < 1``; ``TypeError`` for a prompt that is not a sequence of ints."""
+        _check_budget(max_new_tokens)
+        return self._queue(self._check_prompt("prompt", prompt), max_new_tokens, stop_token_ids, ignore_eos)
 
-        Every prompt is checked before any is queued: ``ValueError`` for an empty
-        prompt, one longer than ``max_context``, a token id outside
-        ``[0, vocab_size)`` or ``max_new_tokens < 1``; ``TypeError`` for a
-        prompt that is not a sequence of ints.
-        """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
-            raise TypeError(f"max_new_tokens: expected an int, got {type(max_new_tokens).__name__}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+    def add_requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
+        """Queue prompts (lists of token ids) with one budget; -> their request ids, in order.
+        Every prompt is checked (as in :meth:`add_request`) before any is queued."""
+        _check_budget(max_new_tokens)
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
-        checked = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
-        ids = []
-        for prompt in checked:
-            request = Request(self._next_id, prompt, int(max_new_tokens))
-            self._next_id += 1
-            self.requests[request.id] = request
-            self._waiting.append(request)
-            ids.append(request.id)
-        return ids
+        checked = [self._check_prompt(f"prompts[{i}]", p) for i, p in enumerate(prompts)]
+        return [self._queue(prompt, max_new_tokens, (), False) for prompt in checked]
 
-    def _check_prompt(self, i, prompt) -> np.ndarray:
+    def _queue(self, prompt: np.ndarray, max_new_tokens: int, stop_token_ids, ignore_eos) -> int:
+        request = Request(self._next_id, prompt, int(max_new_tokens), frozenset(map(int, stop_token_ids)),
+                          bool(ignore_eos))
+        self._next_id += 1
+        self.requests[request.id] = request
+        self._waiting.append(request)
+        return request.id
+
+    def _check_prompt(self, name: str, prompt) -> np.ndarray:
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, np.ndarray)):
-            raise TypeError(f"prompts[{i}]: expected a list of token ids, got {type(prompt).__name__}")
+            raise TypeError(f"{name}: expected a list of token ids, got {type(prompt).__name__}")
         arr = np.asarray(prompt)
         if arr.ndim != 1:
-            raise ValueError(f"prompts[{i}]: expected a 1-D list of token ids, got shape {arr.shape}")
+            raise ValueError(f"{name}: expected a 1-D list of token ids, got shape {arr.shape}")
         if arr.size == 0:
-            raise ValueError(f"prompts[{i}]: empty prompt (expected at least one token id)")
+            raise ValueError(f"{name}: empty prompt (expected at least one token id)")
         if not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"prompts[{i}]: expected integer token ids, got {arr.dtype} values")
+            raise TypeError(f"{name}: expected integer token ids, got {arr.dtype} values")
         if arr.size > self.config.max_context:
-            raise ValueError(f"prompts[{i}]: {arr.size} tokens, longer than max_context={self.config.max_context}")
+            raise ValueError(f"{name}: {arr.size} tokens, longer than max_context={self.config.max_context} "
+                             f"(the engine's KV tokens per request)")
         bad = np.flatnonzero((arr < 0) | (arr >= self.vocab_size))
         if bad.size:
             j = int(bad[0])
-            raise ValueError(f"prompts[{i}][{j}]: token id {int(arr[j])} is outside the vocabulary "
+            raise ValueError(f"{name}[{j}]: token id {int(arr[j])} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
         arr = arr.astype(np.int32)
         arr.flags.writeable = False
@@ -285,6 +292,33 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def finish_request(self, request_id: int, reason: str) -> None:
+        """End a request now (a stop string, an abort): it leaves the queue or frees its slots.
+        Not between :meth:`schedule` and :meth:`update`."""
+        if self._pending is not None:
+            raise RuntimeError("finish_request: a step is in flight (call update() first)")
+        r = self.requests[request_id]
+        if r.finished:
+            return
+        r.finish_reason = reason
+        if r in self._waiting:
+            self._waiting.remove(r)
+        else:
+            self._finish(r)
+
+    def cancel(self, step: Step) -> None:
+        """Forget a scheduled step whose model run failed (nothing of it is applied)."""
+        if step is self._pending:
+            self._pending = None
 
     def output(self, request_id: int) -> list[int]:
         """The tokens generated so far for a request (all of them once it finished)."""
@@ -403,8 +437,11 @@ class Scheduler:
         finished = []
         for request_id, token in zip(step.request_ids.tolist(), tokens.tolist()):
             r = self.requests[request_id]
-            r.output.append(int(token))
-            if int(token) in self.eos_token_ids:
+            token = int(token)
+            r.output.append(token)
+            if token in r.stop_token_ids:
+                r.finish_reason, r.stop_reason = "stop", token
+            elif token in self.eos_token_ids and not r.ignore_eos:
                 r.finish_reason = "stop"
             elif len(r.output) >= r.max_new_tokens or r.num_tokens - 1 >= self.config.max_context:
                 r.finish_reason = "length"
@@ -417,6 +454,13 @@ class Scheduler:
         self._running.remove(r)
         self._free = sorted(self._free + r.slots.tolist())
         r.slots, r.table_row = r.slots[:0], None
+
+
+def _check_budget(max_new_tokens) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+        raise TypeError(f"max_new_tokens: expected an int, got {type(max_new_tokens).__name__}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
 
 
 def _int(name, value) -> int:

@@ -14,11 +14,16 @@ small) MiniMax-M3 VL release:
   plus a few projector, vision and ``mtp.*`` tensors that a text engine skips;
 * ``tokenizer.json``: a byte-level BPE trained on a short built-in text (so any
   text encodes), padded with unused special tokens to ``vocab_size``;
-  ``<pad>`` = 0, ``<s>`` = 1 (bos), ``</s>`` = 2 (eos).
+  ``<pad>`` = 0, ``<s>`` = 1 (bos, added in front of every encoded text by the
+  post-processor), ``</s>`` = 2 (eos);
+* ``tokenizer_config.json`` with a chat template (:data:`CHAT_TEMPLATE`) and
+  ``generation_config.json`` with the bos / eos ids.
+
+From the command line: ``python -m m3_engine.tiny_model DIR`` writes it to DIR.
 
 ``form="text"`` writes instead what ``save_pretrained`` of transformers'
 ``MiniMaxM3VLForCausalLM`` writes: a flat text config and the canonical names
-of ``m3_kernels.checkpoint``.
+of ``m3_engine.checkpoint``.
 
 Default shapes (CPU tests through Triton's interpreter): 4 layers (layer 0
 dense attention + dense MLP, layers 1-3 MSA + MoE), hidden 128, 4 query / 2 KV
@@ -35,10 +40,17 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["write_tiny_checkpoint", "tiny_text_config", "PAD_ID", "BOS_ID", "EOS_ID"]
+__all__ = ["write_tiny_checkpoint", "tiny_text_config", "PAD_ID", "BOS_ID", "EOS_ID", "CHAT_TEMPLATE", "main"]
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 _SPECIALS = ("<pad>", "<s>", "</s>")
+# A ChatML-like template written with the tiny tokenizer's own special tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ('system', 'user', 'assistant') %}"
+    "{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+    "{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 _CORPUS = """\
 MiniMax M3 reads long documents with sparse attention: a light indexer scores every block of one hundred
 and twenty eight cached tokens, keeps the best sixteen blocks and the local one, and the main attention
@@ -139,6 +151,11 @@ def write_tiny_checkpoint(path, *, seed: int = 0, dtype: str = "float32", form: 
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     _tokenizer(text["vocab_size"]).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+        "chat_template": CHAT_TEMPLATE}, indent=2))
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, indent=2))
     return path
 
 
@@ -263,7 +280,7 @@ def _flat_config(text: dict) -> dict:
 
 def _tokenizer(vocab_size: int):
     """Byte-level BPE trained on ``_CORPUS``, padded with ``<|unused_i|>`` to ``vocab_size`` tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -275,4 +292,28 @@ def _tokenizer(vocab_size: int):
         raise ValueError(f"vocab_size: expected >= {tok.get_vocab_size()} (the byte alphabet and specials), "
                          f"got {vocab_size}")
     tok.add_special_tokens([f"<|unused_{i}|>" for i in range(vocab_size - tok.get_vocab_size())])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", BOS_ID)])
     return tok
+
+
+def main(argv=None) -> int:
+    """``python -m m3_engine.tiny_model DIR [--form text|vl] [--dtype ...] [--seed N]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m m3_engine.tiny_model",
+                                     description="Write a tiny random MiniMax-M3 checkpoint (config, safetensors, "
+                                                 "tokenizer, chat template) to try the engine, the CLI and the server.")
+    parser.add_argument("dir", type=Path, help="folder to write (created)")
+    parser.add_argument("--form", choices=("vl", "text"), default="vl",
+                        help="vl: the original VL release layout (default); text: transformers' save_pretrained")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = write_tiny_checkpoint(args.dir, seed=args.seed, dtype=args.dtype, form=args.form)
+    print(f"wrote a tiny random MiniMax-M3 checkpoint to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -42,7 +42,7 @@ tensors are skipped with one log line; any other unknown tensor, a missing
 one or a wrong shape is a ``ValueError`` naming it.
 
 Tensor parallelism: ``iter_weights(..., shard=TPPlan(config, tp).rank(r))``
-yields rank ``r``'s part of every tensor (``m3_kernels.tp``), read with
+yields rank ``r``'s part of every tensor (``m3_engine.tp``), read with
 safetensors' ``get_slice`` from each stored piece (a packed gate/up slice
 from the ``gate_proj``/``up_proj`` or ``w1``/``w3`` pieces it covers), so no
 process or device ever holds a whole sharded tensor.
@@ -62,7 +62,7 @@ from typing import Any, Callable, Collection, Iterator
 
 import numpy as np
 
-from .model_config import M3TextConfig, load_config
+from .model_config import M3TextConfig, load_config, read_json
 from .tp import RankShard, TensorSlice
 
 __all__ = ["checkpoint_files", "checkpoint_index", "canonical_name", "expected_shapes", "iter_weights",
@@ -102,7 +102,7 @@ def checkpoint_index(model_dir) -> dict[str, Path]:
     model_dir = Path(model_dir)
     index_path = model_dir / INDEX_FILE
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text()).get("weight_map")
+        weight_map = read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index_path}: expected a non-empty 'weight_map' object")
         missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
@@ -113,10 +113,9 @@ def checkpoint_index(model_dir) -> dict[str, Path]:
     files = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"model_dir: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors in {model_dir}")
-    from safetensors import safe_open
     index = {}
     for path in files:
-        with safe_open(path, framework="numpy") as f:
+        with _open_checked(path) as f:
             for name in f.keys():
                 if name in index:
                     raise ValueError(f"tensor {name!r} is stored twice: in {index[name].name} and {path.name}")
@@ -202,7 +201,7 @@ def iter_weights(model_dir, config: M3TextConfig | None = None, *, framework: st
                  merge pieces (experts, gate/up): ``torch.cat`` for ``"pt"``;
                  ``np.concatenate`` by default for ``"numpy"``.
     device:      ``"pt"`` only: where safetensors puts the tensors (``"cuda:0"``, ...).
-    shard:       one tensor-parallel rank (``m3_kernels.tp.TPPlan(config, tp).rank(r)``):
+    shard:       one tensor-parallel rank (``m3_engine.tp.TPPlan(config, tp).rank(r)``):
                  yield that rank's part of each tensor, read with safetensors'
                  ``get_slice`` (never the whole tensor); None: whole tensors.
     skip:        canonical names not to read nor yield (e.g. ``"lm_head.weight"`` on a
@@ -390,6 +389,15 @@ def _read_concatenated(parts, dim, ranges, reader: "_Reader", concatenate):
     return arrays[0] if len(arrays) == 1 else concatenate(arrays, 0)
 
 
+def _open_checked(path: Path, **kwargs):
+    """``safe_open(path)``; a truncated or corrupt file is a ``ValueError`` naming it."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        return safe_open(path, **{"framework": "numpy", **kwargs})
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 class _Reader:
     """Open safetensors files once each; read tensors, or slices of them, in the caller's framework."""
 
@@ -399,9 +407,8 @@ class _Reader:
 
     def _file(self, path: Path):
         if path not in self.files:
-            from safetensors import safe_open
             kwargs = {"device": self.device} if self.framework == "pt" else {}
-            self.files[path] = safe_open(path, framework=self.framework, **kwargs)
+            self.files[path] = _open_checked(path, framework=self.framework, **kwargs)
         return self.files[path]
 
     def shape(self, path: Path, stored: str) -> tuple:

@@ -266,10 +266,21 @@ def load_config(model_dir) -> M3TextConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model_dir: no config.json in {model_dir}")
-    config = json.loads(path.read_text())
+    config = read_json(path)
     gen_path = model_dir / "generation_config.json"
-    generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    return M3TextConfig.from_dict(config, generation)
+    generation = read_json(gen_path) if gen_path.is_file() else None
+    try:
+        return M3TextConfig.from_dict(config, generation)
+    except (KeyError, TypeError, ValueError) as e:
+        raise type(e)(f"{path}: {e}") from None
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's value; a malformed file is a ``ValueError`` naming the file, line and column."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
 
 
 # -- helpers ---------------------------------------------------------------------------

@@ -31,7 +31,7 @@ rank is the order of those sums.
     plan.local_config                      # the M3TextConfig one rank computes with (its head counts, ...)
     plan.rank(1).slice("model.layers.0.self_attn.q_proj.weight")   # TensorSlice(dim=0, ranges=((64, 128),))
 
-``m3_kernels.checkpoint.iter_weights(..., shard=plan.rank(r))`` reads exactly
+``m3_engine.checkpoint.iter_weights(..., shard=plan.rank(r))`` reads exactly
 those slices from the safetensors files (``get_slice``), never a whole tensor.
 
 Framework-neutral: no torch, no jax.

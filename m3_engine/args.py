@@ -1,0 +1,159 @@
+"""``EngineArgs``: every option of an engine, checked once for both frameworks.
+
+``m3_torch.LLM(model, **options)`` and ``m3_jax.LLM(model, **options)`` take
+the same keyword arguments and pass them here, so the same bad value raises
+the same exception with the same message in both. What is framework-specific
+(a ``torch.device`` or ``jax.Device`` object, a torch or jnp dtype object) is
+turned into plain names first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from m3_kernels.pool import CACHE_DTYPE_ALIASES
+
+from .model_config import M3TextConfig, load_config
+from .scheduler import SchedulerConfig
+from .tp import TPPlan
+
+__all__ = ["EngineArgs", "DTYPE_NAMES", "parse_dtype", "parse_device", "check_gpu_device"]
+
+# vLLM's dtype names -> ours ("auto": the checkpoint's dtype)
+DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+               "float16": "float16", "half": "float16"}
+CACHE_DTYPES = ("auto",) + tuple(CACHE_DTYPE_ALIASES)
+
+
+def parse_dtype(dtype) -> Optional[str]:
+    """None, a name of :data:`DTYPE_NAMES`, or a torch / numpy / jnp float dtype -> "float32" | "bfloat16" |
+    "float16", or None for the checkpoint's."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name not in DTYPE_NAMES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
+        return DTYPE_NAMES[name]
+    name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
+    name = str(name).removeprefix("torch.")
+    if name in DTYPE_NAMES and name != "auto":
+        return DTYPE_NAMES[name]
+    raise TypeError(f"dtype: expected None, a dtype name ({', '.join(sorted(DTYPE_NAMES))}) or a float32/bfloat16/"
+                    f"float16 dtype object, got {dtype!r}")
+
+
+def parse_device(device) -> tuple:
+    """None | "cpu" | "cuda[:N]" | "gpu[:N]" | a framework device object -> ``(platform, index, object)``:
+    platform "cpu", "gpu" or None (the framework's default), index an int or None, object the
+    framework device given (else None)."""
+    if device is None:
+        return None, None, None
+    if not isinstance(device, str):
+        return None, None, device
+    platform, sep, index = device.strip().lower().partition(":")
+    platform = {"cuda": "gpu"}.get(platform, platform)
+    if platform not in ("cpu", "gpu") or (sep and not index.isdigit()) or (platform == "cpu" and index not in ("", "0")):
+        raise ValueError(f"device: expected 'cpu', 'cuda', 'cuda:N', 'gpu' or 'gpu:N', got {device!r}")
+    return platform, (int(index) if index else None), None
+
+
+def check_gpu_device(device: str, index: Optional[int], count: int, tensor_parallel_size: int) -> int:
+    """The first GPU index of an engine asked for by the string ``device``; ``count`` GPUs are visible."""
+    if count == 0:
+        raise ValueError(f"device: {device!r} asks for a GPU, but no GPU is visible here")
+    first = index or 0
+    if first + tensor_parallel_size > count:
+        need = f"GPUs {first}..{first + tensor_parallel_size - 1}" if tensor_parallel_size > 1 else f"GPU {first}"
+        raise ValueError(f"device: {device!r} with tensor_parallel_size={tensor_parallel_size} needs {need}, "
+                         f"but {count} GPU(s) are visible here")
+    return first
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """The options of ``LLM`` (both frameworks); :meth:`create` checks them.
+
+    model:           folder with config.json + *.safetensors (transformers ``save_pretrained``
+                     form or the original MiniMax-M3 VL names), tokenizer.json for text.
+    dtype:           weights, activations, KV cache: "auto"/None (the checkpoint's),
+                     "bfloat16", "float16"/"half", "float32"/"float", or a dtype object.
+    device:          None (a GPU when there is one, else the CPU), "cpu", "cuda[:N]"/"gpu[:N]",
+                     or the framework's device object; with tensor parallelism, the first one.
+    max_batch:       requests per step.
+    max_context:     KV tokens per request, prompt + generated (default min(8192, the model's
+                     max_position_embeddings)).
+    max_cache_pages: pool pages of 128 tokens (default: max_batch requests of max_context).
+    max_num_tokens:  query tokens per step (default max(2048, max_batch)).
+    prefill_chunk:   prompt tokens per request per step (default max_num_tokens).
+    graph_batch_sizes: decode batch sizes replayed from CUDA graphs (torch) or compiled (JAX);
+                     default 1, 2, 4, 8, then multiples of 16 up to max_batch.
+    tensor_parallel_size: ranks the model is split over.
+    kv_cache_dtype, index_cache_dtype: "auto" (the model's dtype) or "fp8" (float8_e4m3fn).
+    seed:            the engine's seed, from which requests without their own seed draw.
+    enforce_eager:   torch: never capture CUDA graphs. JAX always runs jitted steps:
+                     True there is a ValueError.
+    """
+    model: Any
+    dtype: Any = None
+    device: Any = None
+    max_batch: int = 8
+    max_context: Optional[int] = None
+    max_cache_pages: Optional[int] = None
+    max_num_tokens: Optional[int] = None
+    prefill_chunk: Optional[int] = None
+    graph_batch_sizes: Optional[Sequence[int]] = None
+    tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+    index_cache_dtype: str = "auto"
+    seed: int = 0
+    enforce_eager: bool = False
+
+    def check(self) -> "CheckedArgs":
+        """Every option checked and resolved, before any framework work."""
+        if not isinstance(self.model, (str, Path)):
+            raise TypeError(f"model: expected a path to a model folder, got {type(self.model).__name__}")
+        model_dir = Path(self.model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model: {model_dir} is not a folder")
+        config = load_config(model_dir)
+        dtype = parse_dtype(self.dtype)
+        platform, index, device_object = parse_device(self.device)
+        tp = TPPlan(config, self.tensor_parallel_size)
+        for name in ("kv_cache_dtype", "index_cache_dtype"):
+            value = getattr(self, name)
+            if value not in CACHE_DTYPES:
+                raise ValueError(f"{name}: expected one of {CACHE_DTYPES}, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
+            raise ValueError(f"seed: expected an int in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
+        scheduler = SchedulerConfig.from_engine_args(
+            config, max_batch=self.max_batch, max_context=self.max_context, max_cache_pages=self.max_cache_pages,
+            max_num_tokens=self.max_num_tokens, prefill_chunk=self.prefill_chunk,
+            graph_batch_sizes=self.graph_batch_sizes)
+        return CheckedArgs(model_dir=model_dir, config=config, tp=tp, dtype=dtype, platform=platform,
+                           device_index=index, device_object=device_object, device=self.device,
+                           scheduler=scheduler, kv_cache_dtype=self.kv_cache_dtype,
+                           index_cache_dtype=self.index_cache_dtype, seed=self.seed,
+                           enforce_eager=self.enforce_eager)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedArgs:
+    """:class:`EngineArgs` after :meth:`EngineArgs.check`: what a runner is built from."""
+    model_dir: Path
+    config: M3TextConfig
+    tp: TPPlan
+    dtype: Optional[str]          # None: the checkpoint's
+    platform: Optional[str]       # "cpu" | "gpu" | None (the framework's default)
+    device_index: Optional[int]
+    device_object: Any            # a framework device object given by the caller, else None
+    device: Any                   # as given (for messages)
+    scheduler: SchedulerConfig
+    kv_cache_dtype: str
+    index_cache_dtype: str
+    seed: int
+    enforce_eager: bool

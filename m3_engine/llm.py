@@ -1,0 +1,223 @@
+"""``LLM``: generate with a MiniMax-M3 checkpoint, vLLM's way, in torch or JAX.
+
+    from m3_torch import LLM, SamplingParams         # or: from m3_jax import LLM, SamplingParams
+    llm = LLM("path/to/model", dtype="bfloat16", max_batch=8, max_context=32768)
+    outputs = llm.generate(["Hello, my name is", "The capital of France is"],
+                           SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32))
+    print(outputs[0].outputs[0].text)
+
+This class is the whole engine front end; ``m3_torch.LLM`` and ``m3_jax.LLM``
+only name their runner (``_runner_class``). Options and sampling parameters
+are checked here (``m3_engine.args``, ``m3_engine.sampling_params``), so both
+frameworks accept and refuse the same things with the same messages.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence, Union
+
+from .args import CheckedArgs, EngineArgs
+from .engine import LLMEngine, PromptType
+from .model_config import read_json
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from m3_kernels.planner import StepConfig, StepPlanner
+from .tokenizer import check_messages, load_tokenizer
+
+__all__ = ["LLM", "generation_defaults"]
+
+# generation_config.json key -> SamplingParams field (the defaults a request does not set)
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_dir) -> dict:
+    """``SamplingParams`` defaults from the model folder's ``generation_config.json`` (if any)."""
+    path = model_dir / "generation_config.json"
+    config = read_json(path) if path.is_file() else {}
+    defaults = {field: config[key] for key, field in _GENERATION_KEYS.items() if config.get(key) is not None}
+    if config.get("do_sample") is False:   # transformers: greedy unless do_sample
+        defaults["temperature"] = 0.0
+    SamplingParams(**defaults)   # a bad value is an error naming the field
+    return defaults
+
+
+class LLM:
+    """A MiniMax-M3 text model, ready to generate. Options: :class:`m3_engine.args.EngineArgs`
+    (model, dtype, device, max_batch, max_context, max_cache_pages, max_num_tokens,
+    prefill_chunk, graph_batch_sizes, tensor_parallel_size, kv_cache_dtype,
+    index_cache_dtype, seed, enforce_eager)."""
+
+    framework = "?"   # "torch" | "jax", set by the framework's subclass
+
+    @classmethod
+    def _runner_class(cls):
+        raise NotImplementedError("use m3_torch.LLM or m3_jax.LLM")
+
+    def __init__(self, model, **options):
+        self._closed = True
+        self.args: CheckedArgs = EngineArgs(model, **options).check()
+        args, runner_class = self.args, self._runner_class()
+        if not runner_class.pads_decode_steps(args):
+            args = self.args = _replace_scheduler(args, graph_batch_sizes=())
+        self.config, self.tp, self.scheduler_config = args.config, args.tp, args.scheduler
+        sc = args.scheduler
+        self.tokenizer = load_tokenizer(args.model_dir)
+        defaults = generation_defaults(args.model_dir)
+        self.planner = StepPlanner(StepConfig(   # one rank's heads: every rank runs the plans made here
+            num_q_heads=self.tp.num_q_heads, num_kv_heads=self.tp.num_kv_heads, head_dim=self.config.head_dim,
+            max_batch=sc.max_batch, max_num_tokens=sc.max_num_tokens, max_blocks=sc.max_blocks,
+            topk=self.config.index_topk_blocks, graph_batch_sizes=sc.graph_batch_sizes))
+        self.runner = runner_class(args)
+        self._closed = False
+        self.engine = LLMEngine(self.runner, Scheduler(sc, self.config, planner=self.planner),
+                                tokenizer=self.tokenizer, seed=args.seed, generation_defaults=defaults)
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the device state (and end tensor-parallel workers); later calls raise. Idempotent;
+        also run by ``with LLM(...) as llm:``."""
+        if not self._closed:
+            self._closed = True
+            self.runner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            self.close()
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this LLM is closed (close() was called, or a tensor-parallel rank failed)")
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+                 use_tqdm: bool = True) -> list:
+        """Complete each prompt; -> ``list[RequestOutput]`` in input order.
+
+        prompts:  a string, a list of token ids, ``{"prompt": text}`` /
+                  ``{"prompt_token_ids": ids}``, or a list of these.
+        sampling_params: one ``SamplingParams`` for all, a list with one per prompt, or
+                  None (the defaults, with the model's ``generation_config.json``).
+        use_tqdm: a progress bar on stderr (shown only when stderr is a terminal).
+        Bad input raises before any request runs (nothing stays queued).
+        """
+        self._check_open()
+        prompts = _as_prompt_list(prompts)
+        if not prompts:
+            return []
+        ids = self._add_all(prompts, self._params_list(sampling_params, len(prompts)))
+        return self._run_to_completion(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+             chat_template: Optional[str] = None, add_generation_prompt: bool = True, use_tqdm: bool = True) -> list:
+        """Answer one conversation (a list of ``{"role", "content"}``) or a list of them, rendered
+        with the model folder's chat template (or ``chat_template``); -> ``list[RequestOutput]``."""
+        self._check_open()
+        if self.tokenizer is None:
+            raise ValueError("chat: the model folder has no tokenizer.json")
+        conversations = [messages] if messages and isinstance(messages, (list, tuple)) and \
+            isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise TypeError("messages: expected a conversation (a list of {'role', 'content'} dicts) or a list of "
+                            f"conversations, got {messages!r:.80}")
+        prompts = []
+        for conversation in conversations:
+            check_messages(conversation)
+            text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template,
+                                                      add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        ids = self._add_all(prompts, self._params_list(sampling_params, len(prompts)))
+        return self._run_to_completion(ids, use_tqdm)
+
+    def generate_stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None
+                        ) -> Iterator[RequestOutput]:
+        """Yield the request's ``RequestOutput`` after each step that gives it a token (its text and
+        token ids grow; the last one has ``finished=True``). Leaving the loop early aborts it."""
+        self._check_open()
+        [request_id] = self._add_all([prompt], [sampling_params])
+        engine = self.engine
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.request_id == request_id:
+                        yield output
+                        if output.finished:
+                            return
+        finally:
+            engine.abort_request(request_id)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _params_list(self, sampling_params, n: int) -> list:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params: expected a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
+        if len(sampling_params) != n:
+            raise ValueError(f"sampling_params: expected one per prompt ({n}), got {len(sampling_params)}")
+        return list(sampling_params)
+
+    def _add_all(self, prompts: list, params: list) -> list:
+        """Queue every prompt, or none: a bad one aborts those queued before it, then raises."""
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                ids.append(self.engine.add_request(None, prompt, p))
+        except (ValueError, TypeError) as e:
+            self.engine.abort_request(ids)
+            message = str(e)
+            if len(prompts) > 1 and message.startswith("prompt"):   # name the prompt: "prompts[2]: ..."
+                raise type(e)(f"prompts[{i}]" + message[len("prompt"):]) from None
+            raise
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return ids
+
+    def _run_to_completion(self, ids: list, use_tqdm: bool) -> list:
+        from tqdm.auto import tqdm
+
+        done: dict = {}
+        with tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=None if use_tqdm else True) as bar:
+            try:
+                while len(done) < len(ids):
+                    for output in self.engine.step():
+                        if output.finished:
+                            done[output.request_id] = output
+                            bar.update(1)
+            except BaseException:
+                self.engine.abort_request(ids)
+                raise
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt or a list of them -> a list of prompts."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]   # one prompt of token ids
+        return list(prompts)
+    if hasattr(prompts, "tolist"):   # a numpy array of ids
+        return _as_prompt_list(prompts.tolist())
+    raise TypeError(f"prompts: expected a string, token ids, a dict or a list of these, got {type(prompts).__name__}")
+
+
+def _replace_scheduler(args: CheckedArgs, **changes) -> CheckedArgs:
+    import dataclasses
+    return dataclasses.replace(args, scheduler=dataclasses.replace(args.scheduler, **changes))

@@ -1,0 +1,65 @@
+"""What a request returns: ``RequestOutput`` holding ``CompletionOutput``s (vLLM's names)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+__all__ = ["CompletionOutput", "RequestOutput", "RequestMetrics", "Logprob"]
+
+
+@dataclasses.dataclass
+class Logprob:
+    """One token's log-probability (raw log-softmax of the model's logits), its rank among
+    all tokens (1 = most likely) and its text."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """The generated part of a request.
+
+    text:          the detokenized text (stop string removed unless asked to keep it).
+    token_ids:     the generated token ids (an end-of-sequence or stop token included).
+    finish_reason: None while running, then "stop" (eos, a stop token or string),
+                   "length" (``max_tokens`` or the context end) or "abort".
+    stop_reason:   the stop string or stop token id that ended it; None for eos,
+                   length and abort.
+    logprobs:      when ``SamplingParams.logprobs`` is set: per generated token a
+                   dict ``token id -> Logprob`` of the top-N tokens and the sampled one.
+    cumulative_logprob: the sum of the sampled tokens' logprobs (when logprobs are asked).
+    """
+    index: int
+    text: str
+    token_ids: list
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[list]
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.time()``) of a request."""
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One request: its prompt and its (growing, when streamed) completion."""
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list
+    outputs: list
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0

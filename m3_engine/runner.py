@@ -1,0 +1,96 @@
+"""The one seam between the engine and a framework: a model runner.
+
+``m3_torch.runner.TorchRunner`` and ``m3_jax.runner.JaxRunner`` implement it;
+the engine (``m3_engine.engine.LLMEngine``) drives either through these calls
+only, so everything a request does outside the model step lives once, here in
+``m3_engine``:
+
+    runner.execute(step, sampling) -> SampleResult   # one step: model forward + sampling, on every rank
+    runner.close()                                    # free the device state (and end TP workers)
+
+``step`` is the scheduler's :class:`m3_engine.scheduler.Step` (numpy metadata:
+ids, positions, slot mapping, block table, lengths, the planner's plan);
+``sampling`` holds one entry per logits row of the step. A runner owns the
+weights on its device(s), the KV pool, CUDA graphs or jitted steps, tensor
+parallelism, and launches the shared sampling kernel (``m3_torch.sample`` /
+``m3_jax.sample``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Protocol
+
+import numpy as np
+
+from .scheduler import Step
+
+__all__ = ["Runner", "SamplingBatch", "SampleResult"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SamplingBatch:
+    """Per logits row of a step (``L`` rows, in ``step.logits_indices`` order).
+
+    temperature [L] float32 (0: greedy); top_k [L] int32 (0: off); top_p, min_p [L] float32;
+    seeds [L] int64; counters [L] int32 (the row's token index in its request's output).
+    Penalties, only when a row uses one (else all None): repetition/presence/frequency
+    [L] float32 and the rows' prompt and output ids, [L, P] / [L, O] int32 padded with -1.
+    num_logprobs: the largest top-N asked by a row, 0 when a row asks only for the sampled
+    token's logprob, None when no row asks for logprobs.
+    """
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    seeds: np.ndarray
+    counters: np.ndarray
+    repetition_penalty: Optional[np.ndarray] = None
+    presence_penalty: Optional[np.ndarray] = None
+    frequency_penalty: Optional[np.ndarray] = None
+    prompt_ids: Optional[np.ndarray] = None
+    output_ids: Optional[np.ndarray] = None
+    num_logprobs: Optional[int] = None
+
+    @classmethod
+    def greedy(cls, rows: int) -> "SamplingBatch":
+        """``rows`` greedy rows (benchmarks and tests that run steps without the engine)."""
+        return cls(temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
+                   top_p=np.ones(rows, np.float32), min_p=np.zeros(rows, np.float32),
+                   seeds=np.zeros(rows, np.int64), counters=np.zeros(rows, np.int32))
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.prompt_ids is not None
+
+    def penalties(self) -> dict:
+        """The sampling op's penalty keyword arguments (empty without penalties)."""
+        if not self.has_penalties:
+            return {}
+        return dict(repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, prompt_ids=self.prompt_ids,
+                    output_ids=self.output_ids)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SampleResult:
+    """What a step returns to the engine (numpy, one entry per logits row).
+
+    tokens [L] int32; logprobs [L] float32 (the sampled token's raw logprob);
+    with ``num_logprobs = N`` asked: top_ids [L, N] int32 and top_logprobs [L, N]
+    float32 (most likely first, ties to the lower id) and ranks [L] int32 (the
+    sampled token's rank, 1 = most likely).
+    """
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: Optional[np.ndarray] = None
+    top_logprobs: Optional[np.ndarray] = None
+    ranks: Optional[np.ndarray] = None
+
+
+class Runner(Protocol):
+    """A framework's model runner (see the module docstring)."""
+
+    def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult: ...
+
+    def close(self) -> None: ...

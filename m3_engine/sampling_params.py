@@ -1,0 +1,174 @@
+"""``SamplingParams``: how one request samples and when it stops (vLLM's names and meanings).
+
+    SamplingParams(temperature=0)                          # greedy
+    SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=64, stop=["\\n\\n"])
+
+Every field is checked once, here, when the object is made, so both
+frameworks raise the same exception with the same message. The order in
+which a row's logits are processed (one shared Triton kernel,
+``m3_kernels/sampling.py``): repetition, frequency and presence penalties ->
+``/ temperature`` -> top-k -> top-p (within the top-k set) -> min-p -> a
+Gumbel-max draw whose noise comes from Philox keyed by (seed, the request's
+own token index, vocabulary id). A seeded request therefore samples the same
+tokens whatever else is in the batch, and torch and JAX sample the same token
+from the same logits. ``temperature == 0`` is greedy: argmax, ties to the
+lowest token id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional, Sequence, Union
+
+__all__ = ["SamplingParams", "MAX_LOGPROBS", "MAX_SEED"]
+
+MAX_LOGPROBS = 20          # top-N logprobs per token, as OpenAI's API allows
+MAX_SEED = (1 << 63) - 1   # seeds are int64 on the device
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling and stopping for one request.
+
+    max_tokens:   tokens to generate at most (>= 1); a request also stops when
+                  its KV cache reaches the engine's ``max_context``
+                  (``finish_reason="length"`` in both cases).
+    temperature:  >= 0 and finite; 0 is greedy.
+    top_p:        nucleus mass in (0, 1]; 1 is off.
+    top_k:        keep the k most likely tokens; -1 or 0 is off.
+    min_p:        keep tokens with probability >= min_p * the top probability; in [0, 1).
+    seed:         int in [0, 2**63) for reproducible sampling; None draws from
+                  the engine's seed (``LLM(..., seed=...)``).
+    stop:         a string or list of strings; generation stops when the text
+                  contains one (it is cut from the text unless
+                  ``include_stop_str_in_output``).
+    stop_token_ids: token ids that end the request (kept in ``token_ids``).
+    ignore_eos:   keep generating past the model's end-of-sequence tokens.
+    logprobs:     None (no logprobs), or N in [0, 20]: per generated token the
+                  logprobs of the N most likely tokens and of the sampled one
+                  (raw log-softmax of the model's logits).
+    include_stop_str_in_output: keep the matched stop string in the text.
+    repetition_penalty: > 0; tokens seen in the prompt or output get
+                  ``logit / p`` (logit > 0) or ``logit * p``; 1 is off.
+    presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the
+                  logits of generated tokens once / per occurrence; 0 is off.
+    skip_special_tokens: leave special tokens out of the text (not the ids).
+    """
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, Sequence[str]]] = None
+    stop_token_ids: Optional[Sequence[int]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        self.max_tokens = _int("max_tokens", self.max_tokens, low=1)
+        self.temperature = _float("temperature", self.temperature)
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature}")
+        self.top_p = _float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p}")
+        self.top_k = _int("top_k", self.top_k, low=-1)
+        self.min_p = _float("min_p", self.min_p)
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p: expected a number in [0, 1), got {self.min_p}")
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed, low=0, high=MAX_SEED)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        elif not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise TypeError(f"stop: expected a string or a list of strings, got {self.stop!r}")
+        else:
+            self.stop = list(self.stop)
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop: expected non-empty strings, got ''")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids: expected a list of ints, got {type(self.stop_token_ids).__name__}")
+        else:
+            self.stop_token_ids = [_int(f"stop_token_ids[{i}]", t, low=0) for i, t in enumerate(self.stop_token_ids)]
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty: expected a number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}: expected a number in [-2, 2], got {value}")
+            setattr(self, name, value)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def with_defaults(self, defaults: dict) -> "SamplingParams":
+        """A copy in which each field the caller did not set takes the value of ``defaults`` (the
+        model's ``generation_config.json``: temperature, top_p, top_k, min_p, repetition_penalty,
+        max_tokens)."""
+        changes = {k: v for k, v in defaults.items() if k not in self._explicit}
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args, **kwargs):
+    # remember which fields the caller set, so that generation_config.json fills only the others
+    object.__setattr__(self, "_explicit", frozenset(_FIELD_NAMES[:len(args)]) | frozenset(kwargs))
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init
+
+
+def _int(name, value, *, low=None, high=None) -> int:
+    if isinstance(value, bool) or not _is_int(value):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if low is not None and value < low or high is not None and value > high:
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}: expected an int {bounds}, got {value}")
+    return value
+
+
+def _float(name, value) -> float:
+    if isinstance(value, bool) or not (_is_int(value) or _is_float(value)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value}")
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) or type(value).__name__ in ("int8", "int16", "int32", "int64", "uint8", "uint16",
+                                                              "uint32", "uint64")
+
+
+def _is_float(value) -> bool:
+    return isinstance(value, float) or type(value).__name__ in ("float16", "float32", "float64")

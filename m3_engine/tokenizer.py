@@ -1,0 +1,181 @@
+"""Text in and out: the model folder's tokenizer, chat template and incremental detokenizer.
+
+Files read from the model folder (as transformers writes them):
+
+* ``tokenizer.json``: the tokenizer itself (the ``tokenizers`` package). Its
+  post-processor adds the BOS token where the model wants one; a
+  ``tokenizer_config.json`` with ``"add_bos_token": true`` whose post-processor
+  does not add it gets it prepended here (transformers' rule).
+* ``tokenizer_config.json``: ``chat_template`` (a string, or a list of
+  ``{"name", "template"}`` where ``"default"`` is used), ``bos_token``,
+  ``eos_token`` (strings or ``{"content": ...}``), ``add_bos_token``.
+* ``chat_template.jinja``: the chat template, when it is kept in its own file
+  (it wins over ``tokenizer_config.json``'s, as in transformers).
+
+Chat templates render with jinja2's sandboxed environment, as transformers
+renders them (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``,
+``tojson``), with ``messages``, ``add_generation_prompt``, ``tools``,
+``bos_token`` and ``eos_token``; the rendered text is encoded WITHOUT adding
+special tokens (the template writes them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .model_config import read_json
+
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "load_tokenizer"]
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def load_tokenizer(model_dir) -> Optional["Tokenizer"]:
+    """The model folder's tokenizer, or None when it has no ``tokenizer.json`` (token ids only)."""
+    return Tokenizer(model_dir) if (Path(model_dir) / TOKENIZER_FILE).is_file() else None
+
+
+class Tokenizer:
+    """``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``) of a model folder."""
+
+    def __init__(self, model_dir):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        model_dir = Path(model_dir)
+        path = model_dir / TOKENIZER_FILE
+        try:
+            self._tok = _Tokenizer.from_file(str(path))
+        except Exception as e:   # the tokenizers package raises a plain Exception for bad files
+            raise ValueError(f"{path}: not a readable tokenizer ({e})") from None
+        config_path = model_dir / "tokenizer_config.json"
+        config = read_json(config_path) if config_path.is_file() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+        self.chat_template = _chat_template(model_dir, config)
+        self.vocab_size = self._tok.get_vocab_size()
+
+    # -- encode / decode -----------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and \
+                (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (its bytes decoded on their own, as logprobs show it)."""
+        return self._tok.decode([int(token_id)], skip_special_tokens=False)
+
+    # -- chat ------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: Sequence[dict], *, chat_template: Optional[str] = None,
+                            add_generation_prompt: bool = True, tools=None) -> str:
+        """The conversation rendered as the prompt text the model was trained on."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise ValueError("chat: the model folder has no chat template (tokenizer_config.json 'chat_template' "
+                             "or chat_template.jinja); pass chat_template=...")
+        check_messages(messages)
+        return _compile(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         tools=tools, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def check_messages(messages) -> None:
+    """A conversation: a non-empty list of ``{"role": str, "content": str | None, ...}``."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError(f"messages: expected a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TypeError(f"messages[{i}]: expected a dict with a string 'role', got {m!r}")
+        if not isinstance(m.get("content"), (str, type(None), list)):
+            raise TypeError(f"messages[{i}]['content']: expected a string, got {type(m.get('content')).__name__}")
+
+
+class IncrementalDetokenizer:
+    """The text of a growing list of token ids, handed out in pieces that concatenate to the
+    full decode.
+
+    Each new token decodes a short window of the latest ids twice (with and without
+    the new ones) and hands out the difference, so a token whose bytes complete a
+    multi-byte character only later (byte fallback, byte-level BPE) is held back
+    until the character is complete: no U+FFFD is handed out that the full decode
+    does not have. :meth:`finish` compares with the full decode and hands out the
+    rest.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list = []
+        self.text = ""
+        self._prefix = 0   # ids[_prefix:_read]: handed out already, decoded again as context
+        self._read = 0
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append ids; -> the text they complete (may be empty)."""
+        self.ids.extend(int(t) for t in token_ids)
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip)
+        after = self.tokenizer.decode(self.ids[self._prefix:], skip_special_tokens=self.skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""   # nothing new, or a character still incomplete
+        delta = after[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """-> the text the full decode has beyond what was handed out (usually "")."""
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
+        if not full.startswith(self.text):   # a decoder that rewrites earlier text: trust the full decode
+            self.text = full
+            return ""
+        delta = full[len(self.text):]
+        self.text = full
+        return delta
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def _token_text(token) -> Optional[str]:
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _chat_template(model_dir: Path, config: dict) -> Optional[str]:
+    path = model_dir / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):   # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+_compiled: dict = {}
+
+
+def _compile(template: str):
+    if template not in _compiled:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+        try:
+            _compiled[template] = env.from_string(template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ValueError(f"chat_template: not a valid jinja2 template (line {e.lineno}: {e.message})") from None
+    return _compiled[template]

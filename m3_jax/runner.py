@@ -1,0 +1,287 @@
+"""The JAX model runner behind ``m3_jax.LLM`` (the engine itself is ``m3_engine``).
+
+The framework-neutral scheduler (``m3_engine.scheduler``) decides each step
+(admission, slots, chunked prefill, mixed steps, decode padding); this module
+only moves its numpy metadata to the device and runs ONE jitted function,
+model forward + the shared sampling kernel (``m3_jax.sample``), with the pool
+donated (cache writes in place). What the compile cache is keyed by:
+
+* **pure decode steps**: the scheduler's graph batch size (``graph_batch_sizes``
+  = 1, 2, 4, 8, then multiples of 16 up to ``max_batch``, as ``m3_torch``'s CUDA
+  graphs). The generation span always spans the whole block table
+  (``max_context / 128`` columns), so no length ever recompiles: one
+  compilation per batch size.
+* **steps with context rows** (prefill, mixed): re-padded here, on the host,
+  to buckets: context tokens to the next of 8, 12, 16, 24, 32, 48, ...
+  (powers of two and 1.5x them, capped at ``max_num_tokens``) by one padding
+  context row (``seq_len = 0``: its tokens see nothing, write nothing), context
+  rows to a power of two (empty rows), generation rows to a graph batch size.
+  With the context span's block bound and row tile (powers of two) that is the
+  key: it depends on buckets, never on lengths.
+
+With ``tensor_parallel_size=N`` the same jitted function runs the model step
+in ``shard_map`` over a mesh of N devices (``m3_jax.tp``); the scheduler,
+the padding and the compile keys are unchanged (plans are made for one
+shard's heads).
+
+:attr:`JaxRunner.compiled_steps` lists the ``StepSpec`` of every compilation.
+Sampling parameters join the key only through what changes the traced
+function: whether a row uses penalties (their id arrays padded to powers of
+two) and how many top logprobs are asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3_engine import checkpoint
+from m3_engine.args import CheckedArgs, check_gpu_device
+from m3_engine.runner import SampleResult, SamplingBatch
+from m3_engine.scheduler import Step
+from m3_kernels import planner
+from m3_kernels.maps import next_pow2
+
+from . import model, tp
+from .api import StepSpec, step_inputs
+from .cache import allocate_pool
+from .sampling import sample
+
+__all__ = ["JaxRunner"]
+
+MIN_TOKEN_BUCKET = 8
+MIN_IDS_BUCKET = 16   # penalty id arrays are padded to powers of two from here
+
+
+def _gpus() -> list:
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def resolve_devices(args: CheckedArgs) -> list:
+    """The engine's devices (one per tensor-parallel shard); ``[None]``: JAX's default device."""
+    size = args.tp.size
+    if args.device_object is not None:
+        given = args.device_object
+        devices = [given] if isinstance(given, jax.Device) else list(given) if isinstance(given, (list, tuple)) \
+            else None
+        if devices is None or not all(isinstance(d, jax.Device) for d in devices):
+            raise TypeError(f"device: expected None, a string, a jax.Device or a list of them, got "
+                            f"{type(given).__name__}")
+        if len(devices) != size or len(set(devices)) != size:
+            raise ValueError(f"device: expected {size} distinct jax.Device(s) for tensor_parallel_size={size}, "
+                             f"got {devices!r}")
+    elif args.platform == "gpu":
+        first = check_gpu_device(args.device, args.device_index, len(_gpus()), size)
+        devices = _gpus()[first:first + size]
+    elif args.platform == "cpu" or size > 1:
+        devices = jax.devices("cpu") if args.platform == "cpu" else jax.devices()
+        if len(devices) < size:
+            hint = (" (on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX initialises)"
+                    if devices[0].platform == "cpu" else "")
+            raise ValueError(f"tensor_parallel_size={size} needs {size} devices, JAX has {len(devices)} "
+                             f"{devices[0].platform} device(s){hint}")
+        devices = devices[:size]
+    else:
+        return [None]
+    if devices[0].platform == "cpu" and size > 1:
+        _check_cpu_threads(size)
+    return devices
+
+
+class JaxRunner:
+    """The JAX side of an engine (``m3_engine.runner.Runner``). ``args``: the checked options."""
+
+    @staticmethod
+    def pads_decode_steps(args: CheckedArgs) -> bool:
+        return True   # decode steps are padded to the batch sizes the jitted step is compiled for
+
+    def __init__(self, args: CheckedArgs):
+        if args.enforce_eager:
+            raise ValueError("enforce_eager: the JAX engine always runs jitted steps (expected False)")
+        self.config = config = args.config
+        self.tp = args.tp
+        devices = resolve_devices(args)
+        self.device = devices[0]
+        self.mesh = tp.make_mesh(devices) if self.tp.size > 1 else None
+        self.scheduler_config = sc = args.scheduler
+        heads = dict(num_q_heads=self.tp.num_q_heads, num_kv_heads=self.tp.num_kv_heads, head_dim=config.head_dim,
+                     max_blocks=sc.max_blocks, topk=config.index_topk_blocks)
+        # steps with context rows are re-planned after padding: room for the padding rows and tokens
+        self._prefill_planner = planner.StepPlanner(planner.StepConfig(
+            max_batch=next_pow2(sc.max_batch + 1) + sc.max_batch, max_num_tokens=sc.max_num_tokens + sc.max_batch,
+            **heads))
+        self._token_buckets = _token_buckets(sc.max_num_tokens)
+        dtype = args.dtype
+        with self._on_device():
+            if self.mesh is None:
+                weights = checkpoint.load_weights(args.model_dir, config, framework="numpy")
+                if config.tie_word_embeddings:
+                    del weights["lm_head.weight"]   # the head is the embedding
+                self.dtype = dtype or config.dtype or np.dtype(weights["model.embed_tokens.weight"].dtype).name
+                self.params = {name: self._put(np.asarray(w).astype(jnp.dtype(self.dtype)))
+                               for name, w in weights.items()}
+                del weights
+            else:
+                self.params, self.dtype = tp.load_params(args.model_dir, self.tp, self.mesh, dtype)
+            self.pool_layout = model.pool_layout(self.tp.local_config, sc.num_slots, self.dtype,  # one shard's
+                                                 kv_cache_dtype=args.kv_cache_dtype,
+                                                 index_cache_dtype=args.index_cache_dtype)
+            self.pool = allocate_pool(self.pool_layout, self.device) if self.mesh is None else \
+                tp.allocate_pool(self.pool_layout, self.mesh)
+        self.compiled_steps: list[StepSpec] = []   # one entry per compilation: the spec it was traced for
+        self._step = jax.jit(self._run, static_argnames=("spec", "num_logprobs"), donate_argnames=("pool",))
+
+    # -- the protocol ------------------------------------------------------------------------------
+
+    def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
+        if self.pool is None:
+            raise RuntimeError("this LLM is closed (close() was called)")
+        batch, spec, maps = self._layout(step)
+        num_logits = len(step.logits_indices)
+        with self._on_device():
+            out, self.pool = self._step(self.params, self.pool, self._put(batch), self._put(maps),
+                                        self._put(_sampling_arrays(sampling, spec.num_rows)), spec=spec,
+                                        num_logprobs=sampling.num_logprobs)
+        out = {k: np.asarray(v)[:num_logits] for k, v in out.items()}
+        return SampleResult(tokens=out["tokens"], logprobs=out["logprobs"], top_ids=out.get("top_ids"),
+                            top_logprobs=out.get("top_logprobs"), ranks=out.get("ranks"))
+
+    def close(self) -> None:
+        """Release the weights and the pool (one process: nothing else to end)."""
+        self.params = self.pool = None
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def _run(self, params, pool, batch, maps, sampling, *, spec, num_logprobs):
+        self.compiled_steps.append(spec)  # runs once per trace, i.e. per compilation
+        if self.mesh is None:
+            logits, pool = model.forward(params, pool, batch, maps, config=self.config, layout=self.pool_layout,
+                                         spec=spec)
+        else:
+            logits, pool = tp.forward(params, pool, batch, maps, plan=self.tp, layout=self.pool_layout, spec=spec,
+                                      mesh=self.mesh)
+        return sample_logits(logits.astype(jnp.float32), sampling, num_logprobs), pool
+
+    def _layout(self, step: Step):
+        """The scheduler's step as (StepBatch of numpy arrays, StepSpec, PrefillMaps | None), padded to buckets."""
+        max_blocks = self.scheduler_config.max_blocks
+        if step.is_decode:  # padded to a graph batch size by the scheduler
+            spec, maps = step_inputs(step.plan)
+            rows = np.pad(step.logits_indices, (0, spec.num_rows - len(step.logits_indices)))
+            batch = model.StepBatch(step.input_ids, step.positions, step.slot_mapping, step.block_table,
+                                    step.seq_lens, rows)
+            return batch, dataclasses.replace(spec, generation_max_blocks=max_blocks), maps
+
+        cu, R, Rc = step.cu_seqlens_q, step.num_rows, step.num_context
+        q_lens, seq_lens = np.diff(cu), step.seq_lens
+        Tc, Rg = int(cu[Rc]), R - Rc
+        Tc_pad = next(b for b in self._token_buckets + (Tc,) if b >= Tc) - Tc
+        Rc_new = next_pow2(Rc + (Tc_pad > 0))
+        Rg_new = next((g for g in self.scheduler_config.graph_batch_sizes if g >= Rg), Rg) if Rg else 0
+        # rows: context | padding context row (Tc_pad tokens) | empty context rows | generation | padding rows
+        empty = Rc_new - Rc - (Tc_pad > 0)
+        new_q = _int32(q_lens[:Rc], [Tc_pad] * (Tc_pad > 0), [0] * empty, q_lens[Rc:], [1] * (Rg_new - Rg))
+        new_seq = _int32(seq_lens[:Rc], [0] * (Rc_new - Rc), seq_lens[Rc:], [0] * (Rg_new - Rg))
+        table = np.full((Rc_new + Rg_new, max_blocks), -1, np.int32)
+        table[:Rc], table[Rc_new:Rc_new + Rg] = step.block_table[:Rc], step.block_table[Rc:]
+        T_new = Tc + Tc_pad + Rg_new
+        ctx_end, gen_start = Tc, Tc + Tc_pad
+
+        def tokens(x, fill):
+            out = np.full(T_new, fill, np.int32)
+            out[:ctx_end], out[gen_start:gen_start + Rg] = x[:Tc], x[Tc:]
+            return out
+
+        rows = step.logits_indices
+        rows = np.where(rows < Tc, rows, rows + Tc_pad).astype(np.int32)
+        batch = model.StepBatch(tokens(step.input_ids, 0), tokens(step.positions, 0), tokens(step.slot_mapping, -1),
+                                table, new_seq, np.pad(rows, (0, Rc_new + Rg_new - len(rows))))
+        plan = self._prefill_planner.plan(new_seq, q_lens=new_q, num_context=Rc_new)
+        spec, maps = step_inputs(plan)
+        if Rg_new:
+            spec = dataclasses.replace(spec, generation_max_blocks=max_blocks)
+        return batch, spec, maps
+
+    # -- devices ----------------------------------------------------------------------------------
+
+    def _on_device(self):
+        """Run (and trace: the kernels pick their GPU or CPU path from it) on this engine's device."""
+        return jax.default_device(self.device) if self.device is not None else contextlib.nullcontext()
+
+    def _put(self, tree):
+        """Host data -> this engine's device (tensor parallelism: replicated on every shard)."""
+        if self.mesh is not None:
+            return jax.device_put(tree, tp.replicated(self.mesh))
+        return jax.device_put(tree, self.device) if self.device is not None else jax.device_put(tree)
+
+
+def _check_cpu_threads(count: int):
+    """JAX's CPU client runs each device's program on a thread of one pool (``PJRT_NPROC`` or
+    ``NPROC`` threads, else one per core) and copies a ``pure_callback``'s inputs on the same
+    pool: when every thread runs a shard waiting in an interpreted kernel's callback, nothing
+    copies and the step never ends. Refuse that instead of hanging."""
+    threads = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC")
+    threads = int(threads) if threads and threads.isdigit() else len(os.sched_getaffinity(0))
+    if threads <= count:
+        raise ValueError(f"tensor_parallel_size={count} on CPU devices: JAX's CPU client has {threads} threads "
+                         f"and the interpreted kernels' callbacks need one more than the devices: set "
+                         f"PJRT_NPROC={count + 1} (or more) in the environment before JAX initialises")
+
+
+def _int32(*parts) -> np.ndarray:
+    return np.concatenate([np.asarray(p, np.int32) for p in parts])
+
+
+def _token_buckets(max_num_tokens: int) -> tuple:
+    """Context-token buckets: 8, 12, 16, 24, 32, 48, ... (powers of two and 1.5x them, so padding wastes
+    at most a third), up to ``max_num_tokens``, which is the last one."""
+    buckets, b = set(), MIN_TOKEN_BUCKET
+    while b < max_num_tokens:
+        buckets |= {b, b * 3 // 2}
+        b *= 2
+    return tuple(sorted(x for x in buckets if x < max_num_tokens)) + (max_num_tokens,)
+
+
+def _sampling_arrays(s: SamplingBatch, rows: int) -> dict:
+    """The step's sampling arrays padded to ``rows`` (padding rows: greedy); penalty ids padded to
+    powers of two (so their lengths do not recompile the step at every token)."""
+    pad = rows - len(s.temperature)
+
+    def rows_of(a, fill=0):
+        return np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+
+    out = dict(temperature=rows_of(s.temperature), top_k=rows_of(s.top_k), top_p=rows_of(s.top_p, 1),
+                   min_p=rows_of(s.min_p), seeds=rows_of(s.seeds), counters=rows_of(s.counters))
+    if s.has_penalties:
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            out[name] = rows_of(getattr(s, name), 1 if name == "repetition_penalty" else 0)
+        for name in ("prompt_ids", "output_ids"):
+            ids = getattr(s, name)
+            width = max(next_pow2(ids.shape[1]), MIN_IDS_BUCKET)
+            out[name] = rows_of(np.pad(ids, [(0, 0), (0, width - ids.shape[1])], constant_values=-1), -1)
+    return out
+
+
+def sample_logits(logits, s: dict, num_logprobs):
+    """The shared sampling kernel on float32 ``logits [L, V]`` (+ top-N logprobs when asked)."""
+    penalties = {k: s[k] for k in ("repetition_penalty", "presence_penalty", "frequency_penalty", "prompt_ids",
+                                   "output_ids") if k in s}
+    tokens, logprobs, lse = sample(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"],
+                                   s["counters"], **penalties)
+    out = {"tokens": tokens, "logprobs": logprobs}
+    if num_logprobs is not None:
+        chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1)
+        out["ranks"] = (jnp.sum(logits > chosen, axis=1) + 1).astype(jnp.int32)
+        if num_logprobs > 0:
+            order = jnp.argsort(-logits, axis=1, stable=True)[:, :num_logprobs]   # ties: the lower id first
+            out["top_ids"] = order.astype(jnp.int32)
+            out["top_logprobs"] = jnp.take_along_axis(logits, order, axis=1) - lse[:, None]
+    return out

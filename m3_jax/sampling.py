@@ -1,0 +1,82 @@
+"""``sample``: the next token of each row of logits (JAX launcher of ``m3_kernels.sampling``).
+
+The same kernel as ``m3_torch.sample``: compiled through jax-triton on a GPU
+backend, interpreted inside ``jax.pure_callback`` on a CPU backend; works
+under ``jax.jit``. Identical inputs give torch's bits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from m3_kernels import sampling as _sampling
+
+from ._triton_call import on_gpu, triton_call
+
+__all__ = ["sample"]
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *, repetition_penalty=None,
+           presence_penalty=None, frequency_penalty=None, prompt_ids=None, output_ids=None):
+    """Sample one token per row -> (tokens int32 [L], logprobs float32 [L], lse float32 [L]).
+
+    Arguments and semantics as ``m3_torch.sample`` (logits [L, V] float32 / bfloat16 / float16; per row
+    temperature, top_p, min_p float32, top_k, counters int32, seeds int64 or, as JAX runs without x64,
+    int32: the same value draws the same token; optional penalties float32 [L] with prompt_ids [L, P]
+    and output_ids [L, O] int32 padded with -1, all five or none).
+    """
+    penalties = {"repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
+                 "frequency_penalty": frequency_penalty}
+    rows, vocab, has_penalties = _sampling.check_sample_call(logits, temperature, top_k, top_p, min_p, seeds,
+                                                             counters, penalties, prompt_ids, output_ids)
+    if str(seeds.dtype) == "int64" and not jax.config.jax_enable_x64:   # numpy seeds JAX would narrow
+        raise TypeError("seeds: int64 seeds need jax_enable_x64 (JAX would narrow them); pass int32 seeds "
+                        "(the same value draws the same token)")
+    if rows == 0:
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
+    pen = tuple(penalties.values()) + (prompt_ids, output_ids) if has_penalties else ()
+    return _sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *pen, interpret=not on_gpu())
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *penalties, interpret):
+    """The checked call (``penalties``: the five penalty arrays or none), one jitted function: eager callers
+    compile it once per shape instead of dispatching its pieces one by one."""
+    rows, vocab = logits.shape
+    if penalties:
+        *pen, prompt_ids, output_ids = penalties
+        seen = seen_tokens(prompt_ids, output_ids, vocab)
+    else:
+        seen, pen = counters, [temperature] * 3   # never read
+    config = _sampling.block_sizes(rows, vocab, interpret)
+    grid, num_warps, num_stages = config.pop("grid"), config.pop("num_warps"), config.pop("num_stages")
+    out_shape = [jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32),
+                 jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows, vocab), jnp.float32)]
+    tokens, logprobs, lse, _ = triton_call(
+        logits, temperature, top_k, top_p, min_p, _seed_words(seeds), counters, *pen, seen,
+        rows, vocab, vocab, int(seen.shape[-1]) if penalties else 0,
+        kernel=("sampling", "sample_kernel"), out_shape=out_shape, grid=grid, num_warps=num_warps,
+        num_stages=num_stages, HAS_PENALTIES=bool(penalties), **config)
+    return tokens, logprobs, lse
+
+
+def _seed_words(seeds):
+    """seeds [L] int64 / int32 -> [L, 2] int32: the int64 value's low and high words (int32 sign-extended,
+    as torch's ``seeds.to(torch.int64)``)."""
+    if seeds.dtype == jnp.int32:
+        return jnp.stack([seeds, seeds >> 31], axis=1)
+    low = jax.lax.convert_element_type(seeds & 0xFFFFFFFF, jnp.uint32)
+    high = jax.lax.convert_element_type(seeds >> 32, jnp.int32)
+    return jnp.stack([jax.lax.bitcast_convert_type(low, jnp.int32), high], axis=1)
+
+
+def seen_tokens(prompt_ids, output_ids, vocab: int):
+    """-> [L, V + 1] int32: ``2 * (count of v in output_ids[l]) + (v in prompt_ids[l])`` at [l, v]
+    (column V collects the -1 padding)."""
+    rows = jnp.arange(prompt_ids.shape[0], dtype=jnp.int32)[:, None]
+    seen = jnp.zeros((prompt_ids.shape[0], vocab + 1), jnp.int32)
+    seen = seen.at[rows, jnp.where(prompt_ids < 0, vocab, prompt_ids)].set(1)
+    return seen.at[rows, jnp.where(output_ids < 0, vocab, output_ids)].add(2)

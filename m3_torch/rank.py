@@ -1,0 +1,181 @@
+"""One rank of the torch model runner: its weights, its pool, its CUDA graphs.
+
+:class:`Runner` is what every rank holds: rank 0's lives in
+:class:`m3_torch.runner.TorchRunner`, the others' in the worker processes of
+``m3_torch.tp``; all run the same steps (the plans are made for one rank's
+heads). On a GPU, pure decode steps (padded by the scheduler to
+``graph_batch_sizes``) replay CUDA graphs, one per (padded batch, block-table
+bound): the first step of each runs eagerly (its result is used; it compiles
+the kernels and builds the persistent maps and workspaces), then the graph is
+captured for the next ones. Prefill and mixed steps run eagerly. On a CPU
+everything runs eagerly (the kernels through Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+# torch imports torch._dynamo on the first custom-op call, and torch.fx.wrap, run by that import, leaves a
+# frame cycle holding the calling stack until the garbage collector runs: imported from inside an engine's
+# first step, a dropped LLM kept its pool (and its workers) that long. Imported here, only module frames.
+import torch._dynamo  # noqa: F401
+
+import m3_torch
+from m3_engine import checkpoint
+from m3_engine.scheduler import Step
+from m3_engine.tp import TPPlan
+from m3_kernels.pool import PoolLayout
+
+from .model import M3Model, StepTensors
+
+__all__ = ["Runner", "rank_device", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of tensor-parallel rank ``rank`` when rank 0 runs on ``device``."""
+    return device if device.type == "cpu" else torch.device("cuda", device.index + rank)
+
+
+class Runner:
+    """One rank's part of an engine: its weights (its slices under tensor parallelism),
+    its pool (its KV heads, the whole index-K), its decode graphs. Rank 0's lives in
+    :class:`m3_torch.runner.TorchRunner`, the others' in the worker processes of ``m3_torch.tp``; all run the
+    same steps.
+
+    tp, rank:   the tensor-parallel plan and this rank (``TPPlan(config, 1)``, 0: no parallelism).
+    dtype:      a torch dtype, or None for the checkpoint tensors' own.
+    device:     rank 0's device (this rank's is :func:`rank_device` of it).
+    num_slots, max_blocks: pool slots and block-table columns (the scheduler's).
+    cuda_graphs: replay pure decode steps from CUDA graphs.
+    all_reduce: the model's tensor-parallel hook (``m3_torch.tp.all_reduce``), None on one rank.
+    Rank 0 holds ``lm_head`` and returns logits; other ranks compute the hidden
+    states only (their ``lm_head`` is never read from the checkpoint).
+    """
+
+    def __init__(self, *, model_dir, tp: TPPlan, rank: int, device, dtype, num_slots: int, max_blocks: int,
+                 cuda_graphs: bool, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
+                 all_reduce: Optional[Callable] = None):
+        c = tp.config
+        self.rank, self.device, self.max_blocks = rank, rank_device(torch.device(device), rank), max_blocks
+        head = rank == 0
+        weights, self.dtype = {}, dtype
+        for name, w in checkpoint.iter_weights(model_dir, c, framework="pt", concatenate=torch.cat,
+                                               device=str(self.device), shard=tp.rank(rank) if tp.size > 1 else None,
+                                               skip=() if head else ("lm_head.weight",)):
+            self.dtype = self.dtype or w.dtype   # a config without a dtype: the tensors'
+            weights[name] = w.to(self.dtype)
+        self.model = M3Model(tp.local_config, weights, all_reduce=all_reduce, lm_head=head)
+        del weights
+        dtype_name = next(n for n, d in DTYPES.items() if d == self.dtype)
+        self.layout = PoolLayout.create(num_slots, sparse=c.sparse_layers, num_kv_heads=tp.num_kv_heads,
+                                        head_dim=c.head_dim, index_head_dim=c.index_head_dim, dtype=dtype_name,
+                                        kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
+        self.pool = m3_torch.allocate_pool(self.layout, self.device)
+        self.caches = [m3_torch.layer_caches(self.pool, self.layout, i) for i in range(c.num_hidden_layers)]
+        self.graphs = _DecodeGraphs(self) if cuda_graphs else None
+
+    def run(self, step: Step) -> Optional[torch.Tensor]:
+        """One step -> logits ``[len(step.logits_indices), vocab]`` in the model dtype (rank 0), or
+        None (other ranks: the step's cache writes and all-reduces only)."""
+        if self.graphs is not None and step.plan.cuda_graph:
+            return self.graphs.run(step)
+        tensors = self.step_tensors(step)
+        if self.model.lm_head is None:
+            self.model.hidden_states(tensors, step.plan, self.caches)
+            return None
+        return self.model.forward(tensors, step.plan, self.caches)
+
+    def step_tensors(self, step: Step, logits_rows: Optional[np.ndarray] = None) -> StepTensors:
+        """A step's numpy metadata on this rank's device."""
+        def dev(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+
+        return StepTensors(input_ids=dev(step.input_ids), positions=dev(step.positions),
+                           slot_mapping=dev(step.slot_mapping), block_table=dev(step.block_table),
+                           seq_lens=dev(step.seq_lens),
+                           logits_rows=dev(step.logits_indices if logits_rows is None else logits_rows))
+
+
+# -- CUDA graphs -----------------------------------------------------------------------------------
+
+class _DecodeGraphs:
+    """Pure decode steps replayed from CUDA graphs, one per (padded batch, block-table bound).
+
+    Each batch size has static inputs: one device int32 buffer holding the
+    step's metadata, filled by ONE copy from a pinned host buffer per step.
+    The first step of each key runs eagerly on the static inputs (its result is
+    used; it also compiles the kernels and creates the persistent maps and
+    workspaces the graph points at), then the graph is captured; later steps
+    with that key replay it. Under tensor parallelism every rank captures and
+    replays the same keys in the same order (they run the same steps), its
+    all-reduces inside its graph.
+    """
+
+    FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table")
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.mempool = torch.cuda.graph_pool_handle()
+        self.inputs: dict = {}   # batch size -> (pinned host buffer, its views, device buffer, StepTensors, copy event)
+        self.graphs: dict = {}   # (batch size, block bound) -> (CUDAGraph, logits or hidden states)
+
+    def _static(self, batch: int):
+        if batch not in self.inputs:
+            width, device = self.runner.max_blocks, self.runner.device
+            sizes = [batch] * 4 + [batch * width]
+            host = torch.zeros(sum(sizes), dtype=torch.int32, pin_memory=True)
+            buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
+            host_views = dict(zip(self.FIELDS, (t.numpy() for t in host.split(sizes))))
+            dev = dict(zip(self.FIELDS, buffer.split(sizes)))
+            tensors = StepTensors(input_ids=dev["input_ids"], positions=dev["positions"],
+                                  slot_mapping=dev["slot_mapping"], seq_lens=dev["seq_lens"],
+                                  block_table=dev["block_table"].view(batch, width),
+                                  logits_rows=torch.arange(batch, dtype=torch.int32, device=device))
+            self.inputs[batch] = (host, host_views, buffer, tensors, torch.cuda.Event())
+        return self.inputs[batch]
+
+    def _forward(self, tensors: StepTensors, plan):
+        model = self.runner.model
+        if model.lm_head is None:   # a tensor-parallel worker: hidden states only
+            return model.hidden_states(tensors, plan, self.runner.caches)
+        return model.forward(tensors, plan, self.runner.caches)
+
+    def run(self, step: Step) -> Optional[torch.Tensor]:
+        """-> logits ``[len(step.logits_indices), vocab]`` of a pure decode step (one token per row);
+        None on a rank without ``lm_head``."""
+        batch, bound = step.plan.num_rows, step.plan.generation.max_blocks
+        device = self.runner.device
+        host, views, buffer, static, copied = self._static(batch)
+        copied.synchronize()   # the previous step's upload from these host buffers is done
+        for name in self.FIELDS:
+            views[name][:] = getattr(step, name).reshape(-1)
+        buffer.copy_(host, non_blocking=True)
+        copied.record()
+        head = self.runner.model.lm_head is not None
+        rows = torch.from_numpy(step.logits_indices.astype(np.int64)).to(device, non_blocking=True) if head else None
+        key = (batch, bound)
+        if key not in self.graphs:
+            out = self._forward(static, step.plan)   # eager warm-up: a real step
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: CUDA calls of OTHER host threads (JAX/XLA's runtime threads in a process that
+            # also runs JAX, NCCL watchdogs) do not invalidate this capture; this thread's still do
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+                captured = self._forward(static, step.plan)
+            self.graphs[key] = (graph, captured)
+        else:
+            graph, out = self.graphs[key]
+            graph.replay()
+        return out.index_select(0, rows) if head else None
+
+    def release(self):
+        """Free the captured graphs. Under tensor parallelism every rank must do this BEFORE the
+        process group is destroyed: a graph holding NCCL kernels keeps its communicator alive, and
+        NCCL's destroy then waits forever (pytorch/pytorch#115388)."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()

@@ -1,0 +1,145 @@
+"""The torch model runner behind ``m3_torch.LLM`` (the engine itself is ``m3_engine``).
+
+:class:`TorchRunner` puts the weights and the pool on the device (rank 0's
+:class:`m3_torch.rank.Runner`, plus ``tensor_parallel_size - 1`` worker
+processes from ``m3_torch.tp``), runs each step the engine schedules (CUDA
+graphs for pure decode steps on a GPU) and samples with the shared sampling
+kernel (``m3_torch.sample``) on rank 0, which holds ``lm_head``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from m3_engine.args import CheckedArgs, check_gpu_device
+from m3_engine.runner import SampleResult, SamplingBatch
+from m3_engine.scheduler import Step
+
+from .model import StepTensors
+from .rank import DTYPES, Runner
+from .sampling import sample
+
+__all__ = ["TorchRunner"]
+
+
+def resolve_device(args: CheckedArgs) -> torch.device:
+    """Rank 0's device: the CUDA device asked for (with its index), a GPU when there is one, else the CPU."""
+    size = args.tp.size
+    if args.device_object is not None:
+        device = args.device_object
+        if not isinstance(device, torch.device):
+            raise TypeError(f"device: expected None, a string or a torch.device, got {type(device).__name__}")
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"device: expected a CUDA device or the CPU, got {device}")
+        platform, index = ("gpu", device.index) if device.type == "cuda" else ("cpu", None)
+        shown = str(device)
+    else:
+        platform, index, shown = args.platform, args.device_index, args.device
+        if platform is None:
+            platform = "gpu" if torch.cuda.is_available() else "cpu"
+            shown = "cuda" if platform == "gpu" else "cpu"
+    if platform == "cpu":
+        return torch.device("cpu")
+    if index is None and size == 1 and torch.cuda.is_available():
+        index = torch.cuda.current_device()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.device("cuda", check_gpu_device(shown, index, count, size))
+
+
+class TorchRunner:
+    """The torch side of an engine (``m3_engine.runner.Runner``). ``args``: the checked options."""
+
+    @staticmethod
+    def pads_decode_steps(args: CheckedArgs) -> bool:
+        """Decode steps are padded to graph batch sizes only where CUDA graphs replay them."""
+        return resolve_device(args).type == "cuda" and not args.enforce_eager
+
+    def __init__(self, args: CheckedArgs):
+        self.tp = args.tp
+        self.device = resolve_device(args)
+        sc = args.scheduler
+        runner_args = dict(model_dir=str(args.model_dir), dtype=DTYPES[args.dtype] if args.dtype else None,
+                           num_slots=sc.num_slots, max_blocks=sc.max_blocks,
+                           cuda_graphs=bool(sc.graph_batch_sizes) and self.device.type == "cuda",
+                           kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype)
+        self._workers = None
+        all_reduce = None
+        if self.tp.size > 1:
+            from . import tp   # the worker processes start now and load their slices while rank 0 loads its own
+            self._workers = tp.Workers(self.tp, self.device, runner_args)
+            all_reduce = tp.all_reduce
+        try:
+            self.rank0 = Runner(tp=self.tp, rank=0, device=self.device, all_reduce=all_reduce, **runner_args)
+            if self._workers is not None:
+                if self.rank0.graphs is not None:   # freed before the group goes, also when a step fails
+                    self._workers.before_destroy = self.rank0.graphs.release
+                self._workers.wait_ready()
+        except BaseException:
+            if self._workers is not None:
+                self._workers.close(force=True)
+            raise
+        r = self.rank0
+        self.dtype, self.model, self.layout, self.pool, self.caches, self.graphs = \
+            r.dtype, r.model, r.layout, r.pool, r.caches, r.graphs
+
+    # -- the protocol ----------------------------------------------------------------------------
+
+    def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
+        logits = self.step_logits(step)
+        return sample_logits(logits, sampling)
+
+    def close(self) -> None:
+        """End the worker processes (tensor parallelism) and free the graphs. Idempotent."""
+        if self._workers is not None:
+            self._workers.close()   # frees rank 0's graphs first (before_destroy)
+        if self.graphs is not None:
+            self.graphs.release()
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def step_logits(self, step: Step) -> torch.Tensor:
+        """Run one scheduler step (on every rank) -> float32 logits ``[len(step.logits_indices), vocab]``."""
+        if self._workers is not None:
+            return self._workers.run_step(step, self.rank0)
+        return self.rank0.run(step).float()
+
+    def step_tensors(self, step: Step, logits_rows: Optional[np.ndarray] = None) -> StepTensors:
+        """A step's numpy metadata on rank 0's device."""
+        return self.rank0.step_tensors(step, logits_rows)
+
+    def collective_rpc(self, fn: Callable, *args) -> list:
+        """``[fn(runner, *args) for every rank's Runner]``, rank 0's first: a debugging and test hook.
+        ``fn`` must be picklable by reference (a module-level function)."""
+        if self._workers is None:
+            return [fn(self.rank0, *args)]
+        return self._workers.call(fn, args, self.rank0)
+
+
+def sample_logits(logits: torch.Tensor, s: SamplingBatch) -> SampleResult:
+    """The shared sampling kernel on float32 ``logits [L, V]`` (+ top-N logprobs when asked)."""
+    device = logits.device
+
+    def dev(a):
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+    penalties = {k: dev(v) for k, v in s.penalties().items()}
+    tokens, logprobs, lse = sample(logits, dev(s.temperature), dev(s.top_k), dev(s.top_p), dev(s.min_p),
+                                   dev(s.seeds), dev(s.counters), **penalties)
+    top_ids = top_logprobs = ranks = None
+    if s.num_logprobs is not None:
+        chosen = logits.gather(1, tokens.long()[:, None])
+        ranks = ((logits > chosen).sum(dim=1) + 1).int().cpu().numpy()
+        if s.num_logprobs > 0:
+            values, ids = _top(logits, s.num_logprobs)
+            top_ids, top_logprobs = ids.int().cpu().numpy(), (values - lse[:, None]).cpu().numpy()
+    return SampleResult(tokens=tokens.cpu().numpy(), logprobs=logprobs.cpu().numpy(), top_ids=top_ids,
+                        top_logprobs=top_logprobs, ranks=ranks)
+
+
+def _top(logits: torch.Tensor, n: int):
+    """The ``n`` largest logits per row and their ids, ties to the lower id (a stable descending sort)."""
+    values, ids = torch.sort(logits, dim=1, descending=True, stable=True)
+    return values[:, :n], ids[:, :n]
