@@ -10,8 +10,9 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch 2.13.0 resolves to the CPU wheel shipped on these machines
-	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	# both frameworks, the server and the test tools, at the pinned versions of constraints.txt
+	# (torch 2.13.0 resolves to the CPU wheel shipped on these machines)
+	$(PY) -m pip install -q -c constraints.txt -e ".[all,test]"
 	touch $@
 
 demo: install

@@ -21,6 +21,11 @@ functions is then wrapped (:class:`Interpreted`):
   Triton 3.6's interpreter rounds to fp8 half-up without carrying into the
   exponent (127.99 became 64) and reads the NaN code as 480
   (:func:`_exact_e4m3_conversions`).
+* Any numpy, 2.4 and later included: the interpreter holds a scalar as a
+  1-element array and converts it with ``int(array)`` when a kernel uses a
+  tensor as a Python integer (``range(lo, hi)`` over loaded bounds), which
+  numpy deprecated in 1.25 and made a ``TypeError`` in 2.4. During a launch
+  that conversion reads the one element instead (:func:`_scalar_index`).
 """
 
 from __future__ import annotations
@@ -180,6 +185,39 @@ def _exact_e4m3_conversions():
     interpreter._convert_float = convert
 
 
+def _tensor_index(self):
+    """``tl.tensor.__index__`` in the interpreter: the value of a one-element tensor as an int."""
+    data = self.handle.data
+    if data.size != 1:
+        raise TypeError(f"only one-element tensors can be used as an index, not shape {data.shape}")
+    return int(data.reshape(()))
+
+
+def _scalar_index():
+    """Make the interpreter's ``tl.tensor.__index__`` read the element of its 1-element array.
+
+    Triton 3.6 sets ``tl.tensor.__index__`` to ``int(self.handle.data)`` for the duration of each
+    launch (``_patch_lang_tensor``; the scope restores it afterwards). ``data`` has shape ``(1,)``
+    for a scalar, and numpy >= 2.4 refuses ``int()`` of an array with ndim > 0 (older numpy
+    warns). This keeps Triton's patch and overrides only ``__index__``, in the same scope, so
+    outside a launch ``tl.tensor`` is untouched. ``bool()`` of a 1-element array, the interpreter's
+    ``__bool__``, is still allowed by numpy and left alone.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_m3_scalar_index", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", _tensor_index)
+
+    patch_lang_tensor._m3_scalar_index = True
+    patch_lang_tensor.__wrapped__ = original   # Triton's own (tests/test_packaging.py restores it)
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 def _package():
     pkg = sys.modules.get(_PACKAGE)
     if pkg is None:
@@ -203,6 +241,7 @@ def load(name: str):
             _package()
             _let_interpreted_kernels_call_triton_helpers()
             _exact_e4m3_conversions()
+            _scalar_index()
             # triton.jit reads the knob when it decorates: every @triton.jit executed
             # while this module (and anything it imports relatively) loads becomes an
             # InterpretedFunction.

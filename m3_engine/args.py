@@ -95,6 +95,8 @@ class EngineArgs:
     seed:            the engine's seed, from which requests without their own seed draw.
     enforce_eager:   torch: never capture CUDA graphs. JAX always runs jitted steps:
                      True there is a ValueError.
+    enable_prefix_caching: reuse the K/V/index-K pages of full 128-token blocks that an
+                     earlier request computed for the same token prefix (``m3_engine.block_manager``).
     """
     model: Any
     dtype: Any = None
@@ -110,6 +112,7 @@ class EngineArgs:
     index_cache_dtype: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
+    enable_prefix_caching: bool = False
 
     def check(self) -> "CheckedArgs":
         """Every option checked and resolved, before any framework work."""
@@ -133,7 +136,7 @@ class EngineArgs:
         scheduler = SchedulerConfig.from_engine_args(
             config, max_batch=self.max_batch, max_context=self.max_context, max_cache_pages=self.max_cache_pages,
             max_num_tokens=self.max_num_tokens, prefill_chunk=self.prefill_chunk,
-            graph_batch_sizes=self.graph_batch_sizes)
+            graph_batch_sizes=self.graph_batch_sizes, enable_prefix_caching=self.enable_prefix_caching)
         return CheckedArgs(model_dir=model_dir, config=config, tp=tp, dtype=dtype, platform=platform,
                            device_index=index, device_object=device_object, device=self.device,
                            scheduler=scheduler, kv_cache_dtype=self.kv_cache_dtype,

@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(f"--{cache}-cache-dtype", choices=CACHE_DTYPES, default="auto",
                        help=f"{'K/V' if cache == 'kv' else 'index-K'} cache: the model's dtype (auto, default) "
                             "or float8_e4m3fn (fp8)")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the cached pages of full 128-token blocks that an earlier prompt computed")
 
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
@@ -393,7 +395,8 @@ def _run(args) -> int:
     options = {name: value for name, value in (
         ("dtype", args.dtype), ("device", args.device), ("max_batch", args.max_batch),
         ("max_context", args.max_context), ("tensor_parallel_size", args.tensor_parallel_size),
-        ("kv_cache_dtype", args.kv_cache_dtype), ("index_cache_dtype", args.index_cache_dtype)) if value is not None}
+        ("kv_cache_dtype", args.kv_cache_dtype), ("index_cache_dtype", args.index_cache_dtype),
+        ("enable_prefix_caching", args.enable_prefix_caching)) if value is not None}
     try:
         checked = EngineArgs(args.model, **options).check()
     except _USER_ERRORS as e:

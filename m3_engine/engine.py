@@ -46,6 +46,7 @@ class _Request:
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
         self.metrics = RequestMetrics(arrival_time=arrival)
+        self.num_cached_tokens = 0
         self.hold = max((len(s) for s in params.stop), default=1) - 1 \
             if params.stop and not params.include_stop_str_in_output else 0
 
@@ -57,7 +58,8 @@ class _Request:
                                       logprobs=None if self.logprobs is None else list(self.logprobs),
                                       finish_reason=self.finish_reason, stop_reason=self.stop_reason)
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=list(self.prompt_ids),
-                             outputs=[completion], finished=finished, metrics=self.metrics)
+                             outputs=[completion], finished=finished, metrics=self.metrics,
+                             num_cached_tokens=self.num_cached_tokens)
 
 
 class LLMEngine:
@@ -79,7 +81,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}       # request id -> unfinished request
         self._by_scheduler_id: dict[int, _Request] = {}
         self._arrivals = itertools.count()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
+        self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -153,6 +155,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def stats(self) -> dict:
+        """Counters since start-up and the state now: requests, tokens, pool pages, prefix cache."""
+        s, blocks = self.scheduler, self.scheduler.blocks
+        return dict(self._counts, running_requests=s.num_running, waiting_requests=s.num_waiting,
+                    total_pages=s.config.num_slots, free_pages=s.num_free_slots,
+                    prefix_cache_hit_tokens=blocks.hit_tokens, prefix_cache_query_tokens=blocks.query_tokens,
+                    prefix_cache_hit_rate=blocks.hit_tokens / max(blocks.query_tokens, 1),
+                    cached_blocks=blocks.num_cached, evictable_blocks=blocks.num_evictable)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
 
@@ -166,19 +178,20 @@ class LLMEngine:
         step = self.scheduler.schedule()
         rows = [self._by_scheduler_id[int(i)] for i in step.request_ids]
         now = time.time()
-        for scheduler_id, _ in ((r.id, q) for r, q in step.rows):
-            request = self._by_scheduler_id[scheduler_id]
+        for r, _ in step.rows:
+            request = self._by_scheduler_id[r.id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+                request.num_cached_tokens = r.num_cached   # prompt tokens served by the prefix cache
         try:
             result = self.runner.execute(step, self._sampling_batch(step, rows))
         except BaseException:
             self.scheduler.cancel(step)
             raise
-        self.stats["prompt_tokens"] += sum(q for r, q in step.rows if not r.prefilled)
+        self._counts["prompt_tokens"] += sum(q for r, q in step.rows if not r.prefilled)
         finished = set(self.scheduler.update(step, result.tokens))
-        self.stats["steps"] += 1
-        self.stats["generation_tokens"] += len(rows)
+        self._counts["steps"] += 1
+        self._counts["generation_tokens"] += len(rows)
         now = time.time()
         outputs = []
         for i, request in enumerate(rows):
@@ -265,4 +278,4 @@ class LLMEngine:
         self._requests.pop(request.request_id, None)
         self._by_scheduler_id.pop(request.scheduler_id, None)
         self.scheduler.requests.pop(request.scheduler_id, None)
-        self.stats["finished_requests"] += 1
+        self._counts["finished_requests"] += 1

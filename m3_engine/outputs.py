@@ -55,7 +55,8 @@ class RequestMetrics:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """One request: its prompt and its (growing, when streamed) completion."""
+    """One request: its prompt and its (growing, when streamed) completion. ``num_cached_tokens``:
+    prompt tokens whose K/V came from the prefix cache."""
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list

@@ -50,6 +50,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .block_manager import BlockManager, block_hashes
 from .model_config import M3TextConfig
 from m3_kernels.planner import PAGE_SIZE, StepConfig, StepPlan, StepPlanner
 
@@ -76,6 +77,8 @@ class SchedulerConfig:
     prefill_chunk:     prompt tokens per request per step; default ``max_num_tokens``.
     graph_batch_sizes: batch sizes pure generation steps are padded to (sorted
                        on construction; each <= max_batch).
+    enable_prefix_caching: reuse the cached full blocks of earlier requests'
+                       tokens (``m3_engine.block_manager``).
     """
     max_batch: int
     max_context: int
@@ -83,10 +86,12 @@ class SchedulerConfig:
     max_num_tokens: int | None = None
     prefill_chunk: int | None = None
     graph_batch_sizes: tuple[int, ...] = ()
+    enable_prefix_caching: bool = False
 
     @classmethod
     def from_engine_args(cls, config: M3TextConfig, *, max_batch, max_context, max_cache_pages,
-                         max_num_tokens=None, prefill_chunk=None, graph_batch_sizes=None) -> "SchedulerConfig":
+                         max_num_tokens=None, prefill_chunk=None, graph_batch_sizes=None,
+                         enable_prefix_caching=False) -> "SchedulerConfig":
         """The limits of an engine from the keyword arguments both ``LLM`` classes take.
 
         max_context None: ``min(DEFAULT_MAX_CONTEXT, max_position_embeddings)``; more
@@ -107,8 +112,11 @@ class SchedulerConfig:
                              f"tokens: it needs {max_blocks} pages of {PAGE_SIZE} tokens")
         if graph_batch_sizes is None:
             graph_batch_sizes = default_graph_batch_sizes(max_batch)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching: expected a bool, got {enable_prefix_caching!r}")
         return cls(max_batch=max_batch, max_context=max_context, num_slots=num_slots, max_num_tokens=max_num_tokens,
-                   prefill_chunk=prefill_chunk, graph_batch_sizes=tuple(graph_batch_sizes))
+                   prefill_chunk=prefill_chunk, graph_batch_sizes=tuple(graph_batch_sizes),
+                   enable_prefix_caching=enable_prefix_caching)
 
     def __post_init__(self):
         if self.max_num_tokens is None:
@@ -144,6 +152,8 @@ class Request:
     num_cached: int = 0                 # tokens whose K/V are in the cache
     slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))  # int32, reserved at admission
     table_row: np.ndarray | None = None  # [max_blocks] int32: slots, then -1; built once at admission
+    block_hashes: list = dataclasses.field(default_factory=list)  # of its full blocks (prefix caching)
+    num_registered: int = 0             # full blocks registered in the prefix cache
     finish_reason: str | None = None    # None (running) | "stop" (eos, stop token or string) | "length" | "abort"
     stop_reason: int | None = None      # the stop token id that ended it (None for eos)
 
@@ -237,7 +247,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self._waiting: list[Request] = []   # FCFS, not admitted
         self._running: list[Request] = []   # admitted, in admission order
-        self._free = list(range(config.num_slots))  # kept sorted: the lowest slot is reused first
+        self.blocks = BlockManager(config.num_slots, config.enable_prefix_caching)
         self._next_id = 0
         self._pending: Step | None = None
 
@@ -333,7 +343,8 @@ class Scheduler:
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free)
+        """Slots no request holds (prefix caching: cached blocks nobody holds included)."""
+        return self.blocks.num_available
 
     # -- steps ---------------------------------------------------------------------
 
@@ -357,20 +368,46 @@ class Scheduler:
                 q = min(len(r.prompt) - r.num_cached, cfg.prefill_chunk, tokens_left)
                 context.append((r, q))
                 rows_left, tokens_left = rows_left - 1, tokens_left - q
-        while self._waiting and rows_left and tokens_left and self._slots_needed(self._waiting[0]) <= len(self._free):
-            r = self._waiting.pop(0)
-            r.slots = np.asarray(self._free[:self._slots_needed(r)], np.int32)
-            del self._free[:len(r.slots)]
+        while self._waiting and rows_left and tokens_left:
+            r = self._waiting[0]
+            hits = self._cached_prefix(r)
+            num_new = self._slots_needed(r) - len(hits)
+            if not self.blocks.can_admit(hits, num_new):
+                break
+            self._waiting.pop(0)
+            r.slots = self.blocks.admit(hits, num_new, len(r.prompt))
             r.table_row = np.full(cfg.max_blocks, -1, np.int32)
             r.table_row[:len(r.slots)] = r.slots
+            r.num_cached, r.num_registered = len(hits) * PAGE_SIZE, len(hits)   # prefill starts after the hits
             self._running.append(r)
-            q = min(len(r.prompt), cfg.prefill_chunk, tokens_left)
+            q = min(len(r.prompt) - r.num_cached, cfg.prefill_chunk, tokens_left)
             context.append((r, q))
             rows_left, tokens_left = rows_left - 1, tokens_left - q
         if not generation and not context:  # unreachable: construction guarantees one request fits
             raise RuntimeError("schedule: nothing fits in a step (this is a bug)")
         self._pending = self._build(context, generation)
         return self._pending
+
+    def _cached_prefix(self, r: Request) -> list:
+        """The cached slots of ``r``'s longest cached prompt prefix, in whole blocks before the block
+        of its last prompt token (that one is always computed: its logits start the generation)."""
+        if not self.blocks.caching:
+            return []
+        usable = (len(r.prompt) - 1) // PAGE_SIZE
+        r.block_hashes = block_hashes(r.prompt, usable, r.block_hashes)
+        return self.blocks.match(r.block_hashes[:usable])
+
+    def _register_full_blocks(self, r: Request) -> None:
+        """Offer ``r``'s blocks whose K/V rows are all in the cache now to the prefix cache."""
+        full = r.num_cached // PAGE_SIZE
+        if not self.blocks.caching or full <= r.num_registered:
+            return
+        tokens = r.prompt if full * PAGE_SIZE <= len(r.prompt) else \
+            np.concatenate([r.prompt, np.asarray(r.output, np.int32)])
+        r.block_hashes = block_hashes(tokens, full, r.block_hashes)
+        for b in range(r.num_registered, full):
+            self.blocks.register(int(r.slots[b]), r.block_hashes[b])
+        r.num_registered = full
 
     def _slots_needed(self, r: Request) -> int:
         cache_tokens = min(len(r.prompt) + r.max_new_tokens - 1, self.config.max_context)
@@ -434,6 +471,7 @@ class Scheduler:
         self._pending = None
         for r, q in step.rows:
             r.num_cached += q
+            self._register_full_blocks(r)
         finished = []
         for request_id, token in zip(step.request_ids.tolist(), tokens.tolist()):
             r = self.requests[request_id]
@@ -452,7 +490,7 @@ class Scheduler:
 
     def _finish(self, r: Request):
         self._running.remove(r)
-        self._free = sorted(self._free + r.slots.tolist())
+        self.blocks.release(r.slots.tolist())
         r.slots, r.table_row = r.slots[:0], None
 
 

@@ -102,6 +102,7 @@ log = logging.getLogger("uvicorn.error")   # uvicorn's configured logger: our li
 
 FRAMEWORKS = ("torch", "jax")
 DEFAULT_MAX_QUEUE = 1024
+UNHEALTHY_AFTER = 3   # consecutive failed engine steps after which /health answers 503
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -299,7 +300,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="m3-engine", daemon=True)
-        self.error: Optional[str] = None     # the last step's error while no step has succeeded since
+        self.error: Optional[str] = None     # the last failed step's error
+        self.failed_steps = 0                # failed steps since the last good one
         self.dead: Optional[str] = None      # why the engine thread ended abnormally
         self.snapshot: dict = {}
         self._publish()
@@ -420,12 +422,13 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as e:
             self.metrics.step_errors += 1
+            self.failed_steps += 1
             self.error = f"{type(e).__name__}: {e}"
             log.error("m3-serve: an engine step failed; its requests fail with a 500:\n%s", traceback.format_exc())
             self._fail_all(APIError(500, f"the engine failed in a step: {self.error}", type="internal_server_error",
                                     code="engine_step_failed"))
             return
-        self.error = None
+        self.failed_steps = 0
         now = time.time()
         for out in outputs:
             request_id = out.request_id
@@ -784,13 +787,18 @@ def create_app(llm, *, served_model_name=None, api_key: Optional[str] = None,
 
     @app.get("/health")
     async def health():
+        """200 with the engine's load; 503 when the engine thread is not running or the last
+        ``UNHEALTHY_AFTER`` steps all failed (a step that fails now and then is reported in
+        ``last_error`` only: its requests failed, the engine serves on)."""
         loop = server.engine_loop
-        detail = {**loop.snapshot, "in_flight": server.in_flight}
+        detail = {**loop.snapshot, "in_flight": server.in_flight, "failed_steps": loop.failed_steps,
+                  "last_error": loop.error}
         if loop.dead or not loop.alive:
-            return JSONResponse({"status": "error", "error": loop.dead or "the engine thread is not running",
-                                 **detail}, status_code=503)
-        if loop.error:
-            return JSONResponse({"status": "error", "error": loop.error, **detail}, status_code=503)
+            return JSONResponse({"status": "error", **detail,
+                                 "error": loop.dead or "the engine thread is not running"}, status_code=503)
+        if loop.failed_steps >= UNHEALTHY_AFTER:
+            return JSONResponse({"status": "error", **detail,
+                                 "error": f"the last {loop.failed_steps} engine steps failed"}, status_code=503)
         return {"status": "ok", **detail}
 
     @app.get("/v1/models")
@@ -917,6 +925,9 @@ def create_app(llm, *, served_model_name=None, api_key: Optional[str] = None,
                                 "choices": [], "usage": _usage([job.outputs[r] for r in job.request_ids])})
             except APIError as e:
                 yield _sse(e.body())
+            except Exception as e:   # a bug: the client gets an error event, not a cut stream
+                log.error("m3-serve: a stream failed:\n%s", traceback.format_exc())
+                yield _sse(APIError(500, f"{type(e).__name__}: {e}", type="internal_server_error").body())
             finally:
                 job.close()
             yield "data: [DONE]\n\n"
@@ -1007,6 +1018,9 @@ def create_app(llm, *, served_model_name=None, api_key: Optional[str] = None,
                                 "model": server.model, "choices": [], "usage": _usage([job.outputs[base]])})
             except APIError as e:
                 yield _sse(e.body())
+            except Exception as e:   # a bug: the client gets an error event, not a cut stream
+                log.error("m3-serve: a stream failed:\n%s", traceback.format_exc())
+                yield _sse(APIError(500, f"{type(e).__name__}: {e}", type="internal_server_error").body())
             finally:
                 job.close()
             yield "data: [DONE]\n\n"

@@ -6,6 +6,15 @@ through jax-triton on a GPU backend, run by Triton's interpreter inside
 See SPEC.md for what each op computes.
 """
 
+try:
+    import jax  # noqa: F401  (first: without JAX, name the extra that installs it)
+except ModuleNotFoundError as exc:
+    if exc.name not in ("jax", "jaxlib"):
+        raise
+    raise ModuleNotFoundError("m3_jax needs JAX: pip install 'm3-msa-kernels[jax]' (on an NVIDIA GPU: [cuda12] or "
+                              "[cuda13]; on a CPU also [torch], whose CPU tensors the interpreted kernels run on)",
+                              name="jax") from None
+
 from . import cache, interop, ops, reference
 from .api import (StepSpec, dense_decode, dense_prefill, index_scores, index_scores_prefill, msa_attention_step,
                   msa_decode, msa_prefill, select_blocks, select_blocks_prefill, sparse_decode, sparse_prefill,

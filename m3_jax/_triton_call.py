@@ -228,6 +228,13 @@ def _python_scalar(x):
 def _cpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stages, aliases, constexprs):
     array_pos = [i for i, a in enumerate(args) if not isinstance(a, _SCALAR_TYPES)]
     arrays = [args[i] for i in array_pos]
+    try:
+        import torch  # noqa: F401  (here, when traced: inside the callback a missing torch is an opaque XLA error)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise ModuleNotFoundError("m3_jax on a CPU backend runs the kernels in Triton's interpreter on torch CPU "
+                                  "tensors: pip install 'm3-msa-kernels[torch]'", name="torch") from None
 
     def callback(*np_arrays):
         import torch  # only the CPU path needs torch

@@ -6,6 +6,13 @@ interpreter. The ``torch.ops.m3.*`` custom ops behind these functions are
 internal (``m3_torch.ops``; their signatures may change).
 """
 
+try:
+    import torch  # noqa: F401  (first: without PyTorch, name the extra that installs it)
+except ModuleNotFoundError as exc:
+    if exc.name != "torch":
+        raise
+    raise ModuleNotFoundError("m3_torch needs PyTorch: pip install 'm3-msa-kernels[torch]'", name="torch") from None
+
 from . import cache, ops, reference
 from .api import (dense_decode, dense_prefill, index_scores, index_scores_prefill, msa_attention_step, msa_decode,
                   msa_prefill, prefill_plan, select_blocks, select_blocks_prefill, sparse_decode, sparse_prefill)

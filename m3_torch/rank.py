@@ -22,12 +22,12 @@ import torch
 # first step, a dropped LLM kept its pool (and its workers) that long. Imported here, only module frames.
 import torch._dynamo  # noqa: F401
 
-import m3_torch
 from m3_engine import checkpoint
 from m3_engine.scheduler import Step
 from m3_engine.tp import TPPlan
 from m3_kernels.pool import PoolLayout
 
+from .cache import allocate_pool, layer_caches
 from .model import M3Model, StepTensors
 
 __all__ = ["Runner", "rank_device", "DTYPES"]
@@ -74,8 +74,8 @@ class Runner:
         self.layout = PoolLayout.create(num_slots, sparse=c.sparse_layers, num_kv_heads=tp.num_kv_heads,
                                         head_dim=c.head_dim, index_head_dim=c.index_head_dim, dtype=dtype_name,
                                         kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
-        self.pool = m3_torch.allocate_pool(self.layout, self.device)
-        self.caches = [m3_torch.layer_caches(self.pool, self.layout, i) for i in range(c.num_hidden_layers)]
+        self.pool = allocate_pool(self.layout, self.device)
+        self.caches = [layer_caches(self.pool, self.layout, i) for i in range(c.num_hidden_layers)]
         self.graphs = _DecodeGraphs(self) if cuda_graphs else None
 
     def run(self, step: Step) -> Optional[torch.Tensor]:

@@ -66,13 +66,13 @@ with tuning.override(target_programs=1, sparse_target_programs=1):
 
     tp2 = m3_jax.LLM(model_dir, tensor_parallel_size=2, **kwargs)
     out["tp2"] = generate_ids(tp2, prompts, max_new_tokens=new)
-    out["specs"] = {n: str(tp2.params[n].sharding.spec) for n in (
+    out["specs"] = {n: str(tp2.runner.params[n].sharding.spec) for n in (
         "model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.q_proj.weight",
         "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.o_proj.weight",
         "model.layers.1.self_attn.indexer.q_proj.weight", "model.layers.1.self_attn.indexer.k_proj.weight",
         "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
         "model.layers.1.mlp.gate.weight")}
-    out["shapes"] = {n: list(tp2.params[n].shape) for n in out["specs"]}
+    out["shapes"] = {n: list(tp2.runner.params[n].shape) for n in out["specs"]}
     out["pool"] = [list(tp2.runner.pool.shape), str(tp2.runner.pool.sharding.spec), len(tp2.runner.pool.devices())]
     out["shard_devices"] = sorted(s.device.id for s in tp2.runner.pool.addressable_shards)
     pool2 = np.asarray(tp2.runner.pool)

@@ -82,7 +82,7 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
         margins = record_margins(tp1)
         want = generate_ids(tp1, prompts, max_new_tokens=NEW_TOKENS)
         with m3_torch.LLM(model_dir, tensor_parallel_size=2, **kwargs) as tp2:
-            procs = tp2._workers.procs
+            procs = tp2.runner._workers.procs
             with pytest.raises(ValueError, match="empty"):   # checked on rank 0 before any rank sees a step
                 generate_ids(tp2, [[5], []], max_new_tokens=2)
             got = generate_ids(tp2, prompts, max_new_tokens=NEW_TOKENS)
