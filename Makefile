@@ -20,7 +20,7 @@ demo: install
 
 # two pytest-xdist workers: CI's two cores (the interpreted kernels are single-threaded Python)
 test: install
-	$(PY) -m pytest -q -m "not long" -n 2
+	$(PY) -m pytest -q -m "not long" -n 2 --dist loadgroup
 
 # On a GPU machine (see benchmarks/README.md for the device-tool command).
 test-gpu:

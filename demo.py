@@ -44,6 +44,7 @@ def transformers_tokens(model_dir, prompts_ids, max_tokens):
     except ImportError:
         return None
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     kwargs = dict(dtype=torch.float32, attn_implementation="eager")
     vl = modeling.MiniMaxM3SparseForConditionalGeneration.from_pretrained(model_dir, **kwargs)  # original names
     model = transformers.MiniMaxM3VLForCausalLM(vl.config.text_config)

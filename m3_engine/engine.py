@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import uuid
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -95,18 +96,19 @@ class LLMEngine:
             raise TypeError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
         params = params.with_defaults(self.generation_defaults)
         text, ids = self.tokenize_prompt(prompt)
-        number = next(self._arrivals)
-        request_id = str(number) if request_id is None else request_id
-        if not isinstance(request_id, str):
+        if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id: expected a string, got {type(request_id).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        scheduler_id = self.scheduler.add_request(ids, params.max_tokens, stop_token_ids=params.stop_token_ids,
+                                                  ignore_eos=params.ignore_eos)
+        number = next(self._arrivals)   # only accepted requests count: they key the unseeded requests' seeds
+        if request_id is None:
+            request_id = str(number) if str(number) not in self._requests else f"{number}-{uuid.uuid4().hex}"
         if params.seed is None:
             seed = int(np.random.SeedSequence([self.seed, number]).generate_state(1, np.uint64)[0]) & MAX_SEED
         else:
             seed = params.seed
-        scheduler_id = self.scheduler.add_request(ids, params.max_tokens, stop_token_ids=params.stop_token_ids,
-                                                  ignore_eos=params.ignore_eos)
         detokenizer = None if self.tokenizer is None else \
             IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         request = _Request(request_id, text, ids, params, seed, scheduler_id, detokenizer,

@@ -13,10 +13,25 @@ Endpoints:
 * ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed (server-sent
   events ``data: {...}``, then ``data: [DONE]``) or not, in OpenAI's shapes;
   ``stream_options.include_usage`` adds a last chunk with ``usage``.
-* ``GET /v1/models`` (and ``/v1/models/{name}``), ``GET /health`` (200 with the
-  engine's load, or 503 when the engine loop is dead or its last step failed),
-  ``GET /metrics`` (Prometheus text format), ``POST /tokenize``, ``POST /detokenize``
-  (vLLM's shapes).
+* ``GET /v1/models`` (and ``/v1/models/{name}``; the card adds ``max_model_len``
+  and ``vocab_size``), ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes).
+* ``GET /health``: 200 ``{"status": "ok", "running", "waiting", "unfinished",
+  "kv_pages_used", "kv_pages_total", "in_flight", "failed_steps", "last_error",
+  ...the engine's stats}``; 503 when the engine thread is not running or the last
+  3 steps all failed.
+* ``GET /metrics`` (Prometheus text, label ``model_name``): gauges
+  ``m3_num_requests_running`` / ``_waiting`` / ``_unfinished`` (engine),
+  ``m3_num_requests_in_flight`` (HTTP requests being answered),
+  ``m3_kv_cache_used_pages`` / ``_total_pages`` / ``_usage_perc``,
+  ``m3_kv_cache_cached_blocks`` / ``_evictable_blocks`` (prefix caching);
+  counters ``m3_prompt_tokens_total``, ``m3_generation_tokens_total``,
+  ``m3_engine_steps_total``, ``m3_engine_step_errors_total``,
+  ``m3_request_success_total{finished_reason}``, ``m3_request_aborted_total``,
+  ``m3_request_refused_total``, ``m3_prefix_cache_queries_total`` / ``_hits_total``
+  (tokens); histograms ``m3_time_to_first_token_seconds``,
+  ``m3_time_per_output_token_seconds`` (between two tokens of a request) and
+  ``m3_e2e_request_latency_seconds``. After a load the pool is empty again when
+  running, waiting, in-flight and used pages are all 0.
 
 Request fields: OpenAI's ``model``, ``prompt`` (a string, a list of strings,
 token ids, a list of token-id lists: one choice per prompt), ``messages``,
@@ -38,13 +53,20 @@ Semantics worth knowing:
   for completions). A request may ask for more than is left: it then ends with
   ``finish_reason="length"`` at the end of the context.
 * A prompt longer than ``max_context`` is a 400 (``code="context_length_exceeded"``).
+* ``usage.prompt_tokens_details.cached_tokens``: the prompt tokens the prefix
+  cache served (``--enable-prefix-caching``; else 0).
 * ``echo`` (completions) puts the prompt text before the completion; with
   ``logprobs`` it is a 400 (the engine computes no prompt logprobs). In chat,
   ``echo`` puts the last message's content first when that message is the
   assistant's (vLLM's rule).
 * Sampling defaults a request leaves out come from the model's
-  ``generation_config.json`` (as ``LLM.generate``); a request with ``seed``
-  samples the same tokens as ``LLM.generate`` with the same parameters.
+  ``generation_config.json`` (``max_new_tokens`` caps the default ``max_tokens``);
+  the server applies them itself, only to the fields a request leaves out (an
+  explicit ``"temperature": 1.0`` stays 1.0). A request with ``seed`` samples
+  the same tokens as ``LLM.generate`` with the same parameters.
+* ``--max-queue N``: an HTTP request whose prompts would make more than N
+  requests wait (admitted to no batch yet) is refused with a 503
+  (``code="queue_full"``); a list prompt counts one per prompt.
 * Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
   400 for a bad request (pydantic's checks and ``SamplingParams``'), 401 for a
   missing or wrong API key (``/v1/*``, ``/tokenize``, ``/detokenize``; ``/health``
@@ -59,10 +81,13 @@ request's asyncio queue (``loop.call_soon_threadsafe``). Between commands it
 runs engine steps while any request is unfinished and blocks on the queue when
 idle, so every connection shares the continuous batch. A client that goes away
 (a closed stream, a dropped connection while waiting for a non-streamed answer)
-has its requests aborted, which frees their cache pages at once. SIGTERM (and
-SIGINT) stop the server cleanly: uvicorn lets open requests finish for
-``--shutdown-timeout`` seconds, then cancels them; the engine thread aborts what
-is left and stops, and ``llm.close()`` ends tensor-parallel workers; exit status 0.
+has its requests aborted, which frees their cache pages at once. A failed
+engine step fails the requests then unfinished (500: the body, or an error
+event in a stream) and the loop goes on. SIGTERM (and SIGINT) stop the server
+cleanly: no new connections; open requests may finish for ``--shutdown-timeout``
+seconds, then the engine thread aborts what is left (each gets a 503 error
+body or error event, then ``[DONE]``) and stops; ``llm.close()`` ends
+tensor-parallel workers; exit status 0.
 """
 
 from __future__ import annotations
@@ -87,6 +112,13 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
+try:   # first: without the server's packages, name the extra that installs them
+    import fastapi  # noqa: F401
+    import pydantic  # noqa: F401
+    import uvicorn  # noqa: F401
+except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(f"m3-serve needs FastAPI, uvicorn and pydantic ({e.name} is missing): "
+                              "pip install 'm3-msa-kernels[server]'", name=e.name) from None
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -660,9 +692,12 @@ def _sse(obj) -> str:
 
 
 def _usage(outputs: list) -> dict:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _completion_logprobs(server: _Server, token_ids: list, logprobs: list, n: int, offset: int) -> dict:
@@ -1096,6 +1131,14 @@ def _render_metrics(server: _Server) -> str:
     metric("m3_kv_cache_total_pages", "gauge", "KV pool pages (128 tokens) in all.", s["kv_pages_total"])
     metric("m3_kv_cache_usage_perc", "gauge", "Fraction of the KV pool in use (1 = full).",
            s["kv_pages_used"] / max(s["kv_pages_total"], 1))
+    metric("m3_kv_cache_cached_blocks", "gauge", "Pool pages holding a prefix-cached block (held or not).",
+           s.get("cached_blocks", 0))
+    metric("m3_kv_cache_evictable_blocks", "gauge", "Prefix-cached pages no request holds (reusable, or "
+           "handed out when the pool needs them).", s.get("evictable_blocks", 0))
+    metric("m3_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+           s.get("prefix_cache_query_tokens", 0))
+    metric("m3_prefix_cache_hits_total", "counter", "Prompt tokens served by the prefix cache.",
+           s.get("prefix_cache_hit_tokens", 0))
     metric("m3_prompt_tokens_total", "counter", "Prompt tokens prefilled.", s.get("prompt_tokens", 0))
     metric("m3_generation_tokens_total", "counter", "Tokens generated.", s.get("generation_tokens", 0))
     metric("m3_engine_steps_total", "counter", "Engine steps run.", s.get("steps", 0))
@@ -1162,7 +1205,7 @@ def _int_list(text: str) -> list:
 # gets a generic --field-name flag from its default (see _engine_flags).
 _ENGINE_FLAGS = ("dtype", "device", "max_batch", "max_context", "max_cache_pages", "max_num_tokens", "prefill_chunk",
                  "graph_batch_sizes", "tensor_parallel_size", "kv_cache_dtype", "index_cache_dtype", "seed",
-                 "enforce_eager")
+                 "enforce_eager", "enable_prefix_caching")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1207,6 +1250,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--index-cache-dtype", choices=_cache_dtypes(CACHE_DTYPES), default="auto")
     engine.add_argument("--seed", type=int, default=0, help="the engine's seed (requests without their own)")
     engine.add_argument("--enforce-eager", action="store_true", help="torch: no CUDA graphs")
+    engine.add_argument("--enable-prefix-caching", action="store_true",
+                        help="reuse the KV pages of full 128-token prompt blocks across requests")
     _engine_flags(engine)
     return p
 
@@ -1224,15 +1269,17 @@ def _engine_flags(group) -> None:
             continue
         flag = "--" + field.name.replace("_", "-")
         default = field.default if field.default is not dataclasses.MISSING else None
+        help_ = f"an engine option (m3_engine.args.EngineArgs.{field.name}; default {default!r})"
         if isinstance(default, bool):
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=default)
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_)
         elif isinstance(default, int):
-            group.add_argument(flag, dest=field.name, type=int, default=default)
+            group.add_argument(flag, dest=field.name, type=int, default=default, help=help_)
         elif isinstance(default, float):
-            group.add_argument(flag, dest=field.name, type=float, default=default)
+            group.add_argument(flag, dest=field.name, type=float, default=default, help=help_)
         else:
             group.add_argument(flag, dest=field.name, type=_scalar, default=default,
-                               help="(an engine option: a number, a name, or a JSON value)")
+                               help=help_ + "; a number, a name or a JSON value")
 
 
 def _scalar(text: str):

@@ -21,7 +21,9 @@ special tokens (the template writes them).
 
 from __future__ import annotations
 
+import datetime
 import json
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -30,6 +32,7 @@ from .model_config import read_json
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "load_tokenizer"]
 
 TOKENIZER_FILE = "tokenizer.json"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def load_tokenizer(model_dir) -> Optional["Tokenizer"]:
@@ -57,6 +60,9 @@ class Tokenizer:
         self.add_bos_token = bool(config.get("add_bos_token", False))
         self.chat_template = _chat_template(model_dir, config)
         self.vocab_size = self._tok.get_vocab_size()
+        # byte-fallback tokens ("<0xE2>"): a run of them decodes only once complete (see IncrementalDetokenizer)
+        self.byte_token_ids = frozenset(i for t, i in self._tok.get_vocab(with_added_tokens=False).items()
+                                        if _BYTE_TOKEN.fullmatch(t))
 
     # -- encode / decode -----------------------------------------------------------------------
 
@@ -105,10 +111,11 @@ class IncrementalDetokenizer:
 
     Each new token decodes a short window of the latest ids twice (with and without
     the new ones) and hands out the difference, so a token whose bytes complete a
-    multi-byte character only later (byte fallback, byte-level BPE) is held back
-    until the character is complete: no U+FFFD is handed out that the full decode
-    does not have. :meth:`finish` compares with the full decode and hands out the
-    rest.
+    multi-byte character only later (byte-level BPE) is held back until the
+    character is complete: no U+FFFD is handed out that the full decode does not
+    have. A run of byte-fallback tokens (``<0xNN>``) is held back until a normal
+    token ends it (an invalid run decodes to U+FFFD as a whole). :meth:`finish`
+    compares with the full decode and hands out the rest.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True):
@@ -121,6 +128,8 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Append ids; -> the text they complete (may be empty)."""
         self.ids.extend(int(t) for t in token_ids)
+        if self.ids and self.ids[-1] in self.tokenizer.byte_token_ids:
+            return ""   # a byte-fallback run may still turn out invalid: its decode would rewrite its start
         before = self.tokenizer.decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip)
         after = self.tokenizer.decode(self.ids[self._prefix:], skip_special_tokens=self.skip)
         if len(after) <= len(before) or after.endswith("\ufffd"):
@@ -171,9 +180,15 @@ def _compile(template: str):
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        env.filters["tojson"] = tojson
         try:
             _compiled[template] = env.from_string(template)
         except jinja2.exceptions.TemplateSyntaxError as e:

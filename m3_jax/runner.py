@@ -50,7 +50,7 @@ from m3_kernels.maps import next_pow2
 from . import model, tp
 from .api import StepSpec, step_inputs
 from .cache import allocate_pool
-from .sampling import sample
+from .sampling import sample, seed_words
 
 __all__ = ["JaxRunner"]
 
@@ -259,7 +259,7 @@ def _sampling_arrays(s: SamplingBatch, rows: int) -> dict:
         return np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
 
     out = dict(temperature=rows_of(s.temperature), top_k=rows_of(s.top_k), top_p=rows_of(s.top_p, 1),
-                   min_p=rows_of(s.min_p), seeds=rows_of(s.seeds), counters=rows_of(s.counters))
+                   min_p=rows_of(s.min_p), seeds=rows_of(seed_words(s.seeds)), counters=rows_of(s.counters))
     if s.has_penalties:
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             out[name] = rows_of(getattr(s, name), 1 if name == "repetition_penalty" else 0)

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from m3_kernels import sampling as _sampling
 
@@ -25,13 +26,19 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *, repetit
 
     Arguments and semantics as ``m3_torch.sample`` (logits [L, V] float32 / bfloat16 / float16; per row
     temperature, top_p, min_p float32, top_k, counters int32, seeds int64 or, as JAX runs without x64,
-    int32: the same value draws the same token; optional penalties float32 [L] with prompt_ids [L, P]
-    and output_ids [L, O] int32 padded with -1, all five or none).
+    int32 (the same value draws the same token) or [L, 2] int32: an int64 seed's low and high words;
+    optional penalties float32 [L] with prompt_ids [L, P] and output_ids [L, O] int32 padded with -1,
+    all five or none).
     """
     penalties = {"repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
                  "frequency_penalty": frequency_penalty}
-    rows, vocab, has_penalties = _sampling.check_sample_call(logits, temperature, top_k, top_p, min_p, seeds,
-                                                             counters, penalties, prompt_ids, output_ids)
+    words = seeds.ndim == 2
+    if words and (seeds.shape[1] != 2 or str(seeds.dtype) != "int32"):
+        raise TypeError(f"seeds: expected [L] int64/int32 or [L, 2] int32 (low, high words), got "
+                        f"{seeds.dtype}{list(seeds.shape)}")
+    rows, vocab, has_penalties = _sampling.check_sample_call(logits, temperature, top_k, top_p, min_p,
+                                                             seeds[:, 0] if words else seeds, counters, penalties,
+                                                             prompt_ids, output_ids)
     if str(seeds.dtype) == "int64" and not jax.config.jax_enable_x64:   # numpy seeds JAX would narrow
         raise TypeError("seeds: int64 seeds need jax_enable_x64 (JAX would narrow them); pass int32 seeds "
                         "(the same value draws the same token)")
@@ -63,9 +70,17 @@ def _sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *penaltie
     return tokens, logprobs, lse
 
 
+def seed_words(seeds: np.ndarray) -> np.ndarray:
+    """Host int64 seeds [L] -> [L, 2] int32 (low, high words): how a jitted step passes int64 seeds
+    through JAX without x64."""
+    return np.ascontiguousarray(seeds, "<i8").view("<i4").reshape(-1, 2)
+
+
 def _seed_words(seeds):
-    """seeds [L] int64 / int32 -> [L, 2] int32: the int64 value's low and high words (int32 sign-extended,
-    as torch's ``seeds.to(torch.int64)``)."""
+    """seeds [L] int64 / int32 (or already [L, 2] words) -> [L, 2] int32: the int64 value's low and high
+    words (int32 sign-extended, as torch's ``seeds.to(torch.int64)``)."""
+    if seeds.ndim == 2:
+        return seeds
     if seeds.dtype == jnp.int32:
         return jnp.stack([seeds, seeds >> 31], axis=1)
     low = jax.lax.convert_element_type(seeds & 0xFFFFFFFF, jnp.uint32)

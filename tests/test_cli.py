@@ -321,6 +321,7 @@ def real(monkeypatch, engines):
     monkeypatch.setattr(cli, "engine_class", engine_class)
 
 
+@pytest.mark.long
 def test_torch_and_jax_agree_greedily(model_dir, tok, real, capsys):
     records = {}
     for framework in ("torch", "jax"):
@@ -418,6 +419,7 @@ def test_errors_come_before_any_framework_import(model_dir, tok):
                                                                         "folder\n")
 
 
+@pytest.mark.long
 def test_stdin_pipe_end_to_end(model_dir):
     """``python -m m3_engine.cli`` with prompts piped in and stdout/stderr pipes: JSON lines out,
     exit status 0, and on stderr only the summary line (no progress-bar carriage returns)."""

@@ -149,7 +149,7 @@ def tokens(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("framework", ["torch", pytest.param("jax", marks=pytest.mark.long)])
 def test_a_cached_prefix_gives_the_tokens_of_a_computed_one(model_dir, framework):
     """The short version of the next test (CI): a prefix cached by one call, reused by the next."""
     on, off = engines(model_dir, framework, max_context=256)

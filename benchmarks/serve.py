@@ -1,0 +1,500 @@
+"""Load test of the OpenAI-compatible server: `python3 -m benchmarks.serve --model DIR [options]`.
+
+    python3 -m benchmarks.serve --model /tmp/m3e2e --e2e-model --max-batch 64 --max-context 4096 \\
+        --input-len 1024 --output-len 256 --num-requests 256 --request-rate 4,16,inf --max-concurrency 64 \\
+        --out benchmarks/results/latest                     # GPU: the random M3-shaped model of benchmarks.e2e
+    python3 -m benchmarks.serve --url http://127.0.0.1:8000/v1 --api-key KEY ...   # a server already running
+    python3 -m benchmarks.serve --tiny                      # CPU smoke run: the tiny test model, a few requests
+
+Without ``--url`` the server is started here as a subprocess (``python -m
+m3_engine.serve MODEL --port 0`` with ``--framework``, ``--max-batch``,
+``--max-context``, ``--dtype``, ``--kv-cache-dtype``, ``--tensor-parallel-size``
+and anything in ``--server-args``), waited for (``/health``), warmed up, and
+stopped with SIGTERM at the end (its exit status is checked). ``--e2e-model``
+writes ``benchmarks.e2e``'s random bf16 model (MiniMax-M3's attention shapes,
+4 layers, a 32k vocabulary, no tokenizer) into ``--model`` first when that
+folder has no ``config.json``.
+
+Load: ``--num-requests`` requests per row; arrivals are a Poisson process of
+``--request-rate`` requests/s (``inf``: all at once), at most
+``--max-concurrency`` in flight (a request that arrives beyond it waits for a
+free place, as vLLM's ``benchmark_serving`` does). Prompt and output lengths
+are uniform in ``[L * (1 - r), L * (1 + r)]`` (``--input-len``,
+``--output-len``, ``--range-ratio r``); prompts are random token ids (the e2e
+model has no tokenizer), requests are streamed ``/v1/completions`` with
+``ignore_eos`` (every request generates its full output length) and
+``return_token_ids`` (token counts per chunk). Comma lists of
+``--request-rate`` and ``--max-concurrency`` give one row per pair, in one
+server.
+
+Per row: request throughput (req/s), output and total (prompt + output) token
+throughput (tok/s) over the row's wall time, and p50 / p99 (and mean) of
+TTFT (request sent -> first token), TPOT ((last token - first token) / (output
+tokens - 1), per request), ITL (between two token chunks) and end-to-end
+latency. The server's ``/metrics`` generation-token counter is compared with
+the tokens the client counted, and the server must be idle after each row.
+The HTTP client is the standard library's asyncio streams (no extra package
+on the load side). ``--out DIR`` writes ``serve.json`` and ``serve.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- the HTTP client ----------------------------------------------------------------------------------
+
+class Endpoint:
+    def __init__(self, url: str, api_key: str | None):
+        parsed = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+        if parsed.scheme != "http":
+            raise SystemExit(f"--url: only http:// is supported, got {url!r}")
+        self.host, self.port = parsed.hostname, parsed.port or 80
+        self.prefix = parsed.path.rstrip("/")          # ".../v1"
+        self.root = self.prefix[:-3] if self.prefix.endswith("/v1") else self.prefix
+        self.api_key = api_key
+
+    async def request(self, method: str, path: str, payload=None, on_event=None):
+        """-> (status, body bytes). With ``on_event``, each SSE ``data:`` payload is handed to it as
+        it arrives (``time.perf_counter()`` is taken by the caller)."""
+        reader, writer = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
+        try:
+            body = b"" if payload is None else json.dumps(payload).encode()
+            head = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Connection: close",
+                    f"Content-Length: {len(body)}", "Content-Type: application/json", "Accept: */*"]
+            if self.api_key:
+                head.append(f"Authorization: Bearer {self.api_key}")
+            writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+            await writer.drain()
+            status = int((await reader.readline()).split()[1])
+            headers = {}
+            while True:
+                line = await reader.readline()
+                if line in (b"\r\n", b"\n", b""):
+                    break
+                k, _, v = line.decode("latin-1").partition(":")
+                headers[k.strip().lower()] = v.strip()
+            buffer, whole = b"", []
+            async for data in _body(reader, headers):
+                if on_event is None or status != 200:
+                    whole.append(data)
+                    continue
+                buffer += data
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if line.startswith(b"data:"):
+                            on_event(line[5:].strip())
+            return status, b"".join(whole)
+        finally:
+            writer.close()
+
+    async def json(self, method: str, path: str, payload=None):
+        status, body = await self.request(method, path, payload)
+        try:
+            return status, json.loads(body)
+        except ValueError:
+            return status, body.decode(errors="replace")
+
+
+async def _body(reader, headers):
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                return
+            yield await reader.readexactly(size)
+            await reader.readexactly(2)
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        while data := await reader.read(1 << 16):
+            yield data
+
+
+def parse_metrics(text: str) -> dict:
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\w+)(?:\{([^}]*)\})? (\S+)$", line)
+        if m:
+            labels = ",".join(x for x in (m.group(2) or "").split(",") if x and not x.startswith("model_name="))
+            out[m.group(1) + (f"{{{labels}}}" if labels else "")] = float(m.group(3))
+    return out
+
+
+# -- one request, one row ------------------------------------------------------------------------------
+
+async def one_request(ep: Endpoint, model: str, prompt: list, output_len: int, temperature: float) -> dict:
+    payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature,
+               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+               "return_token_ids": True}
+    times, counts, record = [], [], {"input_len": len(prompt), "output_len": 0, "error": None}
+
+    def on_event(data: bytes):
+        now = time.perf_counter()
+        if data == b"[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            record["error"] = event["error"].get("message")
+            return
+        for choice in event.get("choices") or ():
+            n = len(choice.get("token_ids") or ())
+            if n:
+                times.append(now)
+                counts.append(n)
+        if event.get("usage"):
+            record["usage"] = event["usage"]
+
+    start = time.perf_counter()
+    try:
+        status, body = await ep.request("POST", ep.prefix + "/completions", payload, on_event)
+    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+        status, body = None, f"{type(e).__name__}: {e}".encode()
+    end = time.perf_counter()
+    if status != 200:
+        record["error"] = f"HTTP {status}: {body[:300].decode(errors='replace')}"
+    record.update(start=start, end=end, output_len=sum(counts))
+    if times:
+        record["ttft"] = times[0] - start
+        record["itl"] = [b - a for a, b in zip(times, times[1:])]
+        if record["output_len"] > 1:
+            record["tpot"] = (times[-1] - times[0]) / (record["output_len"] - 1)
+    record["e2e"] = end - start
+    return record
+
+
+def _lengths(rng: random.Random, n: int, mean: int, ratio: float) -> list:
+    low, high = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+async def run_row(ep: Endpoint, model: str, vocab: int, args, rate: float, concurrency: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    inputs = _lengths(rng, args.num_requests, args.input_len, args.range_ratio)
+    outputs = _lengths(rng, args.num_requests, args.output_len, args.range_ratio)
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in inputs]
+    gaps = [0.0 if math.isinf(rate) else rng.expovariate(rate) for _ in prompts]
+    gate = asyncio.Semaphore(concurrency)
+    _, before = await ep.request("GET", ep.root + "/metrics")
+
+    async def limited(prompt, n):
+        async with gate:
+            return await one_request(ep, model, prompt, n, args.temperature)
+
+    start = time.perf_counter()
+    tasks = []
+    for prompt, n, gap in zip(prompts, outputs, gaps):
+        if gap:
+            await asyncio.sleep(gap)
+        tasks.append(asyncio.ensure_future(limited(prompt, n)))
+    records = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    _, after = await ep.request("GET", ep.root + "/metrics")
+    idle = await wait_idle(ep)
+    before, after = parse_metrics(before.decode()), parse_metrics(after.decode())
+
+    ok = [r for r in records if r["error"] is None]
+    out_tokens = sum(r["output_len"] for r in ok)
+    in_tokens = sum(r["input_len"] for r in ok)
+    row = dict(request_rate="inf" if math.isinf(rate) else rate, max_concurrency=concurrency,
+               num_requests=len(records), completed=len(ok), failed=len(records) - len(ok),
+               errors=sorted({r["error"] for r in records if r["error"]})[:5],
+               short_outputs=sum(r["output_len"] != n for r, n in zip(records, outputs) if r["error"] is None),
+               duration_s=duration, request_throughput=len(ok) / duration,
+               output_throughput=out_tokens / duration, total_token_throughput=(in_tokens + out_tokens) / duration,
+               mean_input_len=in_tokens / max(len(ok), 1), mean_output_len=out_tokens / max(len(ok), 1),
+               server_generation_tokens=after.get("m3_generation_tokens_total", 0)
+               - before.get("m3_generation_tokens_total", 0),
+               server_idle_after=idle)
+    for key, values in (("ttft", [r["ttft"] for r in ok if "ttft" in r]),
+                        ("tpot", [r["tpot"] for r in ok if "tpot" in r]),
+                        ("itl", [x for r in ok for x in r.get("itl", ())]),
+                        ("e2e", [r["e2e"] for r in ok])):
+        row[f"{key}_ms"] = _summary(values)
+    return row
+
+
+def _summary(values: list) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    values = sorted(v * 1e3 for v in values)
+    return {"mean": statistics.fmean(values), "p50": _percentile(values, 50), "p99": _percentile(values, 99)}
+
+
+def _percentile(sorted_values: list, q: float) -> float:
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+async def wait_idle(ep: Endpoint, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, text = await ep.request("GET", ep.root + "/metrics")
+        m = parse_metrics(text.decode())
+        if all(m.get(k, 0) == 0 for k in ("m3_num_requests_running", "m3_num_requests_waiting",
+                                          "m3_kv_cache_used_pages")):
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+# -- the server subprocess ------------------------------------------------------------------------------
+
+def start_server(args, log_path: Path):
+    cmd = [sys.executable, "-m", "m3_engine.serve", str(args.model), "--host", "127.0.0.1", "--port", "0",
+           "--framework", args.framework, "--max-batch", str(args.max_batch), "--served-model-name", "bench",
+           "--no-access-log", "--max-queue", str(max(args.num_requests, 1024))]
+    for flag, value in (("--max-context", args.max_context), ("--dtype", args.dtype),
+                        ("--kv-cache-dtype", args.kv_cache_dtype), ("--index-cache-dtype", args.index_cache_dtype),
+                        ("--tensor-parallel-size", args.tensor_parallel_size), ("--device", args.device)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    cmd += shlex.split(args.server_args or "")
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    log = open(log_path, "w")
+    print("server:", " ".join(cmd), f"(log: {log_path})", flush=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", log_path.read_text())
+        if m:
+            return proc, log, f"http://127.0.0.1:{m.group(1)}/v1"
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"the server did not start:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_server(proc, log, log_path: Path) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    log.close()
+    if rc != 0:
+        print(f"the server exited with {rc}:\n{log_path.read_text()[-3000:]}", flush=True)
+    return rc
+
+
+async def wait_healthy(ep: Endpoint, timeout: float, proc=None) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            status, body = await ep.json("GET", ep.root + "/health")
+            if status == 200:
+                return body
+        except OSError:
+            pass
+        await asyncio.sleep(0.5)
+    raise SystemExit(f"the server at {ep.host}:{ep.port} is not healthy after {timeout} s")
+
+
+# -- report ---------------------------------------------------------------------------------------------
+
+def _fmt(v, spec="{:.1f}") -> str:
+    return "-" if v is None else spec.format(v)
+
+
+def markdown(result: dict) -> str:
+    s = result["setup"]
+    lines = [f"# m3-serve load test ({result['date']})", "",
+             f"Server: {s['server']}. Model: {s['model']}. Requests per row: {s['num_requests']}, prompt "
+             f"{s['input_len']} and output {s['output_len']} tokens (range ratio {s['range_ratio']}), temperature "
+             f"{s['temperature']}, streamed /v1/completions with ignore_eos. Command: `{result['command']}`.", "",
+             "Times in ms: TTFT = request sent -> first token; TPOT = (last - first token) / (tokens - 1) per "
+             "request; ITL = between token chunks; E2E = whole request.", "",
+             "| rate (req/s) | concurrency | done / failed | req/s | out tok/s | total tok/s | TTFT p50 | TTFT p99 | "
+             "TPOT p50 | TPOT p99 | ITL p50 | ITL p99 | E2E p50 | E2E p99 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['request_rate']} | {r['max_concurrency']} | {r['completed']} / {r['failed']} | "
+            f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {r['total_token_throughput']:.1f} | "
+            + " | ".join(_fmt(r[f"{k}_ms"][q]) for k in ("ttft", "tpot", "itl", "e2e") for q in ("p50", "p99"))
+            + " |")
+    problems = [f"- rate {r['request_rate']}, concurrency {r['max_concurrency']}: "
+                + "; ".join(filter(None, [f"{r['failed']} failed ({'; '.join(r['errors'])})" if r["failed"] else "",
+                                          f"{r['short_outputs']} outputs short" if r["short_outputs"] else "",
+                                          "server not idle afterwards" if not r["server_idle_after"] else "",
+                                          f"server counted {r['server_generation_tokens']:.0f} generated tokens"
+                                          if r["server_generation_tokens"] and abs(
+                                              r["server_generation_tokens"] - r["mean_output_len"] * r["completed"])
+                                          > 0.5 else ""]))
+                for r in result["rows"] if r["failed"] or r["short_outputs"] or not r["server_idle_after"]]
+    if problems:
+        lines += ["", "Problems:", *problems]
+    return "\n".join(lines) + "\n"
+
+
+def _floats(text: str) -> list:
+    return [math.inf if x.strip() in ("inf", "Inf") else float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = ap.add_argument_group("server")
+    where.add_argument("--model", type=Path, default=None, help="model folder (the server is started here)")
+    where.add_argument("--url", default=None, help="an already running server, e.g. http://127.0.0.1:8000/v1")
+    where.add_argument("--api-key", default=os.environ.get("M3_API_KEY"))
+    where.add_argument("--tiny", action="store_true", help="CPU smoke run: the tiny test model and a small load")
+    where.add_argument("--e2e-model", action="store_true", help="write benchmarks.e2e's random M3-shaped model "
+                       "into --model first (when it has no config.json)")
+    where.add_argument("--framework", choices=("torch", "jax"), default="torch")
+    where.add_argument("--max-batch", type=int, default=64)
+    where.add_argument("--max-context", type=int, default=None, help="default: the longest prompt + output")
+    where.add_argument("--dtype", default=None)
+    where.add_argument("--device", default=None)
+    where.add_argument("--kv-cache-dtype", default=None)
+    where.add_argument("--index-cache-dtype", default=None)
+    where.add_argument("--tensor-parallel-size", type=int, default=None)
+    where.add_argument("--server-args", default="", help="more m3-serve flags, e.g. \"--max-num-tokens 8192\"")
+    where.add_argument("--start-timeout", type=float, default=1800.0)
+    load = ap.add_argument_group("load")
+    load.add_argument("--num-requests", type=int, default=256)
+    load.add_argument("--request-rate", type=_floats, default=[math.inf], help="req/s, Poisson; a comma list "
+                      "(inf = all at once; default inf)")
+    load.add_argument("--max-concurrency", type=_ints, default=[64], help="in-flight limit; a comma list")
+    load.add_argument("--input-len", type=int, default=1024)
+    load.add_argument("--output-len", type=int, default=128)
+    load.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L*(1-r)..L*(1+r)")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--warmup", type=int, default=None, help="requests run before measuring (default: one "
+                      "round of max concurrency, at most 16)")
+    load.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write serve.json and serve.md here")
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    tmp = None
+    if args.tiny:
+        defaults = dict(num_requests=8, input_len=16, output_len=4, max_batch=8, max_context=512, device="cpu",
+                        warmup=1)
+        given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
+        for name, value in defaults.items():
+            if "--" + name.replace("_", "-") not in given:
+                setattr(args, name, value)
+        if args.request_rate == [math.inf] and "--max-concurrency" not in given:
+            args.max_concurrency = [8]
+        if args.model is None and args.url is None:
+            from m3_engine.tiny_model import write_tiny_checkpoint
+            tmp = tempfile.TemporaryDirectory()
+            args.model = write_tiny_checkpoint(Path(tmp.name) / "tiny", seed=0)
+    if (args.model is None) == (args.url is None):
+        ap.error("expected one of --model DIR (start a server) or --url URL (use a running one)")
+    longest = int(args.input_len * (1 + args.range_ratio)) + int(args.output_len * (1 + args.range_ratio))
+    if args.model is not None:
+        if args.max_context is None:
+            args.max_context = -(-longest // 128) * 128
+        if args.e2e_model and not (args.model / "config.json").is_file():
+            from benchmarks.e2e import M3_SHAPES, write_model
+            print(f"writing benchmarks.e2e's model to {args.model} ...", flush=True)
+            write_model(args.model, M3_SHAPES, max(args.max_context, 4096))
+    try:
+        return asyncio.run(_main(args, argv, longest))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+async def _main(args, argv, longest) -> dict:
+    proc = log = None
+    log_path = Path(tempfile.mkstemp(prefix="m3-serve-", suffix=".log")[1])
+    if args.url is None:
+        proc, log, url = start_server(args, log_path)
+    else:
+        url = args.url
+    ep = Endpoint(url, args.api_key)
+    rc = None
+    try:
+        health = await wait_healthy(ep, args.start_timeout, proc)
+        status, models = await ep.json("GET", ep.prefix + "/models")
+        if status != 200:
+            raise SystemExit(f"GET /v1/models: {status} {models}")
+        card = models["data"][0]
+        model, vocab = card["id"], card.get("vocab_size") or 32768
+        if card.get("max_model_len") and longest > card["max_model_len"]:
+            raise SystemExit(f"prompt + output up to {longest} tokens, more than the server's context "
+                             f"({card['max_model_len']})")
+        warm = args.warmup if args.warmup is not None else min(max(args.max_concurrency), 16)
+        if warm:
+            print(f"warm-up: {warm} requests ...", flush=True)
+            rng = random.Random(args.seed + 1)
+            records = await asyncio.gather(*[one_request(
+                ep, model, [rng.randrange(3, vocab) for _ in range(args.input_len)], min(args.output_len, 8),
+                args.temperature) for _ in range(warm)])
+            errors = [r["error"] for r in records if r["error"]]
+            if errors:
+                raise SystemExit(f"warm-up failed: {errors[0]}")
+        rows = []
+        for rate in args.request_rate:
+            for concurrency in args.max_concurrency:
+                print(f"rate {rate} req/s, concurrency {concurrency}: {args.num_requests} requests ...", flush=True)
+                row = await run_row(ep, model, vocab, args, rate, concurrency, args.seed)
+                rows.append(row)
+                print(f"  {row['completed']} done, {row['failed']} failed in {row['duration_s']:.1f} s: "
+                      f"{row['request_throughput']:.2f} req/s, {row['output_throughput']:.1f} out tok/s, TTFT p50 "
+                      f"{_fmt(row['ttft_ms']['p50'])} ms, TPOT p50 {_fmt(row['tpot_ms']['p50'], '{:.2f}')} ms",
+                      flush=True)
+    finally:
+        if proc is not None:
+            rc = stop_server(proc, log, log_path)
+    server = (f"m3-serve {args.framework}, max_batch {args.max_batch}, max_context {args.max_context}"
+              + (f", tp {args.tensor_parallel_size}" if args.tensor_parallel_size else "")
+              + (f", dtype {args.dtype}" if args.dtype else "")
+              + (f", kv cache {args.kv_cache_dtype}" if args.kv_cache_dtype else "")
+              + (f" {args.server_args}" if args.server_args else "")) if args.url is None else f"{url}"
+    result = dict(date=time.strftime("%Y-%m-%d"), command="python3 -m benchmarks.serve " + " ".join(
+        argv if argv is not None else sys.argv[1:]), setup=dict(
+        server=server, model=str(args.model) if args.model else card.get("root"), health=health,
+        num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, temperature=args.temperature, server_exit_status=rc), rows=rows)
+    text = markdown(result)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "serve.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "serve.md"), "w") as f:
+            f.write(text)
+    print(text)
+    if rc not in (None, 0):
+        raise SystemExit(f"the server exited with {rc}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,805 @@
+"""m3-serve (m3_engine.serve): the official ``openai`` client against a server subprocess, both frameworks.
+
+One server per framework for the module (``running_server``: ``python -m m3_engine.serve`` on a
+free port of 127.0.0.1, the tiny model, max_context 256, max_batch 8), reused by every test; after
+each test the server must be idle (no request running or waiting, no KV page reserved, no HTTP
+request open: ``/metrics``), and at the end SIGTERM must stop it with exit status 0 while a stream
+is still open. Model steps are slow in Triton's interpreter (about 0.7 s of CPU per row of a
+step, plus a fixed cost per step), so the basic requests (completions and chat, streamed and not,
+seeded and greedy, logprobs, echo, stop strings and stop tokens) go to the server all at once in
+``batch`` (one continuous batch) and the tests check their answers; ``reference`` is
+``LLM.generate`` of the same framework in this process with the same parameters (computed while the
+server starts; every selected framework's server starts at once, see ``Launch``): seeded and
+greedy sampling through the server give the same tokens. ``fake_server`` runs the app in this
+process over the real engine with a fake model runner (no framework, instantaneous steps) for what
+the real model cannot be made to do on demand (a step that fails, a burst of 64 clients, the
+prefix cache) in a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from m3_engine import SamplingParams, engine_class                      # noqa: E402
+from m3_engine.runner import SampleResult                               # noqa: E402
+from m3_engine.tiny_model import write_tiny_checkpoint                  # noqa: E402
+from m3_engine.tokenizer import Tokenizer                               # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("serve")   # one worker for the module under --dist loadgroup
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "test-key"
+MODEL = "tiny"
+MAX_CONTEXT = 256
+MAX_QUEUE = 40
+START_TIMEOUT = 600        # a loaded 2-core machine: imports, model, first steps
+REQUEST_TIMEOUT = 600
+IDLE_TIMEOUT = 180         # an abort waits for the step in flight (JAX, 8 rows: seconds)
+
+PROMPTS = ["Hello world", "The quick brown fox"]
+SEEDED = dict(temperature=0.8, top_p=0.95, top_k=50, seed=1234, frequency_penalty=0.3, max_tokens=4)
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+CHAT_GREEDY = dict(temperature=0.0, max_tokens=3)
+STOP_PROMPT, STOP_TOKENS = "Once upon a time", 6
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+def call(port, method, path, body=None, *, key=KEY, raw=None, timeout=REQUEST_TIMEOUT):
+    """-> (status, parsed JSON body or text) of one request (``raw``: bytes sent as they are)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    try:
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        text = resp.read().decode()
+    finally:
+        conn.close()
+    try:
+        return resp.status, json.loads(text)
+    except ValueError:
+        return resp.status, text
+
+
+def metrics(port) -> dict:
+    """``/metrics`` -> ``{name or name{labels}: value}`` (the model_name label left out)."""
+    status, text = call(port, "GET", "/metrics", key=None)
+    assert status == 200, text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\w+)\{([^}]*)\} (\S+)$", line)
+        if m:
+            labels = ",".join(x for x in m.group(2).split(",") if not x.startswith("model_name="))
+            out[m.group(1) + (f"{{{labels}}}" if labels else "")] = float(m.group(3))
+    return out
+
+
+IDLE = ("m3_num_requests_running", "m3_num_requests_waiting", "m3_num_requests_unfinished",
+        "m3_num_requests_in_flight", "m3_kv_cache_used_pages")
+
+
+def wait_idle(port, timeout=IDLE_TIMEOUT) -> dict:
+    """Wait until nothing runs, waits or holds KV pages (aborts are asynchronous); -> the metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(port)
+        if all(m[k] == 0 for k in IDLE):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server is not idle after {timeout} s: {({k: m[k] for k in IDLE})}")
+        time.sleep(0.1)
+
+
+def wait_for(port, predicate, what, timeout=REQUEST_TIMEOUT) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(port)
+        if predicate(m):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not seen in {timeout} s ({({k: m[k] for k in IDLE})})")
+        time.sleep(0.05)
+
+
+def listening_port(log: Path, proc, timeout) -> int:
+    """The port of the 'listening on' line of a starting server's log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", log.read_text())
+        if m:
+            return int(m.group(1))
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"the server did not start in {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+class Server:
+    """A ``python -m m3_engine.serve`` subprocess (or, with ``port`` only, a server in this process)."""
+
+    def __init__(self, framework=None, model_dir=None, log: Path = None, *extra, port=None):
+        self.framework, self.log, self.port, self.proc = framework, log, port, None
+        if port is not None:
+            return
+        cmd = [sys.executable, "-m", "m3_engine.serve", str(model_dir), "--framework", framework,
+               "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--max-batch", "8",
+               "--max-context", str(MAX_CONTEXT), "--api-key", KEY, "--served-model-name", MODEL,
+               "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "1", "--no-access-log", *extra]
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        self._log_file = open(log, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log_file, stderr=subprocess.STDOUT)
+
+    def wait_ready(self):
+        self.port = listening_port(self.log, self.proc, START_TIMEOUT)
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                status, body = call(self.port, "GET", "/health", key=None, timeout=10)
+                if status == 200:
+                    return body
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the server is not healthy ({self.proc.poll()}):\n{self.log.read_text()[-4000:]}")
+            time.sleep(0.2)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=REQUEST_TIMEOUT, **kw)
+
+    def async_client(self, **kw):
+        return openai.AsyncOpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=REQUEST_TIMEOUT, **kw)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log_file.close()
+
+
+async def collect(stream_call):
+    """All chunks of a streamed call (awaited inside the client's event loop)."""
+    return [chunk async for chunk in await stream_call]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_serve"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return Tokenizer(model_dir)
+
+
+# the JAX server is the costlier on the CPU interpreter (compilations): `pytest -m long` runs it
+@pytest.fixture(scope="module", params=["torch", pytest.param("jax", marks=pytest.mark.long)])
+def framework(request):
+    return request.param
+
+
+class Launch:
+    """A server starting in the background: its reference answers (``LLM.generate`` in this process),
+    then the server up and warmed up (JAX compiles its first step shapes). The module starts the
+    server of every framework it will test at once, so that one starts while another is tested."""
+    _reference_lock = threading.Lock()   # Triton's interpreter is not thread-safe: one engine at a time
+
+    def __init__(self, framework, model_dir, tok, log: Path):
+        self.server = Server(framework, model_dir, log)
+        self.error = None
+        self.thread = threading.Thread(target=self._prepare, args=(framework, model_dir, tok), daemon=True)
+        self.thread.start()
+
+    def _prepare(self, framework, model_dir, tok):
+        try:
+            with self._reference_lock:
+                self.server.reference = generate_reference(framework, model_dir, tok)
+            self.server.wait_ready()
+            self.server.client().completions.create(model=MODEL, prompt="warm up", max_tokens=2, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+            wait_idle(self.server.port)
+        except BaseException as e:
+            self.error = e
+
+    def ready(self) -> Server:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.server
+
+
+@pytest.fixture(scope="module")
+def launches(request, model_dir, tok, tmp_path_factory):
+    """Every framework's server that the selected tests need, started now, in the test order."""
+    frameworks = []
+    for item in request.session.items:
+        fw = getattr(getattr(item, "callspec", None), "params", {}).get("framework")
+        if fw and Path(str(item.fspath)) == Path(__file__) and fw not in frameworks:
+            frameworks.append(fw)
+    started = {fw: Launch(fw, model_dir, tok, tmp_path_factory.mktemp(f"serve_{fw}") / "server.log")
+               for fw in frameworks}
+    try:
+        yield started
+    finally:
+        for launch in started.values():
+            launch.thread.join(START_TIMEOUT)
+            launch.server.kill()
+
+
+@pytest.fixture(scope="module")
+def running_server(framework, launches):
+    """The module's server of ``framework``, warmed up; at the end SIGTERM stops it."""
+    srv = launches[framework].ready()
+    yield srv
+    # SIGTERM with a stream open: the server lets it run for --shutdown-timeout (1 s), then ends
+    # it with an error event, stops the engine thread, closes the LLM and exits 0.
+    stream = srv.client().completions.create(model=MODEL, prompt="long", max_tokens=400, stream=True,
+                                             extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    srv.proc.send_signal(signal.SIGTERM)
+    with pytest.raises(openai.APIError, match="shutting down"):
+        for chunk in chunks:
+            assert chunk.choices[0].finish_reason is None
+    assert srv.proc.wait(timeout=120) == 0, srv.log.read_text()[-4000:]
+    assert "Traceback" not in srv.log.read_text(), srv.log.read_text()[-4000:]
+
+
+@pytest.fixture
+def server(running_server):
+    """The module's server; idle again (pool empty, nothing running) after the test."""
+    yield running_server
+    wait_idle(running_server.port)
+
+
+@pytest.fixture(scope="module")
+def reference(running_server):
+    return running_server.reference
+
+
+def generate_reference(framework, model_dir, tok) -> dict:
+    """``LLM.generate`` of the same framework in this process: the seeded prompts, the chat prompt
+    as ``LLM.chat`` makes it (template, then ids without special tokens) and the stop tests' prompt,
+    greedy; with the stop string and stop token chosen from that greedy answer."""
+    llm = engine_class(framework)(model_dir, max_batch=8, max_context=MAX_CONTEXT, device="cpu")
+    text = tok.apply_chat_template(MESSAGES)
+    chat_prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+    try:
+        *seeded, chat, greedy = llm.generate(
+            PROMPTS + [chat_prompt, STOP_PROMPT],
+            [SamplingParams(**SEEDED)] * 2 + [SamplingParams(**CHAT_GREEDY),
+                                              SamplingParams(temperature=0, max_tokens=STOP_TOKENS, ignore_eos=True)],
+            use_tqdm=False)
+    finally:
+        llm.close()
+    text, ids = greedy.outputs[0].text, greedy.outputs[0].token_ids
+    # a stop string from the middle of the greedy text (the text must end just before it) and a
+    # stop token id (the first id that does not occur earlier in the greedy output)
+    starts = [k for k in range(1, len(text) - 1) if text.find(text[k:k + 2]) == k and "\ufffd" not in text[k:k + 2]]
+    assert starts, f"no usable stop string in {text!r}"
+    k = starts[len(starts) // 2]
+    j = next(j for j in range(1, len(ids)) if ids[j] not in ids[:j])
+    return {"seeded": seeded, "chat": chat, "greedy": greedy, "stop": (k, text[k:k + 2]), "stop_token": j}
+
+
+@pytest.fixture(scope="module")
+def batch(running_server, reference):
+    """The basic requests, sent all at once: -> their answers by name (streams as chunk lists)."""
+    (_, stop), j = reference["stop"], reference["stop_token"]
+    stop_token = reference["greedy"].outputs[0].token_ids[j]
+    seeded = {k: v for k, v in SEEDED.items() if k != "top_k"}
+    seeded_extra = {"top_k": SEEDED["top_k"], "return_token_ids": True}
+    greedy_chat = dict(model=MODEL, messages=MESSAGES, temperature=0)
+    greedy = dict(model=MODEL, prompt=STOP_PROMPT, temperature=0, extra_body={"ignore_eos": True,
+                                                                              "return_token_ids": True})
+
+    async def run():
+        async with running_server.async_client() as c:
+            calls = {
+                "seeded": c.completions.create(model=MODEL, prompt=PROMPTS, extra_body=seeded_extra, **seeded),
+                "seeded_stream": collect(c.completions.create(
+                    model=MODEL, prompt=PROMPTS[1], stream=True, stream_options={"include_usage": True},
+                    extra_body=seeded_extra, **seeded)),
+                "chat": c.chat.completions.create(**greedy_chat, max_completion_tokens=CHAT_GREEDY["max_tokens"],
+                                                  logprobs=True, top_logprobs=2),
+                "chat_stream": collect(c.chat.completions.create(
+                    **greedy_chat, max_tokens=CHAT_GREEDY["max_tokens"], stream=True,
+                    stream_options={"include_usage": True}, extra_body={"return_token_ids": True})),
+                "greedy": c.completions.create(**greedy, max_tokens=STOP_TOKENS, logprobs=3),
+                "greedy_stream": collect(c.completions.create(**greedy, max_tokens=STOP_TOKENS, logprobs=3,
+                                                              stream=True)),
+                "echo": c.completions.create(**greedy, max_tokens=2, echo=True),
+                "stop": c.completions.create(**greedy, max_tokens=STOP_TOKENS, stop=[stop, "never seen"]),
+                "stop_kept": c.completions.create(**{**greedy, "extra_body": {
+                    "ignore_eos": True, "include_stop_str_in_output": True}}, max_tokens=STOP_TOKENS, stop=stop),
+                "stop_stream": collect(c.completions.create(**greedy, max_tokens=STOP_TOKENS, stop=stop,
+                                                            stream=True)),
+                "stop_token": c.completions.create(**{**greedy, "extra_body": {
+                    "ignore_eos": True, "return_token_ids": True, "stop_token_ids": [stop_token]}},
+                    max_tokens=STOP_TOKENS),
+            }
+            return dict(zip(calls, await asyncio.gather(*calls.values())))
+
+    before = metrics(running_server.port)
+    answers = asyncio.run(run())
+    answers["metrics"] = (before, wait_idle(running_server.port))
+    return answers
+
+
+def check_error(status, body, expected_status, type_=None, param=None, code=None):
+    assert status == expected_status, body
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    if type_ is not None:
+        assert err["type"] == type_, err
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+# -- the real servers -----------------------------------------------------------------------------
+
+def test_models_health_tokenize(server, tok):
+    client = server.client()
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].max_model_len == MAX_CONTEXT
+    status, health = call(server.port, "GET", "/health", key=None)
+    assert status == 200 and health["status"] == "ok" and health["kv_pages_total"] == 8 * (MAX_CONTEXT // 128)
+    text = "The quick brown fox"
+    status, out = call(server.port, "POST", "/tokenize", {"model": MODEL, "prompt": text})
+    assert status == 200 and out["tokens"] == tok.encode(text) and out["count"] == len(out["tokens"]) > 1
+    status, back = call(server.port, "POST", "/detokenize", {"model": MODEL, "tokens": out["tokens"]})
+    assert status == 200 and back["prompt"] == tok.decode(out["tokens"])
+    status, chat = call(server.port, "POST", "/tokenize", {"messages": MESSAGES})
+    assert status == 200
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template(MESSAGES), add_special_tokens=False)
+    m = metrics(server.port)
+    for name in IDLE + ("m3_kv_cache_total_pages", "m3_generation_tokens_total", "m3_kv_cache_usage_perc",
+                        "m3_time_to_first_token_seconds_count", "m3_time_per_output_token_seconds_count"):
+        assert name in m, name
+    assert m["m3_time_to_first_token_seconds_count"] >= 1 and m["m3_generation_tokens_total"] >= 2   # warm-up
+
+
+def test_seeded_completions_match_generate(server, batch, reference):
+    """A list prompt (one choice per prompt) and a stream give ``LLM.generate``'s tokens and text."""
+    resp = batch["seeded"]
+    assert [c.index for c in resp.choices] == [0, 1] and resp.object == "text_completion"
+    assert resp.id.startswith("cmpl-") and resp.model == MODEL
+    compared = 0
+    for choice, ref in zip(resp.choices, reference["seeded"]):
+        assert choice.token_ids == ref.outputs[0].token_ids
+        assert choice.text == ref.outputs[0].text
+        assert choice.finish_reason == ref.outputs[0].finish_reason
+        assert choice.prompt_token_ids == ref.prompt_token_ids
+        compared += len(choice.token_ids)
+    assert compared > 0
+    assert resp.usage.completion_tokens == compared
+    assert resp.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in reference["seeded"])
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+    ref = reference["seeded"][1].outputs[0]
+    chunks = batch["seeded_stream"]
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in choices) == ref.text
+    ids = [t for c in choices for t in c.token_ids]
+    assert ids == ref.token_ids and len(ids) > 0
+    assert choices[-1].finish_reason == ref.finish_reason and all(c.finish_reason is None for c in choices[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_chat(server, batch, reference, tok):
+    """Chat, streamed and not, gives ``LLM.chat``'s greedy answer; usage counts the template's tokens."""
+    ref = reference["chat"].outputs[0]
+    resp = batch["chat"]
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    [choice] = resp.choices
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == ref.finish_reason
+    prompt_ids = tok.encode(tok.apply_chat_template(MESSAGES), add_special_tokens=False)
+    assert resp.usage.prompt_tokens == len(prompt_ids)
+    assert resp.usage.completion_tokens == len(ref.token_ids) > 0
+
+    chunks = batch["chat_stream"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ids = [t for c in chunks if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])]
+    assert content == ref.text and ids == ref.token_ids
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
+
+
+def test_logprobs_and_echo(server, batch):
+    greedy = batch["greedy"].choices[0]
+    lp = greedy.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == STOP_TOKENS
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 1 <= len(top) <= 3
+        assert logprob == pytest.approx(max(top.values()), abs=1e-5)   # greedy: the sampled token is the top one
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    streamed = [c.choices[0] for c in batch["greedy_stream"]]
+    assert [t for c in streamed for t in c.token_ids] == greedy.token_ids
+    assert "".join(c.text for c in streamed) == greedy.text
+    assert [t for c in streamed for t in c.logprobs.tokens] == lp.tokens
+    assert [x for c in streamed for x in c.logprobs.token_logprobs] == pytest.approx(lp.token_logprobs)
+    assert [x for c in streamed for x in c.logprobs.text_offset] == lp.text_offset
+
+    chat = batch["chat"]
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens > 0
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert bytes(entry.bytes).decode() == entry.token
+
+    echo = batch["echo"]
+    assert echo.choices[0].text.startswith(STOP_PROMPT) and len(echo.choices[0].text) > len(STOP_PROMPT)
+    assert echo.choices[0].token_ids == greedy.token_ids[:2] and echo.usage.completion_tokens == 2
+    before, after = batch["metrics"]
+    generated = after["m3_generation_tokens_total"] - before["m3_generation_tokens_total"]
+    counted = sum(batch[name].usage.completion_tokens for name in ("seeded", "chat", "greedy", "echo", "stop",
+                                                                   "stop_kept", "stop_token"))
+    counted += batch["seeded_stream"][-1].usage.completion_tokens + batch["chat_stream"][-1].usage.completion_tokens
+    counted += sum(len(c.choices[0].token_ids) for name in ("greedy_stream", "stop_stream") for c in batch[name])
+    assert generated == counted > 0   # every token the server generated went to a client
+
+
+def test_stop_strings_and_stop_tokens(server, batch, reference):
+    """Greedy answers equal ``LLM.generate``'s; a stop string from the middle of that text cuts it
+    just before (or after, with include_stop_str_in_output), streamed or not; a stop token ends it."""
+    ref = reference["greedy"].outputs[0]
+    base = batch["greedy"].choices[0]
+    assert base.token_ids == ref.token_ids and len(base.token_ids) == STOP_TOKENS
+    assert base.text == ref.text and base.finish_reason == "length"
+    text, ids = ref.text, ref.token_ids
+    (k, stop), j = reference["stop"], reference["stop_token"]
+    plain = batch["stop"].choices[0]
+    assert plain.text == text[:k] and plain.finish_reason == "stop" and plain.stop_reason == stop
+    assert batch["stop"].usage.completion_tokens < STOP_TOKENS
+    assert batch["stop_kept"].choices[0].text == text[:k + 2]
+    pieces = batch["stop_stream"]
+    assert "".join(p.choices[0].text for p in pieces) == text[:k]
+    assert pieces[-1].choices[0].finish_reason == "stop"
+    by_token = batch["stop_token"].choices[0]
+    assert by_token.token_ids == ids[:j + 1] and by_token.finish_reason == "stop" and by_token.stop_reason == ids[j]
+
+
+@pytest.mark.long
+def test_concurrent_streams(server):
+    """32 streaming clients of different lengths at once: each gets its tokens; the pool empties."""
+    before = metrics(server.port)
+    lengths = [1 + i % 3 for i in range(32)]
+
+    async def one(client, i, n):
+        ids, finish, usage = [], None, None
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"client {i} " + "x " * (i % 7), max_tokens=n, temperature=0.7, seed=i,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        async for chunk in stream:
+            if chunk.choices:
+                ids += chunk.choices[0].token_ids
+                finish = chunk.choices[0].finish_reason or finish
+            else:
+                usage = chunk.usage
+        return ids, finish, usage
+
+    async def run():
+        async with server.async_client() as client:
+            return await asyncio.gather(*[one(client, i, n) for i, n in enumerate(lengths)])
+
+    results = asyncio.run(run())
+    for n, (ids, finish, usage) in zip(lengths, results):
+        assert len(ids) == n and finish == "length" and usage.completion_tokens == n
+    after = wait_idle(server.port)
+    assert after["m3_generation_tokens_total"] - before["m3_generation_tokens_total"] == sum(lengths)
+    assert after['m3_request_success_total{finished_reason="length"}'] - \
+        before['m3_request_success_total{finished_reason="length"}'] == 32
+    assert after["m3_time_to_first_token_seconds_count"] - before["m3_time_to_first_token_seconds_count"] == 32
+
+
+def test_disconnect_frees_slots(server):
+    """A stream closed mid-way, and a non-streamed request whose client goes away, are aborted at once."""
+    before = metrics(server.port)
+    stream = server.client().completions.create(model=MODEL, prompt="go on", max_tokens=400, stream=True,
+                                                extra_body={"ignore_eos": True})
+    for got, _ in enumerate(stream, 1):
+        if got == 2:
+            break
+    stream.close()
+    wait_idle(server.port)
+    body = json.dumps({"model": MODEL, "prompt": "go on", "max_tokens": 400, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    wait_for(server.port, lambda m: m["m3_num_requests_running"] == 1, "the request running")
+    sock.close()
+    after = wait_idle(server.port)
+    assert after["m3_request_aborted_total"] - before["m3_request_aborted_total"] == 2
+    assert after["m3_generation_tokens_total"] - before["m3_generation_tokens_total"] < 100
+
+
+BAD = [
+    # (method, path, body or raw bytes, key, status, type, param, code)
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x"}, None, 401, "authentication_error", None, None),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x"}, "wrong", 401, "authentication_error", None, None),
+    ("POST", "/v1/completions", b'{"model": "tiny", "prompt": ', KEY, 400, "invalid_request_error", None, None),
+    ("POST", "/v1/completions", b"[1, 2]", KEY, 400, "invalid_request_error", None, None),
+    ("POST", "/v1/completions", b"\xff\xfe", KEY, 400, "invalid_request_error", None, None),
+    ("POST", "/v1/completions", {"model": MODEL}, KEY, 400, "invalid_request_error", "prompt", None),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": -1}, KEY, 400, None, "temperature", None),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, KEY, 400, None, "top_p", None),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, KEY, 400, None, "max_tokens", None),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, KEY, 400, None, "max_tokens", None),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, KEY, 400, None, "n", None),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, KEY, 400, None, "logprobs", None),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, KEY, 400, None, "stop", None),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": -1}, KEY, 400, None, "seed", None),
+    ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, KEY, 400, None,
+     "stream_options", None),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, KEY, 400, None, "logit_bias", None),
+    ("POST", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, KEY, 400, None, "echo", None),
+    ("POST", "/v1/completions", {"prompt": [5] * (MAX_CONTEXT + 1)}, KEY, 400, None, "prompt",
+     "context_length_exceeded"),
+    ("POST", "/v1/completions", {"prompt": [5, 100000]}, KEY, 400, None, "prompt", None),
+    ("POST", "/v1/completions", {"prompt": []}, KEY, 400, None, "prompt", None),
+    ("POST", "/v1/completions", {"prompt": [[5, 6], []]}, KEY, 400, None, "prompt", None),
+    ("POST", "/v1/completions", {"prompt": ["a"] * (MAX_QUEUE + 1), "max_tokens": 1}, KEY, 503,
+     "service_unavailable_error", None, "queue_full"),
+    ("POST", "/v1/completions", {"model": "nope", "prompt": "x"}, KEY, 404, None, "model", "model_not_found"),
+    ("POST", "/v1/chat/completions", {"messages": []}, KEY, 400, None, "messages", None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, KEY, 400, None,
+     "messages", None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": {"a": 1}}]}, KEY, 400, None,
+     "messages", None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, KEY,
+     400, None, "messages", None),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 3}, KEY, 400, None, "top_logprobs",
+     None),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30}, KEY, 400, None,
+     "top_logprobs", None),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": -3}, KEY, 400, None,
+     "max_completion_tokens", None),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, KEY, 400, None,
+     "tools", None),
+    ("POST", "/v1/chat/completions", {"messages": "hi"}, KEY, 400, None, "messages", None),
+    ("POST", "/tokenize", {"prompt": "a", "messages": MESSAGES}, KEY, 400, None, None, None),
+    ("POST", "/detokenize", {"tokens": [99999]}, KEY, 400, None, "tokens", None),
+    ("POST", "/tokenize", {"prompt": "a"}, None, 401, "authentication_error", None, None),
+    ("GET", "/v1/nope", None, KEY, 404, None, None, None),
+    ("GET", "/v1/completions", None, KEY, 405, None, None, None),
+]
+
+
+def test_bad_requests_while_streaming(server):
+    """Every malformed request gets its 4xx (or 503) with OpenAI's error body; a stream running
+    meanwhile is not disturbed and the server stays healthy."""
+    client = server.client()
+    result = {}
+
+    def stream():
+        ids, finish = [], None
+        for chunk in client.completions.create(model=MODEL, prompt="steady", max_tokens=6, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True,
+                                                                        "return_token_ids": True}):
+            ids += chunk.choices[0].token_ids
+            finish = chunk.choices[0].finish_reason or finish
+            result.setdefault("first", time.monotonic())
+        result["ids"], result["finish"] = ids, finish
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    deadline = time.monotonic() + REQUEST_TIMEOUT
+    while "first" not in result and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "first" in result, "the stream did not start"
+    checked = 0
+    for method, path, body, key, status, type_, param, code in BAD:
+        raw = body if isinstance(body, bytes) else None
+        got_status, got = call(server.port, method, path, None if raw is not None else body, key=key, raw=raw)
+        check_error(got_status, got, status, type_, param, code)
+        checked += 1
+    thread.join(REQUEST_TIMEOUT)
+    assert checked == len(BAD)
+    assert result["finish"] == "length" and len(result["ids"]) == 6, result
+    status, health = call(server.port, "GET", "/health", key=None)
+    assert status == 200 and health["status"] == "ok"
+    assert metrics(server.port)["m3_request_refused_total"] >= MAX_QUEUE + 1
+    # the openai client sees the same errors as exceptions
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+
+
+# -- the app in this process, over a fake runner ------------------------------------------------------
+
+class FakeRunner:
+    """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3); ``fail_steps`` steps from now fail."""
+    fail_in: "int | None" = None
+
+    @staticmethod
+    def pads_decode_steps(args):
+        return False
+
+    def __init__(self, args):
+        self.vocab = args.config.vocab_size
+
+    def execute(self, step, sampling):
+        time.sleep(0.005)
+        if FakeRunner.fail_in is not None:
+            FakeRunner.fail_in -= 1
+            if FakeRunner.fail_in < 0:
+                FakeRunner.fail_in = None
+                raise RuntimeError("injected step failure")
+        tokens = (3 + (sampling.seeds + 7 * sampling.counters) % (self.vocab - 3)).astype(np.int32)
+        rows = len(tokens)
+        n = sampling.num_logprobs
+        top = None if n is None else (tokens[:, None] + np.arange(max(n, 1))[None]) % self.vocab
+        return SampleResult(tokens=tokens, logprobs=np.full(rows, -0.5, np.float32),
+                            top_ids=top, top_logprobs=None if n is None else np.full(top.shape, -0.5, np.float32),
+                            ranks=None if n is None else np.ones(rows, np.int32))
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def fake_server(model_dir):
+    import uvicorn
+
+    from m3_engine.llm import LLM
+    from m3_engine.serve import create_app
+
+    class FakeLLM(LLM):
+        framework = "fake"
+
+        @classmethod
+        def _runner_class(cls):
+            return FakeRunner
+
+    llm = FakeLLM(model_dir, max_batch=4, max_context=256, enable_prefix_caching=True)
+    app = create_app(llm, served_model_name=MODEL, api_key=KEY, max_queue=8)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.01)
+    srv = Server(port=sock.getsockname()[1])
+    yield srv
+    uv.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()
+    assert not app.state.m3.engine_loop.alive   # the lifespan stopped the engine thread
+    llm.close()
+    sock.close()
+
+
+def test_failed_step_fails_its_requests_and_the_server_goes_on(fake_server):
+    client = fake_server.client()
+    for failures in (1, 2, 3):   # one failed step after another: each fails its request; the third makes
+        FakeRunner.fail_in = 0   # /health answer 503
+        with pytest.raises(openai.InternalServerError, match="injected step failure"):
+            client.completions.create(model=MODEL, prompt="a", max_tokens=5)
+        status, health = call(fake_server.port, "GET", "/health", key=None)
+        assert status == (503 if failures == 3 else 200) and "injected" in health["last_error"], health
+        assert health["failed_steps"] == failures
+    ok = client.completions.create(model=MODEL, prompt="a", max_tokens=5, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 5
+    status, health = call(fake_server.port, "GET", "/health", key=None)
+    assert status == 200 and health["failed_steps"] == 0
+    # mid-stream: the chunks so far arrive, then an error event that the client raises
+    FakeRunner.fail_in = 3
+    chunks = []
+    with pytest.raises(openai.APIError, match="injected step failure"):
+        for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=50, stream=True,
+                                                    extra_body={"ignore_eos": True}):
+            chunks.append(chunk)
+    assert 1 <= len(chunks) <= 4
+    m = wait_idle(fake_server.port, timeout=10)
+    assert m["m3_engine_step_errors_total"] == 4
+    ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    assert ok.usage.completion_tokens == 3 and ok.choices[0].finish_reason == "length"
+
+
+def test_fake_many_clients_and_aborts(fake_server):
+    """64 clients (more than the batch and the queue allow at once: some get a 503), half of them
+    closing their stream early; every slot comes back."""
+    async def one(client, i):
+        try:
+            stream = await client.completions.create(model=MODEL, prompt=f"c{i}", max_tokens=20, stream=True,
+                                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+        except openai.APIStatusError as e:
+            assert e.status_code == 503 and e.body["code"] == "queue_full"
+            return "refused"
+        n = 0
+        async for chunk in stream:
+            n += len(chunk.choices[0].token_ids)
+            if i % 2 and n >= 2:
+                await stream.close()
+                return "closed"
+        assert n == 20
+        return "done"
+
+    async def run():
+        async with fake_server.async_client() as client:
+            return await asyncio.gather(*[one(client, i) for i in range(64)])
+
+    outcomes = asyncio.run(run())
+    assert outcomes.count("done") > 0 and outcomes.count("closed") > 0
+    assert outcomes.count("done") + outcomes.count("closed") + outcomes.count("refused") == 64
+    wait_idle(fake_server.port, timeout=30)
+
+
+def test_fake_prefix_cache_usage(fake_server):
+    """With --enable-prefix-caching, usage.prompt_tokens_details.cached_tokens and /metrics show the reuse."""
+    client = fake_server.client()
+    prompt = list(range(10, 210))   # 200 tokens: one full block of 128
+    before = metrics(fake_server.port)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 128 and second.usage.prompt_tokens == 200
+    after = wait_idle(fake_server.port, timeout=10)
+    assert after["m3_prefix_cache_hits_total"] - before["m3_prefix_cache_hits_total"] == 128
+    assert after["m3_prefix_cache_queries_total"] > before["m3_prefix_cache_queries_total"]
+    assert after["m3_kv_cache_evictable_blocks"] >= 1 and after["m3_kv_cache_cached_blocks"] >= 1
+
+
+def test_cli_flags():
+    from m3_engine.serve import build_parser, engine_options
+
+    args = build_parser().parse_args([
+        "DIR", "--framework", "jax", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k",
+        "--served-model-name", "a", "b", "--max-batch", "4", "--max-context", "1024", "--dtype", "bfloat16",
+        "--kv-cache-dtype", "fp8", "--index-cache-dtype", "fp8", "--tensor-parallel-size", "2", "--max-queue", "7",
+        "--enable-prefix-caching"])
+    assert (args.framework, args.host, args.port, args.api_key, args.served_model_name, args.max_queue) == \
+        ("jax", "0.0.0.0", 9000, "k", ["a", "b"], 7)
+    options = engine_options(args)
+    assert options["max_batch"] == 4 and options["max_context"] == 1024 and options["dtype"] == "bfloat16"
+    assert options["kv_cache_dtype"] == options["index_cache_dtype"] == "fp8"
+    assert options["tensor_parallel_size"] == 2 and options["enable_prefix_caching"] is True
+    from m3_engine.args import EngineArgs
+    import dataclasses
+    assert set(options) == {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}   # every engine option
+    assert engine_options(build_parser().parse_args(["DIR"]))["dtype"] is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["DIR", "--framework", "tf"])
