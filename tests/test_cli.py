@@ -108,7 +108,8 @@ def test_options_reach_the_engine_and_sampling_params(model_dir, tok, fake, caps
     assert fake == ["jax"]
     [llm] = FakeLLM.instances
     assert llm.options == {"dtype": "bfloat16", "device": "cpu", "max_batch": 4, "max_context": 300,
-                           "tensor_parallel_size": 1, "kv_cache_dtype": "fp8", "index_cache_dtype": "auto"}
+                           "tensor_parallel_size": 1, "kv_cache_dtype": "fp8", "index_cache_dtype": "auto",
+                           "enable_prefix_caching": False}
     [(prompts, params, use_tqdm)] = llm.calls
     assert prompts == [{"prompt": "The fox", "prompt_token_ids": tok.encode("The fox")}] and use_tqdm
     assert params == SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9, top_k=7, min_p=0.05, seed=11,
@@ -358,6 +359,7 @@ def test_progress_bar_only_on_a_terminal(model_dir, real, capsys, monkeypatch):
     # not a terminal: no bar (test_torch_and_jax_agree_greedily, test_stdin_pipe_end_to_end)
 
 
+@pytest.mark.long
 def test_chat_stop_and_logprobs(model_dir, tok, real, capsys):
     common = ["--model", model_dir, *CTX, "--chat", "--prompt", "hi", "--max-tokens", 4, "--temperature", 0, "--json"]
     rc, out, err = run(capsys, *common, "--logprobs", 2)
@@ -384,6 +386,7 @@ def test_chat_stop_and_logprobs(model_dir, tok, real, capsys):
     assert cut["token_ids"] == full["token_ids"][:len(cut["token_ids"])] and "logprobs" not in cut
 
 
+@pytest.mark.long
 def test_seed_makes_sampling_repeat(model_dir, real, capsys):
     def sample(seed, copies=1):
         rc, out, err = run(capsys, "--model", model_dir, *CTX, *["--prompt", "The fox"] * copies,

@@ -600,6 +600,7 @@ def staggered_run(e: Eng) -> dict:
     return e.once("staggered", run)
 
 
+@pytest.mark.long
 def test_seeded_request_ignores_the_batch(eng, eng2):
     """SEEDED gives the same tokens alone on an engine of another max_batch and third of three requests
     streamed by one loop (joining mid-flight). Unseeded requests draw from the engine's seed= and their

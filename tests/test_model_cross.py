@@ -47,6 +47,7 @@ def assert_same_tokens(model_dir, prompts, torch_out, jax_out, max_new_tokens):
             assert len(t) == len(j) == n
 
 
+@pytest.mark.long
 def test_engines_agree_short_prompts(model_dir):
     """A 1-token and a 130-token prompt (chunked across a block boundary), 4 tokens each."""
     prompts = [prompt(1, seed=1), prompt(130, seed=130)]

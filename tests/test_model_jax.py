@@ -256,6 +256,7 @@ def test_dtype_and_device_arguments(model_dir):
     assert llm.runner.dtype == "float32" and llm.runner.pool.devices() == {cpu}
 
 
+@pytest.mark.long
 def test_seeded_generation_is_reproducible(model_dir, one_program_per_tile):
     llm = m3_jax.LLM(model_dir, max_batch=2, max_context=128)
     prompts = [prompt(5, seed=5), prompt(2, seed=2)]

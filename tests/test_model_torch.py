@@ -208,6 +208,7 @@ def test_batching_is_invisible(tiny_dir, one_program_per_tile, order, chunk, max
 
 # -- sampling --------------------------------------------------------------------------------------
 
+@pytest.mark.long
 def test_sampling_is_reproducible_and_batch_independent(tiny_dir, one_program_per_tile):
     llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=2, max_context=128)
     prompts = [prompt(3, seed=7), prompt(5, seed=8)]

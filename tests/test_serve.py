@@ -197,8 +197,10 @@ def tok(model_dir):
     return Tokenizer(model_dir)
 
 
-# the JAX server is the costlier on the CPU interpreter (compilations): `pytest -m long` runs it
-@pytest.fixture(scope="module", params=["torch", pytest.param("jax", marks=pytest.mark.long)])
+# a real server costs minutes of model steps in the CPU interpreter: `make test` runs the in-process
+# fake-runner tests below, `pytest -m long` the real servers of both frameworks
+@pytest.fixture(scope="module", params=[pytest.param("torch", marks=pytest.mark.long),
+                                        pytest.param("jax", marks=pytest.mark.long)])
 def framework(request):
     return request.param
 
