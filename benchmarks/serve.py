@@ -34,7 +34,10 @@ tokens - 1), per request), ITL (between two token chunks) and end-to-end
 latency. The server's ``/metrics`` generation-token counter is compared with
 the tokens the client counted, and the server must be idle after each row.
 The HTTP client is the standard library's asyncio streams (no extra package
-on the load side). ``--out DIR`` writes ``serve.json`` and ``serve.md``.
+on the load side). When it starts the server on a GPU it measures the
+device's copy bandwidth first (``benchmarks.run.copy_bandwidth``) and
+records it with the GPU's name. ``--out DIR`` writes ``serve.json`` and
+``serve.md``.
 """
 
 from __future__ import annotations
@@ -329,6 +332,8 @@ def markdown(result: dict) -> str:
              f"Server: {s['server']}. Model: {s['model']}. Requests per row: {s['num_requests']}, prompt "
              f"{s['input_len']} and output {s['output_len']} tokens (range ratio {s['range_ratio']}), temperature "
              f"{s['temperature']}, streamed /v1/completions with ignore_eos. Command: `{result['command']}`.", "",
+             *([f"GPU: {s['gpu']}; copy bandwidth (same run, before the server started): "
+                f"{s['copy_tbps']:.2f} TB/s.", ""] if s.get("gpu") else []),
              "Times in ms: TTFT = request sent -> first token; TPOT = (last - first token) / (tokens - 1) per "
              "request; ITL = between token chunks; E2E = whole request.", "",
              "| rate (req/s) | concurrency | done / failed | req/s | out tok/s | total tok/s | TTFT p50 | TTFT p99 | "
@@ -424,6 +429,13 @@ def main(argv=None) -> dict:
             from benchmarks.e2e import M3_SHAPES, write_model
             print(f"writing benchmarks.e2e's model to {args.model} ...", flush=True)
             write_model(args.model, M3_SHAPES, max(args.max_context, 4096))
+    args.gpu = args.copy_tbps = None
+    if args.model is not None and args.device != "cpu":   # the server's GPU, measured here before it starts
+        import torch
+        if torch.cuda.is_available():
+            from benchmarks.run import copy_bandwidth
+            args.gpu, args.copy_tbps = torch.cuda.get_device_name(), copy_bandwidth() / 1e12
+            torch.cuda.empty_cache()
     try:
         return asyncio.run(_main(args, argv, longest))
     finally:
@@ -482,7 +494,8 @@ async def _main(args, argv, longest) -> dict:
         argv if argv is not None else sys.argv[1:]), setup=dict(
         server=server, model=str(args.model) if args.model else card.get("root"), health=health,
         num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=args.range_ratio, temperature=args.temperature, server_exit_status=rc), rows=rows)
+        range_ratio=args.range_ratio, temperature=args.temperature, server_exit_status=rc, gpu=args.gpu,
+        copy_tbps=args.copy_tbps), rows=rows)
     text = markdown(result)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
