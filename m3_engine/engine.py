@@ -282,5 +282,5 @@ class LLMEngine:
         request.metrics.finished_time = time.time()
         self._requests.pop(request.request_id, None)
         self._by_scheduler_id.pop(request.scheduler_id, None)
-        self.scheduler.requests.pop(request.scheduler_id, None)
+        self.scheduler.forget(request.scheduler_id)
         self._counts["finished_requests"] += 1

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence, Union
 
+import numpy as np
+
 from .args import CheckedArgs, EngineArgs
 from .engine import LLMEngine, PromptType
 from .model_config import read_json
@@ -210,8 +212,8 @@ def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-            return [list(prompts)]   # one prompt of token ids
+        if prompts and isinstance(prompts[0], (int, np.integer)) and not isinstance(prompts[0], bool):
+            return [prompts]   # one prompt of token ids (every id is checked when it is queued)
         return list(prompts)
     if hasattr(prompts, "tolist"):   # a numpy array of ids
         return _as_prompt_list(prompts.tolist())

@@ -334,12 +334,14 @@ class Scheduler:
         """The tokens generated so far for a request (all of them once it finished)."""
         return list(self.requests[request_id].output)
 
-    def pop_finished(self) -> dict[int, list[int]]:
-        """Finished requests' outputs, forgotten by the scheduler: ``{id: tokens}``."""
-        done = {i: r.output for i, r in self.requests.items() if r.finished}
-        for i in done:
-            del self.requests[i]
-        return done
+    def forget(self, request_id: int) -> list[int]:
+        """A finished request's tokens; the scheduler forgets the request (its slots went back when
+        it finished). The engine calls this once it has handed out the request's last output."""
+        r = self.requests[request_id]
+        if not r.finished:
+            raise ValueError(f"forget: request {request_id} has not finished")
+        del self.requests[request_id]
+        return r.output
 
     @property
     def num_free_slots(self) -> int:

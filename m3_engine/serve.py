@@ -593,7 +593,6 @@ class _Server:
     engine_loop: EngineLoop
     model_names: list
     api_key: Optional[str]
-    generation_defaults: dict = dataclasses.field(default_factory=dict)
     in_flight: int = 0
 
     @property
@@ -647,12 +646,11 @@ def _check_unsupported(body: BaseModel, fields: dict) -> None:
 
 def _sampling_params(server: "_Server", body: _GenerationRequest, *, max_tokens: int, logprobs: Optional[int],
                      rename: dict) -> SamplingParams:
-    """The request's ``SamplingParams``: the model's generation defaults (``generation_config.json``)
-    for the fields it leaves out, its own values for the others."""
+    """The request's ``SamplingParams``, with only the fields it sets (the engine gives the others the
+    model's ``generation_config.json`` values, as for ``LLM.generate``)."""
     if body.n is not None and body.n != 1:
         raise _bad(f"n: only n=1 is supported, got {body.n}", "n")
-    kwargs = {k: v for k, v in server.generation_defaults.items() if k != "max_tokens"}
-    kwargs.update(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=body.ignore_eos,
+    kwargs = dict(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=body.ignore_eos,
                   include_stop_str_in_output=body.include_stop_str_in_output,
                   skip_special_tokens=body.skip_special_tokens)
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
@@ -674,7 +672,7 @@ def _default_max_tokens(server: _Server, requested: Optional[int], prompt_len: i
     if requested is not None:
         return requested
     left = max(server.max_context - prompt_len, 1)
-    return min(left, server.generation_defaults.get("max_tokens", left))
+    return min(left, server.llm.engine.generation_defaults.get("max_tokens", left))
 
 
 def _stream_flags(body: _GenerationRequest) -> bool:
@@ -773,13 +771,8 @@ def create_app(llm, *, served_model_name=None, api_key: Optional[str] = None,
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     if not names:
         names = [str(llm.args.model_dir)]
-    # The server applies the model's generation defaults itself, to the fields a request leaves out:
-    # the engine's own rule (a field still at its class default takes the model's value) cannot tell
-    # an explicit "temperature": 1.0 or "max_tokens": 16 from an absent one.
-    defaults = dict(getattr(llm.engine, "generation_defaults", {}) or {})
-    llm.engine.generation_defaults = {}
     server = _Server(llm=llm, engine_loop=EngineLoop(llm, max_queue=max_queue), model_names=names,
-                     api_key=api_key or None, generation_defaults=defaults)
+                     api_key=api_key or None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -924,50 +917,41 @@ def create_app(llm, *, served_model_name=None, api_key: Optional[str] = None,
             return {"id": base, "object": "text_completion", "created": created, "model": server.model,
                     "choices": choices, "usage": _usage(outs)}
 
-        async def stream():
+        async def events():
             sent_text = [0] * len(items)
             sent_tokens = [0] * len(items)
             offsets = [len(e) for e in echo]
-            try:
-                while not job.done:
-                    for out in await job.updates():
-                        i = job.index[out.request_id]
-                        c = out.outputs[0]
-                        new_tokens = c.token_ids[sent_tokens[i]:]
-                        delta = c.text[sent_text[i]:]
-                        if not new_tokens and not delta and not out.finished:
-                            continue
-                        if sent_tokens[i] == 0 and echo[i]:
-                            delta = echo[i] + delta
-                        logprobs = None
-                        if n_logprobs is not None:
-                            logprobs = _completion_logprobs(server, new_tokens, c.logprobs[sent_tokens[i]:],
-                                                            n_logprobs, offsets[i])
-                            offsets[i] += sum(len(t) for t in logprobs["tokens"])
-                        choice = {"index": i, "text": delta, "logprobs": logprobs,
-                                  "finish_reason": c.finish_reason if out.finished else None,
-                                  **choice_extras(out, sent_tokens[i])}
-                        if out.finished:
-                            choice["stop_reason"] = c.stop_reason
-                        sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                        chunk = {"id": base, "object": "text_completion", "created": created, "model": server.model,
-                                 "choices": [choice]}
-                        if include_usage:
-                            chunk["usage"] = None
-                        yield _sse(chunk)
-                if include_usage:
-                    yield _sse({"id": base, "object": "text_completion", "created": created, "model": server.model,
-                                "choices": [], "usage": _usage([job.outputs[r] for r in job.request_ids])})
-            except APIError as e:
-                yield _sse(e.body())
-            except Exception as e:   # a bug: the client gets an error event, not a cut stream
-                log.error("m3-serve: a stream failed:\n%s", traceback.format_exc())
-                yield _sse(APIError(500, f"{type(e).__name__}: {e}", type="internal_server_error").body())
-            finally:
-                job.close()
-            yield "data: [DONE]\n\n"
+            while not job.done:
+                for out in await job.updates():
+                    i = job.index[out.request_id]
+                    c = out.outputs[0]
+                    new_tokens = c.token_ids[sent_tokens[i]:]
+                    delta = c.text[sent_text[i]:]
+                    if not new_tokens and not delta and not out.finished:
+                        continue
+                    if sent_tokens[i] == 0 and echo[i]:
+                        delta = echo[i] + delta
+                    logprobs = None
+                    if n_logprobs is not None:
+                        logprobs = _completion_logprobs(server, new_tokens, c.logprobs[sent_tokens[i]:],
+                                                        n_logprobs, offsets[i])
+                        offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                    choice = {"index": i, "text": delta, "logprobs": logprobs,
+                              "finish_reason": c.finish_reason if out.finished else None,
+                              **choice_extras(out, sent_tokens[i])}
+                    if out.finished:
+                        choice["stop_reason"] = c.stop_reason
+                    sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    chunk = {"id": base, "object": "text_completion", "created": created, "model": server.model,
+                             "choices": [choice]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse({"id": base, "object": "text_completion", "created": created, "model": server.model,
+                            "choices": [], "usage": _usage([job.outputs[r] for r in job.request_ids])})
 
-        return _EventStream(stream(), on_close=job.close)
+        return _EventStream(_events_then_done(events(), job), on_close=job.close)
 
     # -- chat --------------------------------------------------------------------------------------
 
@@ -1027,42 +1011,52 @@ def create_app(llm, *, served_model_name=None, api_key: Optional[str] = None,
                 c["usage"] = None
             return _sse(c)
 
-        async def stream():
+        async def events():
             sent_text = sent_tokens = 0
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                if echo:
-                    yield chunk({"content": echo})
-                while not job.done:
-                    for out in await job.updates():
-                        c = out.outputs[0]
-                        new_tokens = c.token_ids[sent_tokens:]
-                        delta = c.text[sent_text:]
-                        if not new_tokens and not delta and not out.finished:
-                            continue
-                        logprobs = None if n_logprobs is None else \
-                            {"content": _chat_logprobs(server, new_tokens, c.logprobs[sent_tokens:], n_logprobs)}
-                        extra = {"token_ids": new_tokens} if body.return_token_ids else {}
-                        if out.finished:
-                            extra["stop_reason"] = c.stop_reason
-                        sent_text, sent_tokens = len(c.text), len(c.token_ids)
-                        yield chunk({"content": delta} if delta or not out.finished else {},
-                                    finish=c.finish_reason if out.finished else None, logprobs=logprobs, extra=extra)
-                if include_usage:
-                    yield _sse({"id": base, "object": "chat.completion.chunk", "created": created,
-                                "model": server.model, "choices": [], "usage": _usage([job.outputs[base]])})
-            except APIError as e:
-                yield _sse(e.body())
-            except Exception as e:   # a bug: the client gets an error event, not a cut stream
-                log.error("m3-serve: a stream failed:\n%s", traceback.format_exc())
-                yield _sse(APIError(500, f"{type(e).__name__}: {e}", type="internal_server_error").body())
-            finally:
-                job.close()
-            yield "data: [DONE]\n\n"
+            yield chunk({"role": "assistant", "content": ""})
+            if echo:
+                yield chunk({"content": echo})
+            while not job.done:
+                for out in await job.updates():
+                    c = out.outputs[0]
+                    new_tokens = c.token_ids[sent_tokens:]
+                    delta = c.text[sent_text:]
+                    if not new_tokens and not delta and not out.finished:
+                        continue
+                    logprobs = None if n_logprobs is None else \
+                        {"content": _chat_logprobs(server, new_tokens, c.logprobs[sent_tokens:], n_logprobs)}
+                    extra = {"token_ids": new_tokens} if body.return_token_ids else {}
+                    if out.finished:
+                        extra["stop_reason"] = c.stop_reason
+                    sent_text, sent_tokens = len(c.text), len(c.token_ids)
+                    yield chunk({"content": delta} if delta or not out.finished else {},
+                                finish=c.finish_reason if out.finished else None, logprobs=logprobs, extra=extra)
+            if include_usage:
+                yield _sse({"id": base, "object": "chat.completion.chunk", "created": created,
+                            "model": server.model, "choices": [], "usage": _usage([job.outputs[base]])})
 
-        return _EventStream(stream(), on_close=job.close)
+        return _EventStream(_events_then_done(events(), job), on_close=job.close)
 
     return app
+
+
+async def _events_then_done(events, job: "_Job"):
+    """A stream's server-sent events, then ``data: [DONE]``. An error while making them ends the
+    stream with an error event in OpenAI's body (an ``APIError``'s own, or a 500 for a bug) instead
+    of cutting it; the job's requests are closed however the stream ends (a client that leaves
+    closes this generator: no ``[DONE]`` then)."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as e:
+        yield _sse(e.body())
+    except Exception as e:   # a bug: the client gets an error event, not a cut stream
+        log.error("m3-serve: a stream failed:\n%s", traceback.format_exc())
+        yield _sse(APIError(500, f"{type(e).__name__}: {e}", type="internal_server_error").body())
+    finally:
+        await events.aclose()
+        job.close()
+    yield "data: [DONE]\n\n"
 
 
 class _EventStream(StreamingResponse):

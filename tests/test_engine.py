@@ -391,6 +391,9 @@ def test_bad_prompts_queue_nothing(eng):
         llm.generate([[BOS_ID, 512]], SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises((TypeError, ValueError)):
         llm.generate([{"text": "x"}], use_tqdm=False)
+    for bad in (True, 5.0, "5"):   # the id check looks at every element's type, not only the first
+        with pytest.raises(TypeError, match="int token ids"):
+            llm.generate([[BOS_ID, 5, bad, 6]], SamplingParams(max_tokens=1), use_tqdm=False)
     assert _idle(llm)
 
 

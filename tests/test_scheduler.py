@@ -179,7 +179,9 @@ def test_slots_are_reserved_freed_and_reused():
     st = s.schedule()
     assert s.requests[c].slots.tolist() == [0] and st.block_table[0, 0] == 0  # the lowest freed slot
     s.update(st, [9])
-    assert s.pop_finished() == {a: [5, 7], b: [6, 8]}
+    assert s.forget(a) == [5, 7] and s.forget(b) == [6, 8] and set(s.requests) == {c}
+    with pytest.raises(ValueError, match="has not finished"):
+        s.forget(c)
 
 
 def test_reservation_covers_only_what_the_cache_holds():

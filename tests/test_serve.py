@@ -660,6 +660,7 @@ class FakeRunner:
         self.vocab = args.config.vocab_size
 
     def execute(self, step, sampling):
+        FakeRunner.last_temperature = sampling.temperature.tolist()
         time.sleep(0.005)
         if FakeRunner.fail_in is not None:
             FakeRunner.fail_in -= 1
@@ -705,6 +706,7 @@ def fake_server(model_dir):
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.01)
     srv = Server(port=sock.getsockname()[1])
+    srv.llm = llm
     yield srv
     uv.should_exit = True
     thread.join(30)
@@ -739,6 +741,26 @@ def test_failed_step_fails_its_requests_and_the_server_goes_on(fake_server):
     assert m["m3_engine_step_errors_total"] == 4
     ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
     assert ok.usage.completion_tokens == 3 and ok.choices[0].finish_reason == "length"
+
+
+def test_fake_generation_defaults_fill_only_absent_fields(fake_server):
+    """The model's generation_config values fill the fields a request leaves out, and only those:
+    an explicit temperature equal to the class default (1.0) stays; an absent max_tokens is the
+    model's max_new_tokens."""
+    defaults = fake_server.llm.engine.generation_defaults
+    saved = dict(defaults)
+    defaults.update(temperature=0.25, max_tokens=3)
+    try:
+        client = fake_server.client()
+        out = client.completions.create(model=MODEL, prompt="a", extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3 and FakeRunner.last_temperature == [0.25]
+        out = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, max_tokens=5,
+                                             extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 5 and FakeRunner.last_temperature == [1.0]
+    finally:
+        defaults.clear()
+        defaults.update(saved)
+    wait_idle(fake_server.port, timeout=10)
 
 
 def test_fake_many_clients_and_aborts(fake_server):
