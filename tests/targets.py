@@ -90,13 +90,16 @@ def targets(frameworks=FRAMEWORKS) -> list:
 
 def grid(cases, frameworks=FRAMEWORKS) -> list:
     """``pytest.param(case, target)`` for every case and target (GPU-only cases: GPU targets only;
-    slow cases: marked ``slow`` on the interpreter)."""
+    slow cases: marked ``slow`` on the interpreter, and ``long`` for JAX there: its interpreted
+    launches run the same kernel source on the same CPU tensors as torch's, which ``make test`` runs)."""
     params = []
     for c in cases:
         for t in TARGETS:
             if t.framework not in frameworks or (c.gpu_only and t.device == "interpreter"):
                 continue
-            slow = [pytest.mark.slow] if c.slow and t.device == "interpreter" else []
+            slow = []
+            if c.slow and t.device == "interpreter":
+                slow = [pytest.mark.slow] + ([pytest.mark.long] if t.framework == "jax" else [])
             params.append(pytest.param(c, t, id=f"{c}-{t}", marks=[*t.marks, *slow]))
     return params
 
