@@ -308,10 +308,26 @@ class _Sink:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def push(self, kind: str, value=None) -> None:   # any thread
+        _push_all([(self, kind, value)])
+
+
+def _push_all(events) -> None:
+    """Hand ``(sink, kind, value)`` events to their sinks' event loops (any thread): one thread-safe
+    call per loop, not per event (each is a write to the loop's wake-up pipe; a decode step of 64
+    streams made 64 of them)."""
+    by_loop: dict = {}
+    for sink, kind, value in events:
+        by_loop.setdefault(sink.loop, []).append((sink.queue, (kind, value)))
+    for loop, items in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+            loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:   # the event loop is closed: nobody is listening any more
             pass
+
+
+def _put_all(items) -> None:
+    for q, event in items:
+        q.put_nowait(event)
 
 
 class EngineLoop:
@@ -462,6 +478,7 @@ class EngineLoop:
             return
         self.failed_steps = 0
         now = time.time()
+        events = []
         for out in outputs:
             request_id = out.request_id
             sink = self._sinks.get(request_id)
@@ -480,7 +497,8 @@ class EngineLoop:
                 self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
                 self.metrics.e2e.observe(now - out.metrics.arrival_time)
             if sink is not None:
-                sink.push("output", out)
+                events.append((sink, "output", out))
+        _push_all(events)
 
     def _fail_all(self, error: APIError) -> None:
         """Abort every unfinished request and send its client ``error``."""
