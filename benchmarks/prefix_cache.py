@@ -9,9 +9,8 @@ process, with ``enable_prefix_caching`` on and off:
   wall time of the call is the time to first token. ``cold_ms``: the first
   request of that prefix (nothing cached); ``warm_ms``: a second request with
   the same prefix and another suffix; ``warm / cold`` is the share. Both run
-  after a warm-up request of another prefix (compilation, graph capture and
-  Triton's autotuning out of the timings); each is the median of ``--reps``
-  fresh prefixes.
+  after two warm-up requests of another prefix (compilation and graph capture
+  out of the timings); each is the median of ``--reps`` fresh prefixes.
 * **Multi-turn chat** (``chat``): ``--conversations`` conversations, one
   ``generate`` call per turn for all of them (a batch), each turn's prompt is
   the whole conversation so far (the previous prompt, the previous answer,
@@ -21,10 +20,11 @@ process, with ``enable_prefix_caching`` on and off:
   ``--system-tokens`` system prompt. The timed pass follows a warm-up pass of
   the same workload with other tokens (each step shape compiled once).
 
-Greedy sampling throughout, and the tokens of the chat runs are compared: on
-and off must generate the same tokens (reported as ``same_tokens``; bf16
-rounding of reused against recomputed K/V may in principle flip a near-tie,
-see docs/ENGINE.md). Writes prefix_cache.json and prefix_cache.md to --out.
+Greedy sampling throughout; the chat runs' tokens with caching on and off are
+compared (``same_tokens``). In bf16 they can differ at near-ties: reused K/V
+rows were written by decode steps and round differently from rows a prefill
+recomputes (docs/ENGINE.md). ``--profile`` adds torch.profiler's table of a
+warm torch request. Writes prefix_cache.json and prefix_cache.md to --out.
 ``--tiny`` runs the tiny test model on the CPU (checks the script).
 """
 
