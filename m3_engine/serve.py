@@ -77,7 +77,8 @@ Semantics worth knowing:
 Design: ONE engine thread owns the engine (it is not thread-safe): HTTP handlers
 (the asyncio loop) send it ``add`` / ``abort`` commands through a thread-safe
 queue, and it hands each request's ``RequestOutput``s back through that HTTP
-request's asyncio queue (``loop.call_soon_threadsafe``). Between commands it
+request's asyncio queue (one ``loop.call_soon_threadsafe`` per step for all of
+the step's outputs). Between commands it
 runs engine steps while any request is unfinished and blocks on the queue when
 idle, so every connection shares the continuous batch. A client that goes away
 (a closed stream, a dropped connection while waiting for a non-streamed answer)
