@@ -78,55 +78,39 @@ def model_dir(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-def _make(framework, model_dir, **kw) -> Eng:
-    llm = LLM_CLASSES[framework](model_dir, **kw)
-    # the engine's first request, unseeded: a fresh engine with the same seed= repeats it
-    [first] = llm.generate(FIRST[0], FIRST[1], use_tqdm=False)
-    return Eng(framework, llm, first)
-
-
 @pytest.fixture(scope="module")
-def torch_engine(model_dir):
-    e = _make("torch", model_dir, **ENGINE_KW)
-    yield e
-    e.llm.close()
+def engines(model_dir):
+    """``engines(framework, second=False)``: that framework's engine (``ENGINE_KW``, or ``ENGINE2_KW``
+    for the second), built on first use and closed when the module ends. Each engine's first request
+    is unseeded: a fresh engine with the same ``seed=`` repeats it."""
+    made: dict = {}
 
+    def get(framework: str, second: bool = False) -> Eng:
+        if (framework, second) not in made:
+            llm = LLM_CLASSES[framework](model_dir, **(ENGINE2_KW if second else ENGINE_KW))
+            [first] = llm.generate(FIRST[0], FIRST[1], use_tqdm=False)
+            made[framework, second] = Eng(framework, llm, first)
+        return made[framework, second]
 
-@pytest.fixture(scope="module")
-def jax_engine(model_dir):
-    e = _make("jax", model_dir, **ENGINE_KW)
-    yield e
-    e.llm.close()
-
-
-@pytest.fixture(scope="module")
-def torch_engine2(model_dir):
-    e = _make("torch", model_dir, **ENGINE2_KW)
-    yield e
-    e.llm.close()
-
-
-@pytest.fixture(scope="module")
-def jax_engine2(model_dir):
-    e = _make("jax", model_dir, **ENGINE2_KW)
-    yield e
-    e.llm.close()
+    yield get
+    for e in made.values():
+        e.llm.close()
 
 
 @pytest.fixture(scope="module", params=FRAMEWORKS)
-def eng(request) -> Eng:
-    return request.getfixturevalue(f"{request.param}_engine")
+def eng(request, engines) -> Eng:
+    return engines(request.param)
 
 
 @pytest.fixture
-def eng2(eng, request) -> Eng:
+def eng2(eng, engines) -> Eng:
     """The second engine of ``eng``'s framework (max_batch=2, the same seed=0)."""
-    return request.getfixturevalue(f"{eng.framework}_engine2")
+    return engines(eng.framework, second=True)
 
 
 @pytest.fixture(scope="module")
-def both(torch_engine, jax_engine) -> tuple:
-    return torch_engine, jax_engine
+def both(engines) -> tuple:
+    return engines("torch"), engines("jax")
 
 
 def _idle(llm) -> bool:
