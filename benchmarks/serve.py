@@ -33,7 +33,7 @@ TTFT (request sent -> first token), TPOT ((last token - first token) / (output
 tokens - 1), per request), ITL (between two token chunks) and end-to-end
 latency. The server's ``/metrics`` generation-token counter is compared with
 the tokens the client counted, and the server must be idle after each row.
-The HTTP client is the standard library's asyncio streams (no extra package
+The HTTP client is the standard library's asyncio streams (no HTTP package
 on the load side). When it starts the server on a GPU it measures the
 device's copy bandwidth first (``benchmarks.run.copy_bandwidth``) and
 records it with the GPU's name. ``--out DIR`` writes ``serve.json`` and
@@ -51,13 +51,14 @@ import random
 import re
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.parse
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,6 +134,8 @@ async def _body(reader, headers):
 
 
 def parse_metrics(text: str) -> dict:
+    """``/metrics`` (Prometheus text) -> ``{name or name{labels}: value}``, the model_name label left out
+    (the server's tests read it too)."""
     out = {}
     for line in text.splitlines():
         m = re.match(r"^(\w+)(?:\{([^}]*)\})? (\S+)$", line)
@@ -236,19 +239,12 @@ async def run_row(ep: Endpoint, model: str, vocab: int, args, rate: float, concu
 
 
 def _summary(values: list) -> dict:
+    """Seconds -> mean, p50 and p99 in ms (percentiles interpolated linearly, numpy's default)."""
     if not values:
         return {"mean": None, "p50": None, "p99": None}
-    values = sorted(v * 1e3 for v in values)
-    return {"mean": statistics.fmean(values), "p50": _percentile(values, 50), "p99": _percentile(values, 99)}
-
-
-def _percentile(sorted_values: list, q: float) -> float:
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    pos = (len(sorted_values) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+    ms = np.asarray(values, np.float64) * 1e3
+    p50, p99 = np.percentile(ms, [50, 99])
+    return {"mean": float(ms.mean()), "p50": float(p50), "p99": float(p99)}
 
 
 async def wait_idle(ep: Endpoint, timeout: float = 60.0) -> bool:

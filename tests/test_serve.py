@@ -38,6 +38,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
+from benchmarks.serve import parse_metrics                              # noqa: E402
 from m3_engine import SamplingParams, engine_class                      # noqa: E402
 from m3_engine.runner import SampleResult                               # noqa: E402
 from m3_engine.tiny_model import write_tiny_checkpoint                  # noqa: E402
@@ -86,13 +87,7 @@ def metrics(port) -> dict:
     """``/metrics`` -> ``{name or name{labels}: value}`` (the model_name label left out)."""
     status, text = call(port, "GET", "/metrics", key=None)
     assert status == 200, text
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^(\w+)\{([^}]*)\} (\S+)$", line)
-        if m:
-            labels = ",".join(x for x in m.group(2).split(",") if not x.startswith("model_name="))
-            out[m.group(1) + (f"{{{labels}}}" if labels else "")] = float(m.group(3))
-    return out
+    return parse_metrics(text)
 
 
 IDLE = ("m3_num_requests_running", "m3_num_requests_waiting", "m3_num_requests_unfinished",
