@@ -61,8 +61,9 @@ Semantics worth knowing:
   assistant's (vLLM's rule).
 * Sampling defaults a request leaves out come from the model's
   ``generation_config.json`` (``max_new_tokens`` caps the default ``max_tokens``);
-  the server applies them itself, only to the fields a request leaves out (an
-  explicit ``"temperature": 1.0`` stays 1.0). A request with ``seed`` samples
+  the server passes on only the fields a request sets and the engine fills the
+  others, as for ``LLM.generate`` (an explicit ``"temperature": 1.0`` stays 1.0).
+  A request with ``seed`` samples
   the same tokens as ``LLM.generate`` with the same parameters.
 * ``--max-queue N``: an HTTP request whose prompts would make more than N
   requests wait (admitted to no batch yet) is refused with a 503
@@ -712,7 +713,7 @@ def _usage(outputs: list) -> dict:
     """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
