@@ -2,6 +2,10 @@
 # One device-tool call's worth of GPU checks, run from the repo root on the GPU machine:
 #   bash benchmarks/device_check.sh tests        # pytest -m gpu (kernels, launch layer, model engines), 6 workers
 #   bash benchmarks/device_check.sh e2e          # benchmarks/e2e.py: model decode step, torch graph vs JAX jit
+#   bash benchmarks/device_check.sh model-step   # benchmarks/model_step.py: the step at M3's layer shapes vs its
+#                                                #   byte floor (MODEL_STEP_ARGS: extra arguments)
+#   bash benchmarks/device_check.sh speculative  # benchmarks/speculative.py: n-gram drafts vs plain decoding at M3's
+#                                                #   layer shapes (SPEC_ARGS: extra arguments)
 #   bash benchmarks/device_check.sh grid OLD     # quick grid of checkout OLD, then of this one (same call)
 #   bash benchmarks/device_check.sh cute-stage   # CuTeDSL, call 1 (carry .whl-cute1): park the first wheels in /tmp/cute
 #   bash benchmarks/device_check.sh cutedsl      # CuTeDSL, call 2 within 30 s (carry .whl, .whl-cute2): install,
@@ -26,6 +30,14 @@ case "${1:-tests}" in
   e2e)
     source benchmarks/device_env.sh
     python3 -m benchmarks.e2e --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
+  model-step)
+    source benchmarks/device_env.sh
+    python3 -m benchmarks.model_step --out "$OUT/model-step" ${MODEL_STEP_ARGS:-} 2>&1 | tee "$OUT/model-step.log" \
+      | tail -40 ;;
+  speculative)
+    source benchmarks/device_env.sh
+    python3 -m benchmarks.speculative --out "$OUT/speculative" ${SPEC_ARGS:-} 2>&1 | tee "$OUT/speculative.log" \
+      | tail -40 ;;
   tp)
     source benchmarks/device_env.sh
     python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 --timeout-method thread -rs -s \

@@ -154,7 +154,7 @@ def run_torch(model_dir, context, batches, reps, device) -> dict:
         greedy = SamplingBatch.greedy(len(step.logits_indices))
         row = dict(torch_step_us=wall_us(lambda: llm.runner.execute(step, greedy), reps))
         if llm.runner.graphs is not None:
-            graph, _ = llm.runner.graphs.graphs[(step.plan.num_rows, step.plan.generation.max_blocks)]
+            graph, _ = llm.runner.graphs.graphs[(step.plan.num_rows, 1, step.plan.generation.max_blocks)]
             row["torch_graph_us"] = replay_us(graph, reps)
         row["attention_us"] = attention_us(llm, step, reps)
         row["attention_share"] = row["attention_us"] / row.get("torch_graph_us", row["torch_step_us"])
@@ -218,7 +218,7 @@ def run_torch_tp(model_dir, tp: int, context: int, batches, reps: int, device) -
             step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
             greedy = SamplingBatch.greedy(len(step.logits_indices))
             row = dict(step_us=wall_us(lambda: llm.runner.execute(step, greedy), reps))
-            graph = llm.runner.collective_rpc(e2e_ranks.graph_replay_us, (step.plan.num_rows,
+            graph = llm.runner.collective_rpc(e2e_ranks.graph_replay_us, (step.plan.num_rows, 1,
                                                                    step.plan.generation.max_blocks), reps)[0]
             if graph is not None:
                 row["graph_us"] = graph

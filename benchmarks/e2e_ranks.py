@@ -62,7 +62,7 @@ def timed(fn, reps: int, device) -> float:
 
 
 def graph_replay_us(runner, key, reps: int):
-    """The captured decode step ``key`` (batch, block bound) alone, replayed on every rank."""
+    """The captured decode step ``key`` (batch, tokens per row, block bound) alone, replayed on every rank."""
     if runner.graphs is None or key not in runner.graphs.graphs:
         return None
     graph, _ = runner.graphs.graphs[key]

@@ -15,8 +15,10 @@ from typing import Any, Optional, Sequence
 
 from m3_kernels.pool import CACHE_DTYPE_ALIASES
 
+from .dummy_weights import LOAD_FORMATS, check_load_format
 from .model_config import M3TextConfig, load_config
 from .scheduler import SchedulerConfig
+from .speculative import SpeculativeConfig
 from .tp import TPPlan
 
 __all__ = ["EngineArgs", "DTYPE_NAMES", "parse_dtype", "parse_device", "check_gpu_device"]
@@ -97,6 +99,12 @@ class EngineArgs:
                      True there is a ValueError.
     enable_prefix_caching: reuse the K/V/index-K pages of full 128-token blocks that an
                      earlier request computed for the same token prefix (``m3_engine.block_manager``).
+    load_format:     "auto" (read the checkpoint's safetensors) or "dummy" (vLLM's: random weights
+                     made on the device from ``seed``, ``config.json`` alone is needed;
+                     ``m3_engine.dummy_weights``).
+    speculative_config: None, or speculative decoding as a dict with vLLM's names, e.g.
+                     ``{"method": "ngram", "num_speculative_tokens": 4}``
+                     (``m3_engine.speculative.SpeculativeConfig``).
     """
     model: Any
     dtype: Any = None
@@ -113,6 +121,8 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     enable_prefix_caching: bool = False
+    load_format: str = "auto"
+    speculative_config: Optional[dict] = None
 
     def check(self) -> "CheckedArgs":
         """Every option checked and resolved, before any framework work."""
@@ -122,6 +132,7 @@ class EngineArgs:
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model: {model_dir} is not a folder")
         config = load_config(model_dir)
+        load_format = check_load_format(self.load_format)
         dtype = parse_dtype(self.dtype)
         platform, index, device_object = parse_device(self.device)
         tp = TPPlan(config, self.tensor_parallel_size)
@@ -133,6 +144,11 @@ class EngineArgs:
             raise ValueError(f"seed: expected an int in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
+        speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if speculative is not None and speculative.method != "ngram":
+            raise ValueError(f"speculative_config.method: {speculative.method!r} drafts are not run by this engine "
+                             f"yet (its draft head loads and runs standalone: m3_torch.eagle3, m3_jax.eagle3); "
+                             f"use 'ngram'")
         scheduler = SchedulerConfig.from_engine_args(
             config, max_batch=self.max_batch, max_context=self.max_context, max_cache_pages=self.max_cache_pages,
             max_num_tokens=self.max_num_tokens, prefill_chunk=self.prefill_chunk,
@@ -141,7 +157,7 @@ class EngineArgs:
                            device_index=index, device_object=device_object, device=self.device,
                            scheduler=scheduler, kv_cache_dtype=self.kv_cache_dtype,
                            index_cache_dtype=self.index_cache_dtype, seed=self.seed,
-                           enforce_eager=self.enforce_eager)
+                           enforce_eager=self.enforce_eager, load_format=load_format, speculative=speculative)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,3 +176,5 @@ class CheckedArgs:
     index_cache_dtype: str
     seed: int
     enforce_eager: bool
+    load_format: str = "auto"     # "auto" | "dummy"
+    speculative: Optional[SpeculativeConfig] = None

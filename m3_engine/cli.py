@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import engine_class
-from .args import CACHE_DTYPES, DTYPE_NAMES, EngineArgs
+from .args import CACHE_DTYPES, DTYPE_NAMES, LOAD_FORMATS, EngineArgs
 from .sampling_params import SamplingParams
 
 __all__ = ["main", "build_parser", "version"]
@@ -78,9 +78,10 @@ DISTRIBUTION = "m3-msa-kernels"
 _OPTION_OF = {"model": "--model", "model_dir": "--model", "dtype": "--dtype", "device": "--device",
               "max_batch": "--max-batch", "max_context": "--max-context",
               "tensor_parallel_size": "--tensor-parallel-size", "kv_cache_dtype": "--kv-cache-dtype",
-              "index_cache_dtype": "--index-cache-dtype", "max_tokens": "--max-tokens",
-              "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
-              "seed": "--seed", "stop": "--stop", "logprobs": "--logprobs"}
+              "index_cache_dtype": "--index-cache-dtype", "load_format": "--load-format",
+              "speculative_config": "--speculative-config",
+              "max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+              "min_p": "--min-p", "seed": "--seed", "stop": "--stop", "logprobs": "--logprobs"}
 
 
 class UsageError(Exception):
@@ -93,6 +94,13 @@ def version() -> str:
         return dist_version(DISTRIBUTION)
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def _json_object(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -166,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "or float8_e4m3fn (fp8)")
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the cached pages of full 128-token blocks that an earlier prompt computed")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
+                   help="auto (default): read the checkpoint's safetensors; dummy: random weights made on the "
+                        "device (the folder needs only config.json), to measure an engine at a model's shapes")
+
+    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s speculative_config, e.g. '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
@@ -396,7 +411,9 @@ def _run(args) -> int:
         ("dtype", args.dtype), ("device", args.device), ("max_batch", args.max_batch),
         ("max_context", args.max_context), ("tensor_parallel_size", args.tensor_parallel_size),
         ("kv_cache_dtype", args.kv_cache_dtype), ("index_cache_dtype", args.index_cache_dtype),
-        ("enable_prefix_caching", args.enable_prefix_caching)) if value is not None}
+        ("enable_prefix_caching", args.enable_prefix_caching), ("load_format", args.load_format),
+        ("speculative_config", args.speculative_config))
+        if value is not None}
     try:
         checked = EngineArgs(args.model, **options).check()
     except _USER_ERRORS as e:

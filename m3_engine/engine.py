@@ -84,7 +84,9 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}       # request id -> unfinished request
         self._by_scheduler_id: dict[int, _Request] = {}
         self._arrivals = itertools.count()
-        self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
+        self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0,
+                        "spec_verify_steps": 0, "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+                        "spec_draft_time_s": 0.0}
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -196,35 +198,54 @@ class LLMEngine:
         self._counts["prompt_tokens"] += sum(q for r, q in step.rows if not r.prefilled)
         finished = set(self.scheduler.update(step, result.tokens))
         self._counts["steps"] += 1
-        self._counts["generation_tokens"] += len(rows)
+        self._counts["spec_verify_steps"] += step.num_verify_rows > 0
         now = time.time()
         outputs = []
-        for i, request in enumerate(rows):
-            token = int(result.tokens[i])
+        for (r, _), count in zip(step.rows, step.num_logits.tolist()):
+            if count:
+                request = self._by_scheduler_id[r.id]
+                self._emit(request, r, result, r.id in finished, now)
+                outputs.append(request.output())
+        return outputs
+
+    def _emit(self, request: _Request, r, result: SampleResult, finished: bool, now: float) -> None:
+        """Hand the scheduler request ``r``'s new tokens to ``request``: token ids, logprobs, text,
+        stop strings (one token at a time: a stop string inside an accepted run of drafts cuts the
+        output where plain decoding would have), metrics; finish it when it ends."""
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        m = request.metrics
+        self._counts["spec_draft_tokens"] += r.spec_draft_tokens - m.num_draft_tokens
+        self._counts["spec_accepted_tokens"] += r.spec_accepted_tokens - m.num_accepted_tokens
+        self._counts["spec_draft_time_s"] += r.spec_draft_time - m.draft_time
+        self._counts["spec_drafts"] += r.spec_verify_steps - m.num_verify_steps
+        m.num_draft_tokens, m.num_accepted_tokens = r.spec_draft_tokens, r.spec_accepted_tokens
+        m.num_verify_steps, m.draft_time = r.spec_verify_steps, r.spec_draft_time
+        reason = stop_reason = None
+        for j, token in enumerate(r.emitted):
+            i = r.emitted_row + j
+            last = j == len(r.emitted) - 1
             request.token_ids.append(token)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
+            self._counts["generation_tokens"] += 1
             if request.logprobs is not None:
                 request.logprobs.append(self._logprobs(result, i, token, request.params.logprobs))
                 request.cumulative_logprob += float(result.logprobs[i])
-            reason = self.scheduler.requests[request.scheduler_id].finish_reason \
-                if request.scheduler_id in finished else None
-            stop_reason = self.scheduler.requests[request.scheduler_id].stop_reason if reason else None
+            if last and finished:
+                reason, stop_reason = r.finish_reason, r.stop_reason
             if request.detokenizer is not None:
                 start = len(request.text)
                 request.text += request.detokenizer.add([token])
                 if reason is not None:
                     request.text += request.detokenizer.finish()
                 hit = self._find_stop(request, start)
-                if hit is not None and reason is None:
-                    self.scheduler.finish_request(request.scheduler_id, "stop")
                 if hit is not None:
+                    if reason is None:
+                        self.scheduler.finish_request(r.id, "stop")
                     reason, stop_reason = "stop", hit
-            if reason is not None:
-                self._finish(request, reason, stop_reason)
-            outputs.append(request.output())
-        return outputs
+                    break
+        if reason is not None:
+            self._finish(request, reason, stop_reason)
 
     def _sampling_batch(self, step: Step, rows: list) -> SamplingBatch:
         params = [r.params for r in rows]
@@ -248,8 +269,17 @@ class LLMEngine:
             presence_penalty=np.array([p.presence_penalty for p in params], np.float32) if penalties else None,
             frequency_penalty=np.array([p.frequency_penalty for p in params], np.float32) if penalties else None,
             prompt_ids=ids([r.prompt_ids for r in rows]) if penalties else None,
-            output_ids=ids([r.token_ids for r in rows]) if penalties else None,
+            output_ids=ids(self._outputs_so_far(step)) if penalties else None,
             num_logprobs=max(asked) if asked else None)
+
+    def _outputs_so_far(self, step: Step) -> list:
+        """Per logits row, the output its penalties count: a verify row's position ``j`` counts the
+        request's tokens and the drafts before ``j`` (what it has generated if they are accepted)."""
+        out = []
+        for (r, _), count, drafts in zip(step.rows, step.num_logits.tolist(), step.drafts):
+            tokens = self._by_scheduler_id[r.id].token_ids
+            out += [tokens + list(drafts[:j]) for j in range(count)]
+        return out
 
     def _logprobs(self, result: SampleResult, i: int, token: int, n: int) -> dict:
         text = self.tokenizer.token_text if self.tokenizer is not None else (lambda t: None)

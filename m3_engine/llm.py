@@ -49,7 +49,7 @@ class LLM:
     """A MiniMax-M3 text model, ready to generate. Options: :class:`m3_engine.args.EngineArgs`
     (model, dtype, device, max_batch, max_context, max_cache_pages, max_num_tokens,
     prefill_chunk, graph_batch_sizes, tensor_parallel_size, kv_cache_dtype,
-    index_cache_dtype, seed, enforce_eager)."""
+    index_cache_dtype, seed, enforce_eager, enable_prefix_caching, load_format)."""
 
     framework = "?"   # "torch" | "jax", set by the framework's subclass
 
@@ -73,7 +73,8 @@ class LLM:
             topk=self.config.index_topk_blocks, graph_batch_sizes=sc.graph_batch_sizes))
         self.runner = runner_class(args)
         self._closed = False
-        self.engine = LLMEngine(self.runner, Scheduler(sc, self.config, planner=self.planner),
+        self.engine = LLMEngine(self.runner, Scheduler(sc, self.config, planner=self.planner,
+                                                       speculative=args.speculative),
                                 tokenizer=self.tokenizer, seed=args.seed, generation_defaults=defaults)
 
     # -- life cycle ------------------------------------------------------------------------------

@@ -45,12 +45,28 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.time()``) of a request."""
+    """Wall-clock times (``time.time()``) of a request, and its speculative decoding:
+    draft tokens proposed and accepted, steps that verified drafts, and the seconds
+    spent proposing them (all 0 without speculation)."""
     arrival_time: float
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    draft_time: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        """Accepted / proposed draft tokens (None before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> Optional[float]:
+        """Tokens emitted per verify step: 1 + accepted drafts per verify step (None before any)."""
+        return 1 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else None
 
 
 @dataclasses.dataclass

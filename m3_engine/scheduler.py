@@ -24,9 +24,15 @@ Policy (vLLM-like, deterministic):
   each prefill row taking a chunk of at most ``prefill_chunk`` tokens of what
   the budget leaves. Context rows come first, generation rows last, as
   ``planner.StepPlanner`` wants.
+* **Speculative decoding** (``speculative``, ``m3_engine.speculative``): when
+  a step speculates, each generation request with room for ``k`` more cache
+  positions takes ``k + 1`` tokens (its last token and its drafts, padded),
+  every one of them sampled; :meth:`update` keeps the accepted drafts and the
+  token after them, and the cached length moves past the accepted ones only.
+  A request without that room runs one token as a context row.
 * **Padding**: a pure generation step is padded to the smallest of
-  ``graph_batch_sizes`` that fits (rows with ``seq_len = 0``, one token each:
-  token id 0, position 0, ``slot_mapping = -1``; CUDA graphs / a jitted decode
+  ``graph_batch_sizes`` that fits (rows with ``seq_len = 0``, as many tokens
+  as the other generation rows: token id 0, position 0, ``slot_mapping = -1``; CUDA graphs / a jitted decode
   step replay at that size). Steps with context rows are never padded here
   (an engine that compiles them per bucket pads them itself).
 * **Stops**: a request finishes at one of its stop token ids or (unless it
@@ -46,12 +52,14 @@ Framework-neutral: pure Python and numpy; every array is int32.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Sequence
 
 import numpy as np
 
 from .block_manager import BlockManager, block_hashes
 from .model_config import M3TextConfig
+from .speculative import SpeculationGate, SpeculativeConfig, ngram_draft, num_accepted
 from m3_kernels.planner import PAGE_SIZE, StepConfig, StepPlan, StepPlanner
 
 __all__ = ["SchedulerConfig", "Scheduler", "Step", "Request", "DEFAULT_MAX_CONTEXT", "default_graph_batch_sizes"]
@@ -156,6 +164,29 @@ class Request:
     num_registered: int = 0             # full blocks registered in the prefix cache
     finish_reason: str | None = None    # None (running) | "stop" (eos, stop token or string) | "length" | "abort"
     stop_reason: int | None = None      # the stop token id that ended it (None for eos)
+    emitted: tuple = ()                 # the tokens the last update() appended (more than one after a verify)
+    emitted_row: int = 0                # the logits row (of that step) of the first of them
+    gate: SpeculationGate = dataclasses.field(default_factory=SpeculationGate)
+    spec_draft_tokens: int = 0          # drafts proposed (speculative decoding)
+    spec_accepted_tokens: int = 0       # drafts accepted
+    spec_verify_steps: int = 0          # steps in which it verified drafts
+    spec_draft_time: float = 0.0        # seconds spent proposing its drafts
+
+    _sequence: np.ndarray | None = dataclasses.field(default=None, repr=False)   # tokens() buffer
+    _filled: int = 0
+
+    def tokens(self) -> np.ndarray:
+        """Prompt + output so far, int32 (a view of a buffer that grows with the output: no copy of
+        the prompt per step)."""
+        n = self.num_tokens
+        if self._sequence is None or len(self._sequence) < n:
+            buffer = np.empty(max(2 * n, len(self.prompt) + self.max_new_tokens), np.int32)
+            buffer[:len(self.prompt)] = self.prompt
+            self._sequence, self._filled = buffer, len(self.prompt)
+        if self._filled < n:
+            self._sequence[self._filled:n] = self.output[self._filled - len(self.prompt):]
+            self._filled = n
+        return self._sequence[:n]
 
     @property
     def num_tokens(self) -> int:
@@ -187,13 +218,19 @@ class Step:
     seq_lens:       [R] int32 KV length per row, this step's tokens included (0: padding).
     cu_seqlens_q:   [R + 1] int32 query-token offsets of the rows.
     logits_indices: [L] int32 token rows whose logits are sampled, in row order: the
-                    last token of each row that ends its prompt or generates.
+                    last token of each row that ends its prompt or generates; every
+                    token of a verify row (speculative decoding).
     request_ids:    [L] int32 the request of each logits row.
     output_index:   [L] int32 how many tokens that request has generated before this
                     one (with ``request_ids``: a per-token key for seeded sampling
-                    that does not depend on batching).
+                    that does not depend on batching; a verify row's position ``j``
+                    has the request's output length + ``j``).
     plan:           the ``planner.StepPlan`` of the step (spans, block bounds,
                     graph padding, prefill maps).
+    rows:           ``((request, q_len), ...)`` of the real rows.
+    num_logits:     [real rows] int32 logits rows of each real row (0, 1, or ``k + 1``
+                    for a verify row).
+    drafts:         per real row, the draft tokens it verifies (empty: not a verify row).
     """
     input_ids: np.ndarray
     positions: np.ndarray
@@ -205,7 +242,13 @@ class Step:
     request_ids: np.ndarray
     output_index: np.ndarray
     plan: StepPlan
-    rows: tuple = dataclasses.field(repr=False, default=())  # ((request, q_len), ...) of the real rows
+    rows: tuple = dataclasses.field(repr=False, default=())
+    num_logits: np.ndarray = dataclasses.field(repr=False, default=None)
+    drafts: tuple = dataclasses.field(repr=False, default=())
+
+    @property
+    def num_verify_rows(self) -> int:
+        return sum(1 for d in self.drafts if len(d))
 
     @property
     def num_context(self) -> int:
@@ -233,10 +276,15 @@ class Scheduler:
     model:  the model config (heads, topk, vocabulary, eos ids).
     planner: a ``planner.StepPlanner``; default: built from ``model`` and
              ``config`` (all heads on one rank).
+    speculative: a ``SpeculativeConfig`` (``m3_engine.speculative``): generation rows
+             verify drafts when a step speculates; None: never.
     """
 
-    def __init__(self, config: SchedulerConfig, model: M3TextConfig, *, planner: StepPlanner | None = None):
+    def __init__(self, config: SchedulerConfig, model: M3TextConfig, *, planner: StepPlanner | None = None,
+                 speculative: SpeculativeConfig | None = None):
         self.config = config
+        self.speculative = speculative
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative is not None else 0
         self.vocab_size = model.vocab_size
         self.eos_token_ids = frozenset(model.eos_token_ids)
         self.planner = planner or StepPlanner(StepConfig(
@@ -360,11 +408,20 @@ class Scheduler:
         tokens_left = cfg.max_num_tokens
         rows_left = cfg.max_batch
         generation, context = [], []  # [(request, q_len)]
+        drafts = {}                   # request id -> the drafts it verifies this step
 
-        for r in self._running:
-            if r.prefilled and rows_left and tokens_left:
+        candidates = [r for r in self._running if r.prefilled][:min(rows_left, tokens_left)]
+        if self.num_speculative_tokens:
+            drafts = self._propose(candidates, tokens_left)
+        k = self.num_speculative_tokens
+        for r in candidates:
+            if not drafts:
                 generation.append((r, 1))
-                rows_left, tokens_left = rows_left - 1, tokens_left - 1
+            elif r.id in drafts:
+                generation.append((r, k + 1))
+            else:   # no room for k more positions: one token, as a context row (prefill kernels take it)
+                context.append((r, 1))
+            rows_left, tokens_left = rows_left - 1, tokens_left - (k + 1 if r.id in drafts else 1)
         for r in self._running:
             if not r.prefilled and rows_left and tokens_left:
                 q = min(len(r.prompt) - r.num_cached, cfg.prefill_chunk, tokens_left)
@@ -387,8 +444,30 @@ class Scheduler:
             rows_left, tokens_left = rows_left - 1, tokens_left - q
         if not generation and not context:  # unreachable: construction guarantees one request fits
             raise RuntimeError("schedule: nothing fits in a step (this is a bug)")
-        self._pending = self._build(context, generation)
+        self._pending = self._build(context, generation, drafts)
         return self._pending
+
+    def _propose(self, candidates: list, tokens_left: int) -> dict:
+        """The drafts of a step that speculates: request id -> drafts (possibly empty) for every
+        candidate with room for ``k`` more positions; ``{}`` when the step does not speculate (too
+        many rows, no room in the token budget, or no request has a draft)."""
+        spec, k = self.speculative, self.num_speculative_tokens
+        if len(candidates) > spec.disable_by_batch_size or len(candidates) * (k + 1) > tokens_left:
+            return {}
+        drafts, any_draft = {}, False
+        for r in candidates:
+            capacity = min(len(r.slots) * PAGE_SIZE, self.config.max_context)
+            if r.num_cached + k >= capacity:   # positions num_cached .. num_cached + k must be its own
+                continue
+            useful = min(k, r.max_new_tokens - len(r.output) - 1)   # a verify emits up to drafts + 1 tokens
+            d = np.zeros(0, np.int32)
+            if useful > 0 and r.gate.wants_drafts():
+                start = time.perf_counter()
+                d = ngram_draft(r.tokens(), useful, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                r.spec_draft_time += time.perf_counter() - start
+            drafts[r.id] = d
+            any_draft |= len(d) > 0
+        return drafts if any_draft else {}
 
     def _cached_prefix(self, r: Request) -> list:
         """The cached slots of ``r``'s longest cached prompt prefix, in whole blocks before the block
@@ -412,19 +491,22 @@ class Scheduler:
         r.num_registered = full
 
     def _slots_needed(self, r: Request) -> int:
-        cache_tokens = min(len(r.prompt) + r.max_new_tokens - 1, self.config.max_context)
+        # speculative decoding writes up to k draft positions past the last token that is kept
+        cache_tokens = min(len(r.prompt) + r.max_new_tokens - 1 + self.num_speculative_tokens,
+                           self.config.max_context)
         return -(-cache_tokens // PAGE_SIZE)
 
-    def _build(self, context, generation) -> Step:
+    def _build(self, context, generation, drafts: dict) -> Step:
         """The step's arrays for these rows, vectorised over rows (host time of a decode step at
-        batch 64 and 1024 block-table columns, schedule + update: ~0.6 ms on a 2-core CI machine)."""
+        batch 64 and 1024 block-table columns, schedule + update: ~0.6 ms on a 2-core CI machine).
+        ``drafts``: request id -> drafts, for the verify rows (each with ``k + 1`` tokens)."""
         cfg = self.config
         rows = context + generation
         q_lens = [q for _, q in rows]
         seq_lens = [r.num_cached + q for r, q in rows]
         plan = self.planner.plan(seq_lens, q_lens=q_lens, num_context=len(context))
-        pad_rows = plan.generation.num_padding_rows  # graph padding: generation rows of one token
-        q_lens += [1] * pad_rows
+        pad_rows = plan.generation.num_padding_rows  # graph padding: generation rows like the others
+        q_lens += [plan.generation.decode_query_len] * pad_rows
         seq_lens += [0] * pad_rows
         T, R = plan.num_tokens, plan.num_rows
         cu = np.zeros(R + 1, np.int32)
@@ -446,24 +528,34 @@ class Scheduler:
         input_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
         slot_mapping = np.full(T, -1, np.int32)
-        input_ids[token] = np.concatenate([r.output[-1:] if r.prefilled else r.prompt[r.num_cached:r.num_cached + k]
+        row_drafts = tuple(tuple(drafts[r.id].tolist()) if r.id in drafts else () for r, _ in rows)
+        input_ids[token] = np.concatenate([_verify_tokens(r, k, drafts[r.id]) if r.id in drafts else
+                                           r.output[-1:] if r.prefilled else r.prompt[r.num_cached:r.num_cached + k]
                                            for r, k in rows])  # generation rows: the token sampled last
         positions[token] = pos
         slot_mapping[token] = block_table[row_of, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
 
-        # the last token of each row that ends its prompt or generates samples the next token
+        # the last token of each row that ends its prompt or generates samples the next token; every
+        # token of a verify row samples (position j checks draft j; the last one gives the bonus token)
+        verify = np.array([r.id in drafts for r, _ in rows], bool)
         samples = cached + q >= np.array([len(r.prompt) for r, _ in rows])
+        num_logits = np.where(verify, q, samples).astype(np.int32)
+        first = np.where(verify, cu[:n], cu[1:n + 1] - 1)
+        local = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
         return Step(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_table=block_table,
                     seq_lens=np.asarray(seq_lens, np.int32), cu_seqlens_q=cu,
-                    logits_indices=(cu[1:n + 1] - 1)[samples],
-                    request_ids=np.array([r.id for r, _ in rows], np.int32)[samples],
-                    output_index=np.array([len(r.output) for r, _ in rows], np.int32)[samples],
-                    plan=plan, rows=tuple(rows))
+                    logits_indices=(np.repeat(first, num_logits) + local).astype(np.int32),
+                    request_ids=np.repeat(np.array([r.id for r, _ in rows], np.int32), num_logits),
+                    output_index=(np.repeat(np.array([len(r.output) for r, _ in rows], np.int32), num_logits)
+                                  + local).astype(np.int32),
+                    plan=plan, rows=tuple(rows), num_logits=num_logits, drafts=row_drafts)
 
     def update(self, step: Step, next_tokens: Sequence[int]) -> list[int]:
         """Feed back the tokens sampled from ``step``'s logits rows (``[L]`` ints, in
         ``step.logits_indices`` order). -> ids of the requests that finished (their
-        slots are free again)."""
+        slots are free again). Each request that sampled gets its new tokens in
+        ``output`` and, for this step only, in ``emitted`` (one token; after a
+        verify, the accepted drafts and one more, cut after a stop)."""
         if step is not self._pending:
             raise ValueError("update: expected the step returned by the last schedule() call")
         tokens = np.asarray(next_tokens).reshape(-1)
@@ -471,29 +563,60 @@ class Scheduler:
             raise ValueError(f"next_tokens: expected {len(step.logits_indices)} tokens (one per logits row), "
                              f"got {tokens.shape[0]}")
         self._pending = None
-        for r, q in step.rows:
-            r.num_cached += q
+        tokens = tokens.tolist()
+        finished, row = [], 0
+        for (r, q), count, drafts in zip(step.rows, step.num_logits.tolist(), step.drafts):
+            if not count:   # a prefill chunk that does not end its prompt
+                r.num_cached += q
+                self._register_full_blocks(r)
+                continue
+            sampled = tokens[row:row + count]
+            r.emitted_row, row = row, row + count
+            if count > 1:   # a verify row: drafts (maybe none) then padding
+                accepted = num_accepted(drafts, sampled)
+                new, r.num_cached = sampled[:accepted + 1], r.num_cached + 1 + accepted
+                if drafts:
+                    r.spec_verify_steps += 1
+                    r.spec_draft_tokens += len(drafts)
+                    r.spec_accepted_tokens += accepted
+                    r.gate.record(len(drafts), accepted)
+            else:
+                new, r.num_cached = sampled[:1], r.num_cached + q
+            start = len(r.output)
+            for token in new:
+                if self._append(r, int(token)):
+                    break
+            r.emitted = tuple(r.output[start:])
+            r.num_cached = min(r.num_cached, r.num_tokens - 1)   # a stop inside an accepted run: its K/V rows
             self._register_full_blocks(r)
-        finished = []
-        for request_id, token in zip(step.request_ids.tolist(), tokens.tolist()):
-            r = self.requests[request_id]
-            token = int(token)
-            r.output.append(token)
-            if token in r.stop_token_ids:
-                r.finish_reason, r.stop_reason = "stop", token
-            elif token in self.eos_token_ids and not r.ignore_eos:
-                r.finish_reason = "stop"
-            elif len(r.output) >= r.max_new_tokens or r.num_tokens - 1 >= self.config.max_context:
-                r.finish_reason = "length"
             if r.finished:
                 self._finish(r)
                 finished.append(r.id)
         return finished
 
+    def _append(self, r: Request, token: int) -> bool:
+        """Append one sampled token; -> True when it ends the request (``finish_reason`` set)."""
+        r.output.append(token)
+        if token in r.stop_token_ids:
+            r.finish_reason, r.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not r.ignore_eos:
+            r.finish_reason = "stop"
+        elif len(r.output) >= r.max_new_tokens or r.num_tokens - 1 >= self.config.max_context:
+            r.finish_reason = "length"
+        return r.finished
+
     def _finish(self, r: Request):
         self._running.remove(r)
         self.blocks.release(r.slots.tolist())
         r.slots, r.table_row = r.slots[:0], None
+
+
+def _verify_tokens(r: Request, q: int, drafts: np.ndarray) -> np.ndarray:
+    """A verify row's ``q`` input tokens: the token sampled last, the drafts, then that last token
+    again as padding (padding positions are never accepted: only ``len(drafts)`` are checked)."""
+    out = np.full(q, r.output[-1], np.int32)
+    out[1:1 + len(drafts)] = drafts
+    return out
 
 
 def _check_budget(max_new_tokens) -> None:

@@ -28,8 +28,11 @@ Endpoints:
   ``m3_engine_steps_total``, ``m3_engine_step_errors_total``,
   ``m3_request_success_total{finished_reason}``, ``m3_request_aborted_total``,
   ``m3_request_refused_total``, ``m3_prefix_cache_queries_total`` / ``_hits_total``
-  (tokens); histograms ``m3_time_to_first_token_seconds``,
-  ``m3_time_per_output_token_seconds`` (between two tokens of a request) and
+  (tokens), ``m3_spec_decode_num_drafts_total`` / ``_num_draft_tokens_total`` /
+  ``_num_accepted_tokens_total`` / ``_draft_seconds_total`` (speculative decoding);
+  histograms ``m3_time_to_first_token_seconds``,
+  ``m3_time_per_output_token_seconds`` (between two tokens of a request; a step
+  that brings several tokens counts each at its share of the gap) and
   ``m3_e2e_request_latency_seconds``. After a load the pool is empty again when
   running, waiting, in-flight and used pages are all 0.
 
@@ -346,7 +349,7 @@ class EngineLoop:
         self.metrics = metrics or Metrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict = {}           # engine request id -> _Sink (unfinished requests only)
-        self._token_times: dict = {}     # engine request id -> time of its last token (TPOT)
+        self._token_times: dict = {}     # engine request id -> (time, tokens) of its last output (TPOT)
         self._lock = threading.Lock()
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="m3-engine", daemon=True)
@@ -484,14 +487,16 @@ class EngineLoop:
         for out in outputs:
             request_id = out.request_id
             sink = self._sinks.get(request_id)
-            last = self._token_times.get(request_id)
-            if out.outputs[0].token_ids:
+            last = self._token_times.get(request_id)   # (time, tokens) of its previous output
+            count = len(out.outputs[0].token_ids)
+            if count:
                 if last is None:
                     first = out.metrics.first_token_time or now
                     self.metrics.ttft.observe(first - out.metrics.arrival_time)
-                else:
-                    self.metrics.tpot.observe(now - last)
-                self._token_times[request_id] = now
+                elif count > last[1]:   # a verify step may bring several tokens: each gets its share
+                    for _ in range(count - last[1]):
+                        self.metrics.tpot.observe((now - last[0]) / (count - last[1]))
+                self._token_times[request_id] = (now, count)
             if out.finished:
                 self._sinks.pop(request_id, None)
                 self._token_times.pop(request_id, None)
@@ -1157,6 +1162,14 @@ def _render_metrics(server: _Server) -> str:
     metric("m3_generation_tokens_total", "counter", "Tokens generated.", s.get("generation_tokens", 0))
     metric("m3_engine_steps_total", "counter", "Engine steps run.", s.get("steps", 0))
     metric("m3_engine_step_errors_total", "counter", "Engine steps that failed.", m.step_errors)
+    metric("m3_spec_decode_num_drafts_total", "counter", "Speculative decoding: request rows that verified drafts.",
+           s.get("spec_drafts", 0))
+    metric("m3_spec_decode_num_draft_tokens_total", "counter", "Speculative decoding: draft tokens proposed.",
+           s.get("spec_draft_tokens", 0))
+    metric("m3_spec_decode_num_accepted_tokens_total", "counter", "Speculative decoding: draft tokens accepted.",
+           s.get("spec_accepted_tokens", 0))
+    metric("m3_spec_decode_draft_seconds_total", "counter", "Speculative decoding: seconds spent proposing drafts.",
+           s.get("spec_draft_time_s", 0.0))
     metric("m3_request_success_total", "counter", "Requests finished, by finish reason.")
     for reason, count in sorted(m.finished.items()):
         lines.append(f'm3_request_success_total{{{labels},finished_reason="{reason}"}} {count}')
@@ -1219,7 +1232,7 @@ def _int_list(text: str) -> list:
 # gets a generic --field-name flag from its default (see _engine_flags).
 _ENGINE_FLAGS = ("dtype", "device", "max_batch", "max_context", "max_cache_pages", "max_num_tokens", "prefill_chunk",
                  "graph_batch_sizes", "tensor_parallel_size", "kv_cache_dtype", "index_cache_dtype", "seed",
-                 "enforce_eager", "enable_prefix_caching")
+                 "enforce_eager", "enable_prefix_caching", "speculative_config")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1266,6 +1279,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enforce-eager", action="store_true", help="torch: no CUDA graphs")
     engine.add_argument("--enable-prefix-caching", action="store_true",
                         help="reuse the KV pages of full 128-token prompt blocks across requests")
+    engine.add_argument("--speculative-config", type=_json, default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     _engine_flags(engine)
     return p
 
@@ -1294,6 +1309,13 @@ def _engine_flags(group) -> None:
         else:
             group.add_argument(flag, dest=field.name, type=_scalar, default=default,
                                help=help_ + "; a number, a name or a JSON value")
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from None
 
 
 def _scalar(text: str):

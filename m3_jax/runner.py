@@ -42,6 +42,7 @@ import numpy as np
 
 from m3_engine import checkpoint
 from m3_engine.args import CheckedArgs, check_gpu_device
+from m3_engine.dummy_weights import dummy_dtype
 from m3_engine.runner import SampleResult, SamplingBatch
 from m3_engine.scheduler import Step
 from m3_kernels import planner
@@ -50,6 +51,7 @@ from m3_kernels.maps import next_pow2
 from . import model, tp
 from .api import StepSpec, step_inputs
 from .cache import allocate_pool
+from .dummy_weights import dummy_params
 from .sampling import sample, seed_words
 
 __all__ = ["JaxRunner"]
@@ -115,13 +117,18 @@ class JaxRunner:
         heads = dict(num_q_heads=self.tp.num_q_heads, num_kv_heads=self.tp.num_kv_heads, head_dim=config.head_dim,
                      max_blocks=sc.max_blocks, topk=config.index_topk_blocks)
         # steps with context rows are re-planned after padding: room for the padding rows and tokens
+        # (padding generation rows verifying drafts have k + 1 tokens)
+        n = 1 + (args.speculative.num_speculative_tokens if args.speculative is not None else 0)
         self._prefill_planner = planner.StepPlanner(planner.StepConfig(
-            max_batch=next_pow2(sc.max_batch + 1) + sc.max_batch, max_num_tokens=sc.max_num_tokens + sc.max_batch,
-            **heads))
+            max_batch=next_pow2(sc.max_batch + 1) + sc.max_batch,
+            max_num_tokens=sc.max_num_tokens + sc.max_batch * n, **heads))
         self._token_buckets = _token_buckets(sc.max_num_tokens)
         dtype = args.dtype
         with self._on_device():
-            if self.mesh is None:
+            if args.load_format == "dummy":   # random weights drawn on the device(s) (m3_jax.dummy_weights)
+                self.dtype = dummy_dtype(dtype, config)
+                self.params = dummy_params(self.tp, dtype=self.dtype, seed=args.seed, mesh=self.mesh)
+            elif self.mesh is None:
                 weights = checkpoint.load_weights(args.model_dir, config, framework="numpy")
                 if config.tie_word_embeddings:
                     del weights["lm_head.weight"]   # the head is the embedding
@@ -148,7 +155,7 @@ class JaxRunner:
         num_logits = len(step.logits_indices)
         with self._on_device():
             out, self.pool = self._step(self.params, self.pool, self._put(batch), self._put(maps),
-                                        self._put(_sampling_arrays(sampling, spec.num_rows)), spec=spec,
+                                        self._put(_sampling_arrays(sampling, _num_logits(spec))), spec=spec,
                                         num_logprobs=sampling.num_logprobs)
         out = {k: np.asarray(v)[:num_logits] for k, v in out.items()}
         return SampleResult(tokens=out["tokens"], logprobs=out["logprobs"], top_ids=out.get("top_ids"),
@@ -175,7 +182,7 @@ class JaxRunner:
         max_blocks = self.scheduler_config.max_blocks
         if step.is_decode:  # padded to a graph batch size by the scheduler
             spec, maps = step_inputs(step.plan)
-            rows = np.pad(step.logits_indices, (0, spec.num_rows - len(step.logits_indices)))
+            rows = np.pad(step.logits_indices, (0, _num_logits(spec) - len(step.logits_indices)))
             batch = model.StepBatch(step.input_ids, step.positions, step.slot_mapping, step.block_table,
                                     step.seq_lens, rows)
             return batch, dataclasses.replace(spec, generation_max_blocks=max_blocks), maps
@@ -188,24 +195,25 @@ class JaxRunner:
         Rg_new = next((g for g in self.scheduler_config.graph_batch_sizes if g >= Rg), Rg) if Rg else 0
         # rows: context | padding context row (Tc_pad tokens) | empty context rows | generation | padding rows
         empty = Rc_new - Rc - (Tc_pad > 0)
-        new_q = _int32(q_lens[:Rc], [Tc_pad] * (Tc_pad > 0), [0] * empty, q_lens[Rc:], [1] * (Rg_new - Rg))
+        n = step.plan.generation.decode_query_len or 1   # tokens per generation row (k + 1 when verifying)
+        new_q = _int32(q_lens[:Rc], [Tc_pad] * (Tc_pad > 0), [0] * empty, q_lens[Rc:], [n] * (Rg_new - Rg))
         new_seq = _int32(seq_lens[:Rc], [0] * (Rc_new - Rc), seq_lens[Rc:], [0] * (Rg_new - Rg))
         table = np.full((Rc_new + Rg_new, max_blocks), -1, np.int32)
         table[:Rc], table[Rc_new:Rc_new + Rg] = step.block_table[:Rc], step.block_table[Rc:]
-        T_new = Tc + Tc_pad + Rg_new
+        T_new = Tc + Tc_pad + Rg_new * n
         ctx_end, gen_start = Tc, Tc + Tc_pad
 
         def tokens(x, fill):
             out = np.full(T_new, fill, np.int32)
-            out[:ctx_end], out[gen_start:gen_start + Rg] = x[:Tc], x[Tc:]
+            out[:ctx_end], out[gen_start:gen_start + Rg * n] = x[:Tc], x[Tc:]
             return out
 
         rows = step.logits_indices
         rows = np.where(rows < Tc, rows, rows + Tc_pad).astype(np.int32)
-        batch = model.StepBatch(tokens(step.input_ids, 0), tokens(step.positions, 0), tokens(step.slot_mapping, -1),
-                                table, new_seq, np.pad(rows, (0, Rc_new + Rg_new - len(rows))))
         plan = self._prefill_planner.plan(new_seq, q_lens=new_q, num_context=Rc_new)
         spec, maps = step_inputs(plan)
+        batch = model.StepBatch(tokens(step.input_ids, 0), tokens(step.positions, 0), tokens(step.slot_mapping, -1),
+                                table, new_seq, np.pad(rows, (0, _num_logits(spec) - len(rows))))
         if Rg_new:
             spec = dataclasses.replace(spec, generation_max_blocks=max_blocks)
         return batch, spec, maps
@@ -234,6 +242,12 @@ def _check_cpu_threads(count: int):
         raise ValueError(f"tensor_parallel_size={count} on CPU devices: JAX's CPU client has {threads} threads "
                          f"and the interpreted kernels' callbacks need one more than the devices: set "
                          f"PJRT_NPROC={count + 1} (or more) in the environment before JAX initialises")
+
+
+def _num_logits(spec: StepSpec) -> int:
+    """Logits rows of a compiled step: one per context row, one per generation token (a speculative
+    verify row samples each of its ``k + 1`` tokens)."""
+    return spec.context_rows + spec.generation_rows * spec.decode_query_len
 
 
 def _int32(*parts) -> np.ndarray:

@@ -23,11 +23,13 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from m3_engine import checkpoint
+from m3_engine.dummy_weights import dummy_dtype
 from m3_engine.scheduler import Step
 from m3_engine.tp import TPPlan
 from m3_kernels.pool import PoolLayout
 
 from .cache import allocate_pool, layer_caches
+from .dummy_weights import iter_dummy_weights
 from .model import M3Model, StepTensors
 
 __all__ = ["Runner", "rank_device", "DTYPES"]
@@ -52,20 +54,20 @@ class Runner:
     num_slots, max_blocks: pool slots and block-table columns (the scheduler's).
     cuda_graphs: replay pure decode steps from CUDA graphs.
     all_reduce: the model's tensor-parallel hook (``m3_torch.tp.all_reduce``), None on one rank.
+    load_format: "auto" (read ``model_dir``'s safetensors) or "dummy" (random weights drawn on the
+                device from ``seed``: ``m3_engine.dummy_weights``).
     Rank 0 holds ``lm_head`` and returns logits; other ranks compute the hidden
     states only (their ``lm_head`` is never read from the checkpoint).
     """
 
     def __init__(self, *, model_dir, tp: TPPlan, rank: int, device, dtype, num_slots: int, max_blocks: int,
                  cuda_graphs: bool, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
-                 all_reduce: Optional[Callable] = None):
+                 all_reduce: Optional[Callable] = None, load_format: str = "auto", seed: int = 0):
         c = tp.config
         self.rank, self.device, self.max_blocks = rank, rank_device(torch.device(device), rank), max_blocks
         head = rank == 0
         weights, self.dtype = {}, dtype
-        for name, w in checkpoint.iter_weights(model_dir, c, framework="pt", concatenate=torch.cat,
-                                               device=str(self.device), shard=tp.rank(rank) if tp.size > 1 else None,
-                                               skip=() if head else ("lm_head.weight",)):
+        for name, w in self._weights(model_dir, tp, load_format, seed):
             self.dtype = self.dtype or w.dtype   # a config without a dtype: the tensors'
             weights[name] = w.to(self.dtype)
         self.model = M3Model(tp.local_config, weights, all_reduce=all_reduce, lm_head=head)
@@ -77,6 +79,17 @@ class Runner:
         self.pool = allocate_pool(self.layout, self.device)
         self.caches = [layer_caches(self.pool, self.layout, i) for i in range(c.num_hidden_layers)]
         self.graphs = _DecodeGraphs(self) if cuda_graphs else None
+
+    def _weights(self, model_dir, tp: TPPlan, load_format: str, seed: int):
+        """``(canonical name, tensor)`` of this rank's weights, on its device: read from the checkpoint
+        (``"auto"``), or drawn at random from ``seed`` (``"dummy"``: ``m3_torch.dummy_weights``)."""
+        shard = tp.rank(self.rank) if tp.size > 1 else None
+        skip = () if self.rank == 0 else ("lm_head.weight",)
+        if load_format == "dummy":
+            dtype = self.dtype or DTYPES[dummy_dtype(None, tp.config)]
+            return iter_dummy_weights(tp.config, device=self.device, dtype=dtype, seed=seed, shard=shard, skip=skip)
+        return checkpoint.iter_weights(model_dir, tp.config, framework="pt", concatenate=torch.cat,
+                                       device=str(self.device), shard=shard, skip=skip)
 
     def run(self, step: Step) -> Optional[torch.Tensor]:
         """One step -> logits ``[len(step.logits_indices), vocab]`` in the model dtype (rank 0), or
@@ -103,9 +116,11 @@ class Runner:
 # -- CUDA graphs -----------------------------------------------------------------------------------
 
 class _DecodeGraphs:
-    """Pure decode steps replayed from CUDA graphs, one per (padded batch, block-table bound).
+    """Pure decode steps replayed from CUDA graphs, one per (padded batch, query tokens per
+    row, block-table bound): plain decode steps have one token a row, speculative verify
+    steps ``k + 1`` (every token's logits are returned).
 
-    Each batch size has static inputs: one device int32 buffer holding the
+    Each (batch, tokens per row) has static inputs: one device int32 buffer holding the
     step's metadata, filled by ONE copy from a pinned host buffer per step.
     The first step of each key runs eagerly on the static inputs (its result is
     used; it also compiles the kernels and creates the persistent maps and
@@ -120,13 +135,14 @@ class _DecodeGraphs:
     def __init__(self, runner: Runner):
         self.runner = runner
         self.mempool = torch.cuda.graph_pool_handle()
-        self.inputs: dict = {}   # batch size -> (pinned host buffer, its views, device buffer, StepTensors, copy event)
-        self.graphs: dict = {}   # (batch size, block bound) -> (CUDAGraph, logits or hidden states)
+        self.inputs: dict = {}   # (batch, n) -> (pinned host buffer, its views, device buffer, StepTensors, copy event)
+        self.graphs: dict = {}   # (batch, n, block bound) -> (CUDAGraph, logits or hidden states)
 
-    def _static(self, batch: int):
-        if batch not in self.inputs:
+    def _static(self, batch: int, n: int):
+        if (batch, n) not in self.inputs:
             width, device = self.runner.max_blocks, self.runner.device
-            sizes = [batch] * 4 + [batch * width]
+            tokens = batch * n
+            sizes = [tokens] * 3 + [batch, batch * width]
             host = torch.zeros(sum(sizes), dtype=torch.int32, pin_memory=True)
             buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
             host_views = dict(zip(self.FIELDS, (t.numpy() for t in host.split(sizes))))
@@ -134,9 +150,9 @@ class _DecodeGraphs:
             tensors = StepTensors(input_ids=dev["input_ids"], positions=dev["positions"],
                                   slot_mapping=dev["slot_mapping"], seq_lens=dev["seq_lens"],
                                   block_table=dev["block_table"].view(batch, width),
-                                  logits_rows=torch.arange(batch, dtype=torch.int32, device=device))
-            self.inputs[batch] = (host, host_views, buffer, tensors, torch.cuda.Event())
-        return self.inputs[batch]
+                                  logits_rows=torch.arange(tokens, dtype=torch.int32, device=device))
+            self.inputs[batch, n] = (host, host_views, buffer, tensors, torch.cuda.Event())
+        return self.inputs[batch, n]
 
     def _forward(self, tensors: StepTensors, plan):
         model = self.runner.model
@@ -145,11 +161,12 @@ class _DecodeGraphs:
         return model.forward(tensors, plan, self.runner.caches)
 
     def run(self, step: Step) -> Optional[torch.Tensor]:
-        """-> logits ``[len(step.logits_indices), vocab]`` of a pure decode step (one token per row);
-        None on a rank without ``lm_head``."""
-        batch, bound = step.plan.num_rows, step.plan.generation.max_blocks
+        """-> logits ``[len(step.logits_indices), vocab]`` of a pure decode or verify step; None on a
+        rank without ``lm_head``."""
+        gen = step.plan.generation
+        batch, n, bound = gen.num_rows, gen.decode_query_len, gen.max_blocks
         device = self.runner.device
-        host, views, buffer, static, copied = self._static(batch)
+        host, views, buffer, static, copied = self._static(batch, n)
         copied.synchronize()   # the previous step's upload from these host buffers is done
         for name in self.FIELDS:
             views[name][:] = getattr(step, name).reshape(-1)
@@ -157,7 +174,7 @@ class _DecodeGraphs:
         copied.record()
         head = self.runner.model.lm_head is not None
         rows = torch.from_numpy(step.logits_indices.astype(np.int64)).to(device, non_blocking=True) if head else None
-        key = (batch, bound)
+        key = (batch, n, bound)
         if key not in self.graphs:
             out = self._forward(static, step.plan)   # eager warm-up: a real step
             torch.cuda.synchronize(device)

@@ -64,7 +64,8 @@ class TorchRunner:
         runner_args = dict(model_dir=str(args.model_dir), dtype=DTYPES[args.dtype] if args.dtype else None,
                            num_slots=sc.num_slots, max_blocks=sc.max_blocks,
                            cuda_graphs=bool(sc.graph_batch_sizes) and self.device.type == "cuda",
-                           kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype)
+                           kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype,
+                           load_format=args.load_format, seed=args.seed)
         self._workers = None
         all_reduce = None
         if self.tp.size > 1:

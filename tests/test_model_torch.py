@@ -305,7 +305,8 @@ def test_gpu_cuda_graph_decode_equals_eager(gpu_tiny_dir):
     replay = graphs.run
 
     def run(step):
-        captured = (step.plan.num_rows, step.plan.generation.max_blocks) in graphs.graphs
+        gen = step.plan.generation
+        captured = (gen.num_rows, gen.decode_query_len, gen.max_blocks) in graphs.graphs
         logits = replay(step)
         if captured:  # a replay: run the same step eagerly (rewrites the same K/V rows) and compare
             eager = llm.runner.model.forward(llm.runner.step_tensors(step), step.plan, llm.runner.caches)

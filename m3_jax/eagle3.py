@@ -1,0 +1,193 @@
+"""EAGLE-3 draft head in JAX: one Llama decoder layer over the target's hidden states, on a paged pool.
+
+Pure functions over a params pytree, as ``m3_jax.model``: the canonical names of
+``m3_engine.eagle3`` -> jax arrays (model dtype), plus ``"draft_to_target"``
+(int32 ``[draft_vocab]``, when the head is compressed) and the target's
+``embed_tokens.weight`` / ``lm_head.weight`` filled in when the draft shares
+them (:func:`params_from_weights`). :func:`forward` runs a step's tokens through
+the layer: ``m3_jax.write_cache`` into the draft's own pool (one dense layer:
+``pool_layout``) and ``m3_jax.msa_attention_step(..., sparse=False)`` with the
+``StepSpec``/``PrefillMaps`` of a plan made by the draft's planner
+(``m3_engine.eagle3.draft_step_config``). Under ``jax.jit`` (``config``,
+``layout`` and ``spec`` static) with the pool donated the cache writes are in place.
+
+The math, the inputs a step feeds in and the rounding order are those of the
+torch twin, ``m3_torch/eagle3.py``; the format and conventions are in
+``m3_engine/eagle3.py`` and docs/ENGINE.md ("EAGLE-3 draft heads").
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3_engine.eagle3 import (LAYER, Eagle3Config, draft_pool_layout, draft_to_target_ids, expected_eagle3_shapes,
+                              load_eagle3_weights)
+from m3_engine.model_config import M3TextConfig
+from m3_kernels.pool import PoolLayout
+
+from .api import StepSpec, msa_attention_step
+from .cache import layer_views, write_cache
+from .model import StepBatch, _dot, apply_rope, rope_cos_sin
+
+__all__ = ["params_from_weights", "load_params", "fuse", "forward", "draft_logits", "logits", "draft_tokens",
+           "to_target_ids", "pool_layout", "rms_norm"]
+
+DRAFT_TO_TARGET = "draft_to_target"
+
+
+def rms_norm(x, weight, eps: float):
+    """Llama RMSNorm over the last axis: float32 statistics, then ``weight * normed.astype(x.dtype)``."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def pool_layout(config: Eagle3Config, num_slots: int, dtype: str, *, kv_cache_dtype: str = "auto") -> PoolLayout:
+    """The draft's pool: one dense layer of its KV heads, the target pool's ``num_slots``."""
+    return draft_pool_layout(config, num_slots, dtype, kv_cache_dtype=kv_cache_dtype)
+
+
+# -- params ------------------------------------------------------------------------------------
+
+def params_from_weights(config: Eagle3Config, weights: Mapping, *, dtype=None, target_embed=None,
+                        target_lm_head=None) -> dict:
+    """Canonical name -> array (``load_eagle3_weights`` numpy arrays, or jax arrays) -> the params pytree.
+
+    dtype: the float tensors' dtype (default: ``fc.weight``'s). target_embed /
+    target_lm_head: the target's ``[vocab, hidden]`` tensors, required when the
+    draft has no embedding / no head of its own (and does not tie the head).
+    ``d2t`` becomes ``"draft_to_target"`` (int32 target ids).
+    """
+    c = config
+    expected = expected_eagle3_shapes(c)
+    w = dict(weights)
+    extra, missing = sorted(set(w) - set(expected)), sorted(set(expected) - set(w))
+    if extra or missing:
+        raise ValueError(f"weights: unexpected tensors {extra[:8]}, missing tensors {missing[:8]}")
+    for name, shape in expected.items():
+        if tuple(w[name].shape) != shape:
+            raise ValueError(f"weights: tensor {name!r} has shape {tuple(w[name].shape)}, expected {shape}")
+    dtype = jnp.dtype(dtype or w["fc.weight"].dtype)
+    params = {n: jnp.asarray(t, dtype) for n, t in w.items() if n != "d2t"}
+    if c.has_d2t:
+        params[DRAFT_TO_TARGET] = jnp.asarray(draft_to_target_ids(np.asarray(w["d2t"])))
+    if not c.has_embedding:
+        params["embed_tokens.weight"] = _target_tensor(c, target_embed, "target_embed", "embed_tokens.weight", dtype)
+    if not c.has_lm_head and not c.tie_word_embeddings:
+        params["lm_head.weight"] = _target_tensor(c, target_lm_head, "target_lm_head", "lm_head.weight", dtype)
+    return params
+
+
+def _target_tensor(config: Eagle3Config, tensor, arg: str, name: str, dtype):
+    if tensor is None:
+        raise ValueError(f"{arg}: the draft has no {name!r}; pass the target's")
+    want = (config.vocab_size, config.hidden_size)
+    if tuple(tensor.shape) != want:
+        raise ValueError(f"{arg}: expected shape {want}, got {tuple(tensor.shape)}")
+    return jnp.asarray(tensor, dtype)
+
+
+def load_params(path, target: M3TextConfig, *, dtype="bfloat16", target_embed=None, target_lm_head=None,
+                aux_layer_convention: str = "output") -> tuple[Eagle3Config, dict]:
+    """The draft in folder ``path`` for ``target`` -> ``(config, params)`` in ``dtype``."""
+    config = Eagle3Config.from_dir(path, target, aux_layer_convention=aux_layer_convention)
+    weights = load_eagle3_weights(path, config, framework="numpy")
+    return config, params_from_weights(config, weights, dtype=dtype, target_embed=target_embed,
+                                       target_lm_head=target_lm_head)
+
+
+# -- the layer ---------------------------------------------------------------------------------
+
+def fuse(params: Mapping, hidden, *, config: Eagle3Config):
+    """The layer's hidden input ``[T, hidden]``: ``fc`` of the aux states ``[T, 3 * target_hidden]``,
+    or ``hidden`` itself when it is ``[T, hidden]`` already (the draft's own ``h_out``)."""
+    c = config
+    if hidden.ndim != 2 or hidden.shape[-1] not in (c.hidden_size, c.fc_in_features):
+        raise ValueError(f"hidden: expected [T, {c.fc_in_features}] (aux states) or [T, {c.hidden_size}] "
+                         f"(the draft's h_out), got {tuple(hidden.shape)}")
+    return hidden if hidden.shape[-1] == c.hidden_size else _dot(hidden, params["fc.weight"])
+
+
+def forward(params: Mapping, pool, batch: StepBatch, maps, hidden, *, config: Eagle3Config, layout: PoolLayout,
+            spec: StepSpec, k_scale=None, v_scale=None):
+    """One step's tokens through the draft layer -> ``(h_out [T, hidden], pool)``.
+
+    pool:   the draft's pool ``[layout.numel]`` (``pool_layout``; donate it under jit).
+    batch:  the target step's :class:`~m3_jax.model.StepBatch` (``logits_rows`` unused).
+    maps, spec: ``m3_jax.step_inputs(plan)`` of the draft planner's plan.
+    hidden: ``[T, 3 * target_hidden]`` aux states or ``[T, hidden]`` (see :func:`fuse`).
+    h_out is the residual stream before the final norm: the next draft step's hidden input.
+    """
+    c = config
+    if hidden.shape[0] != batch.input_ids.shape[0]:
+        raise ValueError(f"hidden: expected {batch.input_ids.shape[0]} rows (the step's tokens), "
+                         f"got {hidden.shape[0]}")
+    h = fuse(params, hidden, config=c)
+    normed = rms_norm(h, params[LAYER + "hidden_norm.weight"], c.rms_norm_eps)
+    e = rms_norm(params["embed_tokens.weight"][batch.input_ids], params[LAYER + "input_layernorm.weight"],
+                 c.rms_norm_eps)
+    x = jnp.concatenate([e, normed], axis=-1)
+    residual = normed if c.norm_before_residual else h
+    out, pool = _attention(params, x, pool, batch, maps, config=c, layout=layout, spec=spec, k_scale=k_scale,
+                           v_scale=v_scale)
+    r = residual + out
+    return r + _mlp(params, rms_norm(r, params[LAYER + "post_attention_layernorm.weight"], c.rms_norm_eps)), pool
+
+
+def _attention(params: Mapping, x, pool, batch: StepBatch, maps, *, config: Eagle3Config, layout: PoolLayout,
+               spec: StepSpec, k_scale, v_scale):
+    c, att = config, LAYER + "self_attn."
+    T, hq, hk, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    cos, sin = rope_cos_sin(batch.positions, c.inv_freq(), x.dtype)
+    q = apply_rope(_dot(x, params[att + "q_proj.weight"]).reshape(T, hq, d), cos, sin)
+    k = apply_rope(_dot(x, params[att + "k_proj.weight"]).reshape(T, hk, d), cos, sin)
+    v = _dot(x, params[att + "v_proj.weight"]).reshape(T, hk, d)
+    views = layer_views(pool, layout, 0)
+    if views.index_k_cache is not None:
+        raise ValueError("layout: the draft's layer is dense (no index-K sub-page)")
+    k_cache, v_cache, _ = write_cache(k, v, None, views.k_cache, views.v_cache, None, batch.slot_mapping,
+                                      k_scale=k_scale, v_scale=v_scale)
+    out, _ = msa_attention_step(q, None, k_cache, v_cache, None, batch.block_table, batch.seq_lens, plan=spec,
+                                maps=maps, sparse=False, sm_scale=c.attention_scale, k_scale=k_scale,
+                                v_scale=v_scale)
+    return _dot(out.reshape(T, hq * d), params[att + "o_proj.weight"]), k_cache.buffer
+
+
+def _mlp(params: Mapping, h):
+    mlp = LAYER + "mlp."
+    gate, up = _dot(h, params[mlp + "gate_proj.weight"]), _dot(h, params[mlp + "up_proj.weight"])
+    return _dot(jax.nn.silu(gate) * up, params[mlp + "down_proj.weight"])
+
+
+# -- heads -------------------------------------------------------------------------------------
+
+def draft_logits(params: Mapping, h_out, *, config: Eagle3Config):
+    """``lm_head(norm(h_out))`` of rows ``h_out [L, hidden]`` -> ``[L, draft_vocab]`` float32 (draft ids)."""
+    head = params.get("lm_head.weight", params["embed_tokens.weight"])   # no lm_head: tied to the embedding
+    return _dot(rms_norm(h_out, params["norm.weight"], config.rms_norm_eps), head).astype(jnp.float32)
+
+
+def logits(params: Mapping, h_out, *, config: Eagle3Config):
+    """The draft's logits over the TARGET vocabulary ``[L, vocab]`` float32; ids outside the draft
+    vocabulary get ``-inf``."""
+    draft = draft_logits(params, h_out, config=config)
+    if DRAFT_TO_TARGET not in params:
+        return draft
+    full = jnp.full((draft.shape[0], config.vocab_size), -jnp.inf, jnp.float32)
+    return full.at[:, params[DRAFT_TO_TARGET]].set(draft)
+
+
+def draft_tokens(params: Mapping, h_out, *, config: Eagle3Config):
+    """Greedy drafts of rows ``h_out [L, hidden]``: argmax over the draft vocabulary (ties: the lowest
+    draft id) as TARGET ids ``[L]`` int32."""
+    return to_target_ids(params, jnp.argmax(draft_logits(params, h_out, config=config), axis=-1))
+
+
+def to_target_ids(params: Mapping, draft_ids):
+    """Draft vocabulary ids -> target ids (``id + d2t[id]``; the identity without ``d2t``)."""
+    draft_ids = draft_ids.astype(jnp.int32)
+    return draft_ids if DRAFT_TO_TARGET not in params else params[DRAFT_TO_TARGET][draft_ids]
