@@ -49,7 +49,8 @@ class LLM:
     """A MiniMax-M3 text model, ready to generate. Options: :class:`m3_engine.args.EngineArgs`
     (model, dtype, device, max_batch, max_context, max_cache_pages, max_num_tokens,
     prefill_chunk, graph_batch_sizes, tensor_parallel_size, kv_cache_dtype,
-    index_cache_dtype, seed, enforce_eager, enable_prefix_caching, load_format)."""
+    index_cache_dtype, seed, enforce_eager, enable_prefix_caching, load_format,
+    speculative_config)."""
 
     framework = "?"   # "torch" | "jax", set by the framework's subclass
 

@@ -34,7 +34,7 @@ from m3_kernels.pool import PoolLayout
 
 from .api import msa_attention_step
 from .cache import TORCH_DTYPES, LayerCaches, allocate_pool, layer_caches, write_cache
-from .model import StepTensors, apply_rope, rope_cos_sin
+from .model import StepTensors, _take, apply_rope, rope_cos_sin
 
 __all__ = ["Eagle3Draft", "DraftCache", "allocate_draft_cache", "rms_norm"]
 
@@ -58,13 +58,6 @@ def allocate_draft_cache(config: Eagle3Config, num_slots: int, dtype: str, devic
     layout = draft_pool_layout(config, num_slots, dtype, kv_cache_dtype=kv_cache_dtype)
     pool = allocate_pool(layout, device)
     return DraftCache(pool, layout, layer_caches(pool, layout, 0))
-
-
-def _take(weights: dict, name: str) -> torch.Tensor:
-    try:
-        return weights.pop(name)
-    except KeyError:
-        raise ValueError(f"weights: missing tensor {name!r}") from None
 
 
 class Eagle3Draft:

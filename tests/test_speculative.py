@@ -51,6 +51,17 @@ def test_config_type_error():
         SpeculativeConfig.from_dict("ngram")
 
 
+def test_engine_refuses_eagle3_for_now(tmp_path):
+    import json
+    from m3_engine.args import EngineArgs
+    from m3_engine.tiny_model import tiny_text_config
+    (tmp_path / "config.json").write_text(json.dumps(tiny_text_config()))
+    spec = {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="not run by this engine"):
+        EngineArgs(tmp_path, speculative_config=spec).check()
+    assert EngineArgs(tmp_path, speculative_config=NGRAM).check().speculative.num_speculative_tokens == 3
+
+
 def test_ngram_draft():
     t = np.array([5, 6, 7, 8, 9, 1, 2, 5, 6, 7], np.int32)
     assert ngram_draft(t, 3, 2, 5).tolist() == [8, 9, 1]           # suffix 5 6 7 seen at the start
