@@ -336,3 +336,14 @@ def test_gpu_speculation(model_dir, framework):
                     assert any(n == NGRAM["num_speculative_tokens"] + 1 for _, n, _ in llm.runner.graphs.graphs)
     assert results["spec"] == results["plain"]
     assert results["spec-seeded"] == results["plain-seeded"]
+
+
+def test_command_line_and_server_flags():
+    from m3_engine.cli import build_parser as cli_parser
+    from m3_engine.serve import build_parser as serve_parser, engine_options
+    flag = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    assert cli_parser().parse_args(["--model", "m"] + flag).speculative_config == {
+        "method": "ngram", "num_speculative_tokens": 2}
+    assert engine_options(serve_parser().parse_args(["m"] + flag))["speculative_config"]["num_speculative_tokens"] == 2
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["m", "--speculative-config", "{ngram"])
