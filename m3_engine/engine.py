@@ -84,9 +84,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}       # request id -> unfinished request
         self._by_scheduler_id: dict[int, _Request] = {}
         self._arrivals = itertools.count()
-        self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0,
-                        "spec_verify_steps": 0, "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-                        "spec_draft_time_s": 0.0}
+        self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -164,9 +162,10 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict:
-        """Counters since start-up and the state now: requests, tokens, pool pages, prefix cache."""
+        """Counters since start-up and the state now: requests, tokens, speculative decoding, pool pages,
+        prefix cache."""
         s, blocks = self.scheduler, self.scheduler.blocks
-        return dict(self._counts, running_requests=s.num_running, waiting_requests=s.num_waiting,
+        return dict(self._counts, **s.spec_stats, running_requests=s.num_running, waiting_requests=s.num_waiting,
                     total_pages=s.config.num_slots, free_pages=s.num_free_slots,
                     prefix_cache_hit_tokens=blocks.hit_tokens, prefix_cache_query_tokens=blocks.query_tokens,
                     prefix_cache_hit_rate=blocks.hit_tokens / max(blocks.query_tokens, 1),
@@ -198,7 +197,6 @@ class LLMEngine:
         self._counts["prompt_tokens"] += sum(q for r, q in step.rows if not r.prefilled)
         finished = set(self.scheduler.update(step, result.tokens))
         self._counts["steps"] += 1
-        self._counts["spec_verify_steps"] += step.num_verify_rows > 0
         now = time.time()
         outputs = []
         for (r, _), count in zip(step.rows, step.num_logits.tolist()):
@@ -216,10 +214,6 @@ class LLMEngine:
             request.metrics.first_token_time = now
         request.metrics.last_token_time = now
         m = request.metrics
-        self._counts["spec_draft_tokens"] += r.spec_draft_tokens - m.num_draft_tokens
-        self._counts["spec_accepted_tokens"] += r.spec_accepted_tokens - m.num_accepted_tokens
-        self._counts["spec_draft_time_s"] += r.spec_draft_time - m.draft_time
-        self._counts["spec_drafts"] += r.spec_verify_steps - m.num_verify_steps
         m.num_draft_tokens, m.num_accepted_tokens = r.spec_draft_tokens, r.spec_accepted_tokens
         m.num_verify_steps, m.draft_time = r.spec_verify_steps, r.spec_draft_time
         reason = stop_reason = None

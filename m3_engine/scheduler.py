@@ -285,6 +285,10 @@ class Scheduler:
         self.config = config
         self.speculative = speculative
         self.num_speculative_tokens = speculative.num_speculative_tokens if speculative is not None else 0
+        # totals since start-up: steps with a verify row, rows that verified drafts, draft tokens proposed
+        # and accepted, seconds spent proposing
+        self.spec_stats = {"spec_verify_steps": 0, "spec_drafts": 0, "spec_draft_tokens": 0,
+                           "spec_accepted_tokens": 0, "spec_draft_time_s": 0.0}
         self.vocab_size = model.vocab_size
         self.eos_token_ids = frozenset(model.eos_token_ids)
         self.planner = planner or StepPlanner(StepConfig(
@@ -464,7 +468,9 @@ class Scheduler:
             if useful > 0 and r.gate.wants_drafts():
                 start = time.perf_counter()
                 d = ngram_draft(r.tokens(), useful, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                r.spec_draft_time += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                r.spec_draft_time += seconds
+                self.spec_stats["spec_draft_time_s"] += seconds
             drafts[r.id] = d
             any_draft |= len(d) > 0
         return drafts if any_draft else {}
@@ -579,6 +585,9 @@ class Scheduler:
                     r.spec_verify_steps += 1
                     r.spec_draft_tokens += len(drafts)
                     r.spec_accepted_tokens += accepted
+                    self.spec_stats["spec_drafts"] += 1
+                    self.spec_stats["spec_draft_tokens"] += len(drafts)
+                    self.spec_stats["spec_accepted_tokens"] += accepted
                     r.gate.record(len(drafts), accepted)
             else:
                 new, r.num_cached = sampled[:1], r.num_cached + q
@@ -592,6 +601,7 @@ class Scheduler:
             if r.finished:
                 self._finish(r)
                 finished.append(r.id)
+        self.spec_stats["spec_verify_steps"] += step.num_verify_rows > 0
         return finished
 
     def _append(self, r: Request, token: int) -> bool:
