@@ -41,10 +41,11 @@ Per batch:
   in the same run (2 GiB device copy, bytes read + written): every weight the
   step reads (attention projections and norms, the shared expert, the router,
   the dense MLP, lm_head, the embedding rows of its tokens) plus, per MoE layer,
-  the experts the batch touches: the EXPECTED number for uniform random routing
-  ``E (1 - (1 - k/E)^T)`` (111 of 128 at 64 tokens; the router's real choices
-  on the step are recorded beside it, ``experts_touched``, from one eager torch
-  step); plus attention's KV bytes: dense layers every visible K/V row, MSA
+  the experts the batch touches: the router's real choices on the step
+  (``experts_touched``, from one eager torch step; without a torch run the
+  EXPECTED number for uniform random routing ``E (1 - (1 - k/E)^T)``, 111 of
+  128 at 64 tokens, also recorded as ``experts_expected``: the random-weight
+  router concentrates on fewer); plus attention's KV bytes: dense layers every visible K/V row, MSA
   layers all of index-K, the index queries and each request's top-16 blocks of
   K and V per KV head; plus the new K/V/index-K rows, q and o, and the logits.
   Other activations are not counted. ``*_pct_floor`` = floor / time.
@@ -61,10 +62,10 @@ Per batch:
 Pieces (torch, CUDA graphs, tokens ``--piece-tokens`` 1 / 8 / 64 / 128, on the
 engine of ``--piece-context``, 32k, or of the first context when that is not
 one of ``--contexts``): the MSA layer's q/k/v/index projections
-+ norms + RoPE (one fused GEMM), its attention (write_cache + msa_attention_step
-on random q/k/v), the dense layer's attention, o_proj, the MoE (router, top-k,
-routed experts, shared expert; floor with the distinct experts its router chose
-on the piece's random input), the dense MLP, and the final norm + lm_head: time,
+(one fused GEMM) + ``qk_norm_rope`` (norms, RoPE, the cache rows written), its
+attention (write_cache + msa_attention_step on random q/k/v), the dense layer's
+attention, o_proj, the MoE (router kernel, fused experts with the shared one;
+floor with the distinct experts its router chose on the piece's random input), the dense MLP, and the final norm + lm_head: time,
 kernels, floor (weights + the piece's inputs and outputs) and share.
 
 Writes ``<date>-<gpu>-model-step.{json,md}`` to ``--out`` (default
@@ -199,8 +200,11 @@ def kv_bytes(c: M3TextConfig, tokens: int, context: int, sparse: bool) -> int:
     return tokens * (context * index_row + c.index_n_heads * index_row + chosen * PAGE_SIZE * row) + io
 
 
-def layer_bytes(c: M3TextConfig, sparse: bool, moe: bool, tokens: int, context: int) -> float:
-    experts = expected_experts(tokens, c.num_local_experts, c.num_experts_per_tok)
+def layer_bytes(c: M3TextConfig, sparse: bool, moe: bool, tokens: int, context: int,
+                experts: float | None = None) -> float:
+    """``experts``: the distinct experts the layer's router chose (None: the uniform-routing expectation)."""
+    if experts is None:
+        experts = expected_experts(tokens, c.num_local_experts, c.num_experts_per_tok)
     return (attention_weight_bytes(c, sparse) + 2 * 2 * c.hidden_size + mlp_weight_bytes(c, moe, experts)
             + kv_bytes(c, tokens, context, sparse))
 
@@ -211,8 +215,10 @@ def head_bytes(c: M3TextConfig, tokens: int) -> int:
     return 2 * (tokens * H + H + V * H + tokens * V)
 
 
-def step_floor_bytes(c: M3TextConfig, tokens: int, context: int) -> float:
-    return head_bytes(c, tokens) + sum(layer_bytes(c, s, m, tokens, context)
+def step_floor_bytes(c: M3TextConfig, tokens: int, context: int, experts_touched=None) -> float:
+    """``experts_touched``: the distinct experts of each MoE layer in order (None: the expectation)."""
+    touched = iter(experts_touched or [])
+    return head_bytes(c, tokens) + sum(layer_bytes(c, s, m, tokens, context, next(touched, None) if m else None)
                                        for s, m in zip(c.sparse_layers, c.moe_layers))
 
 
@@ -251,32 +257,33 @@ def graph_kernels(graph) -> int:
 
 def routed_experts(model, fn) -> list:
     """Distinct experts each MoE layer's router chose during one eager ``fn()`` (the model's own routing)."""
-    seen, original = [], model._experts
+    seen, original = [], model._route
 
-    def record(layer, h, chosen, top_w):
+    def record(layer, h):
+        chosen, top_w = original(layer, h)
         seen.append(int(chosen.unique().numel()))
-        return original(layer, h, chosen, top_w)
+        return chosen, top_w
 
-    model._experts = record
+    model._route = record
     try:
         fn()
     finally:
-        del model._experts
+        del model._route
     return seen
 
 
 def layer_call(runner, i: int, step, x):
     """Layer ``i`` of the step alone (``M3Model.hidden_states``' loop body) on hidden states ``x``."""
-    from m3_torch.model import rms_norm, rope_cos_sin
+    from m3_torch import fused
 
-    model, c = runner.model, runner.model.config
+    model, eps = runner.model, runner.model.config.rms_norm_eps
     layer, tensors = model.layers[i], runner.step_tensors(step)
-    cos, sin = rope_cos_sin(tensors.positions, model.inv_freq, model.dtype)
 
     def run():
-        y = x + model._attention(layer, rms_norm(x, layer.input_norm, c.rms_norm_eps), cos, sin, tensors,
-                                 step.plan, runner.caches[i])
-        return y + model._mlp(layer, rms_norm(y, layer.post_attn_norm, c.rms_norm_eps))
+        h = fused.rms_norm(x, layer.input_norm, eps)
+        y, h = fused.add_rms_norm(model._attention(layer, h, tensors, step.plan, runner.caches[i]), x,
+                                  layer.post_attn_norm, eps)
+        return y + model._mlp(layer, h)
     return run
 
 
@@ -311,8 +318,6 @@ def torch_pieces(llm, tokens: int, context: int, reps: int) -> list:
     """The step's pieces at ``tokens`` decode requests (attention at ``context``): see the module docstring."""
     import torch.nn.functional as F
 
-    from m3_torch.model import rope_cos_sin
-
     runner, device = llm.runner.rank0, llm.runner.device
     model, c = runner.model, runner.model.config
     dense, msa = c.sparse_layers.index(False), c.sparse_layers.index(True)
@@ -321,13 +326,13 @@ def torch_pieces(llm, tokens: int, context: int, reps: int) -> list:
     g = torch.Generator(device).manual_seed(1)
     h = torch.randn(tokens, c.hidden_size, generator=g, device=device).to(model.dtype)
     o = torch.randn(tokens, c.num_attention_heads * c.head_dim, generator=g, device=device).to(model.dtype)
-    cos, sin = rope_cos_sin(tensors.positions, model.inv_freq, model.dtype)
     rows = torch.arange(tokens, device=device)
     experts = routed_experts(model, lambda: model.mlp(msa, h))[0]
     H, elt, io = c.hidden_size, 2, 2 * 2 * tokens * c.hidden_size
     qkv_out = model.layers[msa].qkv.shape[0]
     pieces = {   # name -> (what runs, bytes it must move)
-        "projections": (lambda: model._project(model.layers[msa], h, cos, sin),
+        "projections": (lambda: model._project(model.layers[msa], h, tensors.positions, tensors.slot_mapping,
+                                                runner.caches[msa]),
                         projection_weight_bytes(c, True) + elt * tokens * (H + qkv_out)),
         "msa_attention": (attention_call(runner, step, [msa]), kv_bytes(c, tokens, context, True)),
         "dense_attention": (attention_call(runner, step, [dense]), kv_bytes(c, tokens, context, False)),
@@ -446,7 +451,7 @@ def jax_step(llm, step, reps: int) -> dict:
     from m3_jax.runner import _sampling_arrays
 
     runner = llm.runner
-    batch, spec, maps = runner._layout(step)
+    batch, spec, maps, _ = runner._layout(step)
     inputs = (runner._put(batch), runner._put(maps),
               runner._put(_sampling_arrays(SamplingBatch.greedy(len(step.logits_indices)), len(batch.logits_rows))))
     t0 = time.perf_counter()
@@ -542,7 +547,7 @@ def device_info(device: str) -> dict:
 def finish_row(row: dict, c: M3TextConfig, bandwidth: float):
     """Floors, shares of the floor and the 60-layer extrapolation of a measured row."""
     batch, context = row["batch"], row["context"]
-    row["floor_bytes"] = step_floor_bytes(c, batch, context)
+    row["floor_bytes"] = step_floor_bytes(c, batch, context, row.get("experts_touched"))
     row["floor_us"] = row["floor_bytes"] / bandwidth * 1e6
     row["experts_expected"] = expected_experts(batch, c.num_local_experts, c.num_experts_per_tok)
     for name in ("torch_step_us", "jax_step_us", "jax_pipelined_us"):
@@ -670,8 +675,8 @@ def markdown(r: dict) -> str:
              "step with greedy sampling, blocking call, and back-to-back calls / n). Kernels: torch.profiler's "
              "CUDA kernels in one replay (per layer: one layer's own graph, dense / MSA); JAX: static launch sites "
              "in the optimized HLO (per layer: / layers). Floor: the bytes the step must move (weights read, "
-             "the EXPECTED experts of uniform routing per MoE layer, KV and index-K with top-16 selection) / copy "
-             "bandwidth. Experts: expected / the torch router's distinct choices per MoE layer. 60L TP8: "
+             "the experts the torch router chose per MoE layer, or the uniform-routing expectation without a torch "
+             "run, KV and index-K with top-16 selection) / copy bandwidth. Experts: expected / the torch router's distinct choices per MoE layer. 60L TP8: "
              "EXTRAPOLATION, (3 dense + 57 MSA layer times + rest) / 8, ideal 8-way split, no all-reduces; "
              "its floor likewise.", "",
              "| batch | context | torch step | kernels (dense / MSA layer) | torch % floor | JAX step | JAX "

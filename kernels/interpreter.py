@@ -19,8 +19,9 @@ functions is then wrapped (:class:`Interpreted`):
   code directly instead of re-patching the language for every call.
 * float8_e4m3fn conversions (the FP8 caches) are exact, as on an sm_90 GPU:
   Triton 3.6's interpreter rounds to fp8 half-up without carrying into the
-  exponent (127.99 became 64) and reads the NaN code as 480
-  (:func:`_exact_e4m3_conversions`).
+  exponent (127.99 became 64) and reads the NaN code as 480; and float32 ->
+  bfloat16 casts round to nearest even, as GPUs and torch do (the interpreter
+  truncates) (:func:`_exact_float_conversions`).
 * Any numpy, 2.4 and later included: the interpreter holds a scalar as a
   1-element array and converts it with ``int(array)`` when a kernel uses a
   tensor as a Python integer (``range(lo, hi)`` over loaded bounds), which
@@ -153,8 +154,9 @@ def _to_e4m3(x: np.ndarray, toward_zero: bool) -> np.ndarray:
     return code.astype(np.uint8)
 
 
-def _exact_e4m3_conversions():
-    """Route the interpreter's float conversions from and to float8e4nv through exact ones."""
+def _exact_float_conversions():
+    """Route the interpreter's float conversions from and to float8e4nv, and its float32 -> bfloat16
+    casts, through exact ones."""
     from triton.runtime import interpreter
 
     original = interpreter._convert_float
@@ -170,6 +172,8 @@ def _exact_e4m3_conversions():
         return data.astype(np.float64)
 
     def convert(data, input_dtype, output_dtype, rounding_mode):
+        if (input_dtype, output_dtype) == (tl.float32, tl.bfloat16) and rounding_mode != interpreter._ir.ROUNDING_MODE.RTZ:
+            return _to_bfloat16(np.asarray(data, np.float32))
         if tl.float8e4nv not in (input_dtype, output_dtype) or input_dtype == output_dtype:
             return original(data, input_dtype, output_dtype, rounding_mode)
         x = as_float64(np.asarray(data), input_dtype)
@@ -183,6 +187,13 @@ def _exact_e4m3_conversions():
 
     convert._m3_exact_e4m3 = True
     interpreter._convert_float = convert
+
+
+def _to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest even; NaN stays a (quiet) NaN."""
+    bits = x.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), ((bits >> 16) | 0x40).astype(np.uint16), rounded)
 
 
 def _tensor_index(self):
@@ -240,7 +251,7 @@ def load(name: str):
         if name not in _modules:
             _package()
             _let_interpreted_kernels_call_triton_helpers()
-            _exact_e4m3_conversions()
+            _exact_float_conversions()
             _scalar_index()
             # triton.jit reads the knob when it decorates: every @triton.jit executed
             # while this module (and anything it imports relatively) loads becomes an

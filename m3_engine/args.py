@@ -13,9 +13,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from m3_kernels.planner import StepConfig
 from m3_kernels.pool import CACHE_DTYPE_ALIASES
 
 from .dummy_weights import LOAD_FORMATS, check_load_format
+from .eagle3 import Eagle3Config
 from .model_config import M3TextConfig, load_config
 from .scheduler import SchedulerConfig
 from .speculative import SpeculativeConfig
@@ -103,8 +105,9 @@ class EngineArgs:
                      made on the device from ``seed``, ``config.json`` alone is needed;
                      ``m3_engine.dummy_weights``).
     speculative_config: None, or speculative decoding as a dict with vLLM's names, e.g.
-                     ``{"method": "ngram", "num_speculative_tokens": 4}``
-                     (``m3_engine.speculative.SpeculativeConfig``).
+                     ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method": "eagle3",
+                     "model": DRAFT_DIR, "num_speculative_tokens": 3}``
+                     (``m3_engine.speculative.SpeculativeConfig``; eagle3: tensor_parallel_size 1).
     """
     model: Any
     dtype: Any = None
@@ -145,10 +148,7 @@ class EngineArgs:
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
-        if speculative is not None and speculative.method != "ngram":
-            raise ValueError(f"speculative_config.method: {speculative.method!r} drafts are not run by this engine "
-                             f"yet (its draft head loads and runs standalone: m3_torch.eagle3, m3_jax.eagle3); "
-                             f"use 'ngram'")
+        draft = _draft_config(speculative, config, tp) if speculative is not None else None
         scheduler = SchedulerConfig.from_engine_args(
             config, max_batch=self.max_batch, max_context=self.max_context, max_cache_pages=self.max_cache_pages,
             max_num_tokens=self.max_num_tokens, prefill_chunk=self.prefill_chunk,
@@ -157,7 +157,22 @@ class EngineArgs:
                            device_index=index, device_object=device_object, device=self.device,
                            scheduler=scheduler, kv_cache_dtype=self.kv_cache_dtype,
                            index_cache_dtype=self.index_cache_dtype, seed=self.seed,
-                           enforce_eager=self.enforce_eager, load_format=load_format, speculative=speculative)
+                           enforce_eager=self.enforce_eager, load_format=load_format, speculative=speculative,
+                           draft=draft)
+
+
+def _draft_config(speculative: SpeculativeConfig, config: M3TextConfig, tp: TPPlan) -> Optional[Eagle3Config]:
+    """The EAGLE-3 draft's config, read and checked against the target (None for "ngram")."""
+    if speculative.method != "eagle3":
+        return None
+    if tp.size > 1:
+        raise ValueError(f"speculative_config: the 'eagle3' draft head runs on one device, without tensor "
+                         f"parallelism; got tensor_parallel_size={tp.size} (use 1, or the 'ngram' method)")
+    draft_dir = Path(speculative.model)
+    if not draft_dir.is_dir():
+        raise FileNotFoundError(f"speculative_config.model: {draft_dir} is not a folder (the EAGLE-3 draft's "
+                                f"config.json and safetensors)")
+    return Eagle3Config.from_dir(draft_dir, config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,3 +193,12 @@ class CheckedArgs:
     enforce_eager: bool
     load_format: str = "auto"     # "auto" | "dummy"
     speculative: Optional[SpeculativeConfig] = None
+    draft: Optional[Eagle3Config] = None   # speculative method "eagle3": the draft head's config
+
+    def step_config(self) -> StepConfig:
+        """The step planner's config of the engine: one rank's heads, the scheduler's limits."""
+        sc = self.scheduler
+        return StepConfig(num_q_heads=self.tp.num_q_heads, num_kv_heads=self.tp.num_kv_heads,
+                          head_dim=self.config.head_dim, max_batch=sc.max_batch, max_num_tokens=sc.max_num_tokens,
+                          max_blocks=sc.max_blocks, topk=self.config.index_topk_blocks,
+                          graph_batch_sizes=sc.graph_batch_sizes)

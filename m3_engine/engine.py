@@ -9,8 +9,10 @@ One step: the scheduler picks the rows (``m3_engine.scheduler``), the runner
 runs the model and the shared sampling kernel on them (``m3_engine.runner``),
 the scheduler takes the new tokens (end-of-sequence, stop tokens, length),
 then each request's detokenizer turns them into text and stop strings are
-looked for. A request that finishes frees its cache pages at once. The engine
-is not thread-safe: one thread drives it (the server runs it in one loop).
+looked for; with an EAGLE-3 draft model, the runner then runs the draft
+(``runner.propose``) for the drafts the next step verifies. A request that
+finishes frees its cache pages at once. The engine is not thread-safe: one
+thread drives it (the server runs it in one loop).
 """
 
 from __future__ import annotations
@@ -204,7 +206,17 @@ class LLMEngine:
                 request = self._by_scheduler_id[r.id]
                 self._emit(request, r, result, r.id in finished, now)
                 outputs.append(request.output())
+        if self.scheduler.eagle3:
+            self._draft(step, result.tokens)
         return outputs
+
+    def _draft(self, step: Step, tokens: np.ndarray) -> None:
+        """EAGLE-3: run the draft model after ``step`` (its K/V rows for the step's tokens, and the
+        drafts the next step verifies), timed as the requests' draft time."""
+        work = self.scheduler.draft_pass(step, tokens)
+        start = time.perf_counter()
+        drafts = self.runner.propose(work)
+        self.scheduler.set_drafts(work, drafts, time.perf_counter() - start)
 
     def _emit(self, request: _Request, r, result: SampleResult, finished: bool, now: float) -> None:
         """Hand the scheduler request ``r``'s new tokens to ``request``: token ids, logprobs, text,

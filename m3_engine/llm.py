@@ -24,7 +24,7 @@ from .model_config import read_json
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from m3_kernels.planner import StepConfig, StepPlanner
+from m3_kernels.planner import StepPlanner
 from .tokenizer import check_messages, load_tokenizer
 
 __all__ = ["LLM", "generation_defaults"]
@@ -68,10 +68,7 @@ class LLM:
         sc = args.scheduler
         self.tokenizer = load_tokenizer(args.model_dir)
         defaults = generation_defaults(args.model_dir)
-        self.planner = StepPlanner(StepConfig(   # one rank's heads: every rank runs the plans made here
-            num_q_heads=self.tp.num_q_heads, num_kv_heads=self.tp.num_kv_heads, head_dim=self.config.head_dim,
-            max_batch=sc.max_batch, max_num_tokens=sc.max_num_tokens, max_blocks=sc.max_blocks,
-            topk=self.config.index_topk_blocks, graph_batch_sizes=sc.graph_batch_sizes))
+        self.planner = StepPlanner(args.step_config())   # one rank's heads: every rank runs the plans made here
         self.runner = runner_class(args)
         self._closed = False
         self.engine = LLMEngine(self.runner, Scheduler(sc, self.config, planner=self.planner,

@@ -6,6 +6,7 @@ only, so everything a request does outside the model step lives once, here in
 ``m3_engine``:
 
     runner.execute(step, sampling) -> SampleResult   # one step: model forward + sampling, on every rank
+    runner.propose(work) -> drafts [n, k] int32       # EAGLE-3 only: the draft model after that step
     runner.close()                                    # free the device state (and end TP workers)
 
 ``step`` is the scheduler's :class:`m3_engine.scheduler.Step` (numpy metadata:
@@ -14,6 +15,13 @@ ids, positions, slot mapping, block table, lengths, the planner's plan);
 weights on its device(s), the KV pool, CUDA graphs or jitted steps, tensor
 parallelism, and launches the shared sampling kernel (``m3_torch.sample`` /
 ``m3_jax.sample``).
+
+With ``speculative_config`` method "eagle3" the runner also owns the draft
+head and its pool: ``execute`` keeps the target's aux hidden states of the
+step, and ``propose(work)`` (``work``: the scheduler's
+:class:`m3_engine.scheduler.DraftPass` for that step) runs the draft's first
+pass over the step's rows and its chain, and returns the greedy drafts of
+``work.request_ids``.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from typing import Optional, Protocol
 
 import numpy as np
 
-from .scheduler import Step
+from .scheduler import DraftPass, Step
 
 __all__ = ["Runner", "SamplingBatch", "SampleResult"]
 
@@ -92,5 +100,7 @@ class Runner(Protocol):
     """A framework's model runner (see the module docstring)."""
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult: ...
+
+    def propose(self, work: DraftPass) -> np.ndarray: ...
 
     def close(self) -> None: ...

@@ -29,7 +29,13 @@ Policy (vLLM-like, deterministic):
   positions takes ``k + 1`` tokens (its last token and its drafts, padded),
   every one of them sampled; :meth:`update` keeps the accepted drafts and the
   token after them, and the cached length moves past the accepted ones only.
-  A request without that room runs one token as a context row.
+  A request without that room runs one token as a context row. With an
+  EAGLE-3 draft model (method "eagle3") the drafts are the ones the draft
+  model made after the previous step: :meth:`draft_pass` says what it runs
+  after each step (every step, prefill chunks included), :meth:`set_drafts`
+  takes its tokens back; with prefix caching the last cached block of a
+  prompt is recomputed (as vLLM does: the draft's row at a block's last
+  position depends on the token after the block).
 * **Padding**: a pure generation step is padded to the smallest of
   ``graph_batch_sizes`` that fits (rows with ``seq_len = 0``, as many tokens
   as the other generation rows: token id 0, position 0, ``slot_mapping = -1``; CUDA graphs / a jitted decode
@@ -62,7 +68,8 @@ from .model_config import M3TextConfig
 from .speculative import SpeculationGate, SpeculativeConfig, ngram_draft, num_accepted
 from m3_kernels.planner import PAGE_SIZE, StepConfig, StepPlan, StepPlanner
 
-__all__ = ["SchedulerConfig", "Scheduler", "Step", "Request", "DEFAULT_MAX_CONTEXT", "default_graph_batch_sizes"]
+__all__ = ["SchedulerConfig", "Scheduler", "Step", "DraftPass", "Request", "DEFAULT_MAX_CONTEXT",
+           "default_graph_batch_sizes"]
 
 DEFAULT_MAX_CONTEXT = 8192   # an engine's max_context when none is given (capped by the model's positions)
 
@@ -171,6 +178,8 @@ class Request:
     spec_accepted_tokens: int = 0       # drafts accepted
     spec_verify_steps: int = 0          # steps in which it verified drafts
     spec_draft_time: float = 0.0        # seconds spent proposing its drafts
+    # eagle3: the drafts the last draft pass made for its next tokens (empty: none)
+    draft_tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
 
     _sequence: np.ndarray | None = dataclasses.field(default=None, repr=False)   # tokens() buffer
     _filled: int = 0
@@ -269,6 +278,38 @@ class Step:
         return self.plan.context.num_rows == 0
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftPass:
+    """What an EAGLE-3 draft model runs after a step (:meth:`Scheduler.draft_pass`): a first pass
+    over the step's token rows, then ``k - 1`` one-token steps for the ``n`` requests that draft.
+    int32 numpy arrays.
+
+    step:          the target step: the first pass runs its rows with its positions, slot
+                   mapping, block table and lengths, and the target's aux hidden states.
+    input_ids:     [T] the first pass's tokens: the row at position ``p`` takes the token at
+                   ``p + 1`` (the next prompt token, or the token sampled at that row; 0 for padding).
+    request_ids:   [n] the requests that draft (scheduler ids).
+    rows:          [n] each one's token row in the step at its last valid position (the last
+                   token of a row, or ``p + accepted`` of a verify row): its ``h_out`` gives draft 1.
+    positions:     [k - 1, n] position of chain step ``i`` (= the request's cached length + i).
+    slot_mapping:  [k - 1, n] the cache rows chain step ``i`` writes.
+    seq_lens:      [k - 1, n] KV lengths of chain step ``i`` (its position + 1).
+    block_table:   [n, max_blocks] the requests' block-table rows.
+    """
+    step: Step
+    input_ids: np.ndarray
+    request_ids: np.ndarray
+    rows: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+
 class Scheduler:
     """Requests, slots and step metadata for one engine (see the module docstring).
 
@@ -285,6 +326,7 @@ class Scheduler:
         self.config = config
         self.speculative = speculative
         self.num_speculative_tokens = speculative.num_speculative_tokens if speculative is not None else 0
+        self.eagle3 = speculative is not None and speculative.method == "eagle3"   # drafts from draft_pass()
         # totals since start-up: steps with a verify row, rows that verified drafts, draft tokens proposed
         # and accepted, seconds spent proposing
         self.spec_stats = {"spec_verify_steps": 0, "spec_drafts": 0, "spec_draft_tokens": 0,
@@ -460,17 +502,19 @@ class Scheduler:
             return {}
         drafts, any_draft = {}, False
         for r in candidates:
-            capacity = min(len(r.slots) * PAGE_SIZE, self.config.max_context)
-            if r.num_cached + k >= capacity:   # positions num_cached .. num_cached + k must be its own
+            if not self._has_room(r):
                 continue
             useful = min(k, r.max_new_tokens - len(r.output) - 1)   # a verify emits up to drafts + 1 tokens
             d = np.zeros(0, np.int32)
             if useful > 0 and r.gate.wants_drafts():
-                start = time.perf_counter()
-                d = ngram_draft(r.tokens(), useful, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                seconds = time.perf_counter() - start
-                r.spec_draft_time += seconds
-                self.spec_stats["spec_draft_time_s"] += seconds
+                if self.eagle3:   # the draft model's, made after the last step (and timed there)
+                    d = r.draft_tokens[:useful]
+                else:
+                    start = time.perf_counter()
+                    d = ngram_draft(r.tokens(), useful, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                    seconds = time.perf_counter() - start
+                    r.spec_draft_time += seconds
+                    self.spec_stats["spec_draft_time_s"] += seconds
             drafts[r.id] = d
             any_draft |= len(d) > 0
         return drafts if any_draft else {}
@@ -482,7 +526,10 @@ class Scheduler:
             return []
         usable = (len(r.prompt) - 1) // PAGE_SIZE
         r.block_hashes = block_hashes(r.prompt, usable, r.block_hashes)
-        return self.blocks.match(r.block_hashes[:usable])
+        hits = self.blocks.match(r.block_hashes[:usable])
+        if self.eagle3:   # the draft's K/V row at a block's last position took the NEXT block's first token,
+            return hits[:-1]   # which this prompt may not share: recompute the last hit block (vLLM does too)
+        return hits
 
     def _register_full_blocks(self, r: Request) -> None:
         """Offer ``r``'s blocks whose K/V rows are all in the cache now to the prefix cache."""
@@ -496,8 +543,13 @@ class Scheduler:
             self.blocks.register(int(r.slots[b]), r.block_hashes[b])
         r.num_registered = full
 
+    def _has_room(self, r: Request) -> bool:
+        """``r`` owns the cache positions a verify step writes: ``num_cached .. num_cached + k``."""
+        return r.num_cached + self.num_speculative_tokens < min(len(r.slots) * PAGE_SIZE, self.config.max_context)
+
     def _slots_needed(self, r: Request) -> int:
-        # speculative decoding writes up to k draft positions past the last token that is kept
+        # speculative decoding writes up to k draft positions past the last token that is kept (an EAGLE-3
+        # draft's chain writes its own K/V at positions num_cached .. num_cached + k - 2: fewer)
         cache_tokens = min(len(r.prompt) + r.max_new_tokens - 1 + self.num_speculative_tokens,
                            self.config.max_context)
         return -(-cache_tokens // PAGE_SIZE)
@@ -578,6 +630,8 @@ class Scheduler:
                 continue
             sampled = tokens[row:row + count]
             r.emitted_row, row = row, row + count
+            if self.eagle3:
+                r.draft_tokens = r.draft_tokens[:0]   # made for the tokens before this step's
             if count > 1:   # a verify row: drafts (maybe none) then padding
                 accepted = num_accepted(drafts, sampled)
                 new, r.num_cached = sampled[:accepted + 1], r.num_cached + 1 + accepted
@@ -603,6 +657,48 @@ class Scheduler:
                 finished.append(r.id)
         self.spec_stats["spec_verify_steps"] += step.num_verify_rows > 0
         return finished
+
+    def draft_pass(self, step: Step, next_tokens: Sequence[int]) -> DraftPass:
+        """EAGLE-3: what the draft model runs after ``step`` (call after :meth:`update` with the same
+        tokens, and after any request it ended was finished): the first pass over every token row of
+        the step, and a chain for each request that may verify drafts in the next step (it has the
+        room and the token budget left; none when the next step cannot speculate: more rows than
+        ``disable_by_batch_size`` or ``k + 1`` tokens a row over ``max_num_tokens``)."""
+        if not self.eagle3:
+            raise RuntimeError("draft_pass: the engine has no EAGLE-3 draft model")
+        k, cu = self.num_speculative_tokens, step.cu_seqlens_q
+        ids = np.zeros(step.num_tokens, np.int32)
+        ids[:-1] = step.input_ids[1:]        # the next token of the row (each row's last token: below)
+        drafting = []                        # (request, its last valid token row)
+        for i, ((r, q), count) in enumerate(zip(step.rows, step.num_logits.tolist())):
+            if not count:   # a prompt chunk that does not end the prompt: the next chunk's first token
+                ids[cu[i] + q - 1] = r.prompt[r.num_cached]
+            elif not r.finished and self._has_room(r) and len(r.output) + 1 < r.max_new_tokens:
+                drafting.append((r, int(step.logits_indices[r.emitted_row + len(r.emitted) - 1])))
+        ids[step.logits_indices] = np.asarray(next_tokens, np.int32).reshape(-1)   # the token sampled there
+        n = len(drafting)
+        if n > self.speculative.disable_by_batch_size or n * (k + 1) > self.config.max_num_tokens:
+            drafting, n = [], 0
+        table = np.array([r.table_row for r, _ in drafting], np.int32).reshape(n, self.config.max_blocks)
+        positions = np.array([r.num_cached for r, _ in drafting], np.int32)[None, :] + \
+            np.arange(k - 1, dtype=np.int32)[:, None]
+        slots = table[np.arange(n)[None, :], positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        return DraftPass(step=step, input_ids=ids, request_ids=np.array([r.id for r, _ in drafting], np.int32),
+                         rows=np.array([row for _, row in drafting], np.int32), positions=positions,
+                         slot_mapping=slots.astype(np.int32), seq_lens=positions + 1, block_table=table)
+
+    def set_drafts(self, work: DraftPass, drafts, seconds: float) -> None:
+        """EAGLE-3: the draft tokens ``[n, k]`` the draft model made for ``work``'s requests (the next
+        step verifies them), and the seconds the whole pass took (shared by those requests)."""
+        drafts = np.asarray(drafts, np.int32)
+        if drafts.shape != (work.num_requests, self.num_speculative_tokens):
+            raise ValueError(f"drafts: expected shape {(work.num_requests, self.num_speculative_tokens)}, "
+                             f"got {drafts.shape}")
+        for request_id, d in zip(work.request_ids.tolist(), drafts):
+            r = self.requests[request_id]
+            r.draft_tokens = d
+            r.spec_draft_time += seconds / work.num_requests
+        self.spec_stats["spec_draft_time_s"] += seconds
 
     def _append(self, r: Request, token: int) -> bool:
         """Append one sampled token; -> True when it ends the request (``finish_reason`` set)."""

@@ -7,7 +7,10 @@ reads it back):
 
 * **Drafts.** Before a step, each generation request may get up to ``k``
   draft tokens: ``"ngram"`` looks the request's last tokens up in its own
-  prompt and output (:func:`ngram_draft`), no model involved.
+  prompt and output (:func:`ngram_draft`), no model involved; ``"eagle3"``
+  takes the greedy drafts an EAGLE-3 draft head made after the previous step
+  (``Scheduler.draft_pass``, the runners' ``propose``; docs/ENGINE.md,
+  "EAGLE-3 draft heads").
 * **Verify.** When any row has drafts, EVERY generation row of the step runs
   ``k + 1`` query tokens, its last token and ``k`` drafts (rows with fewer
   drafts are padded with their last token), through the decode kernels'

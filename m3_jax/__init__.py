@@ -24,7 +24,9 @@ from .llm import LLM
 from m3_engine import CompletionOutput, RequestOutput, SamplingParams
 from .interop import StepMetadata, to_jax, to_torch
 from .ops import PrefillMaps, prefill_maps
+from .moe import fused_moe
 from .sampling import sample
+from .fused import add_rms_norm, moe_route, qk_norm_rope, rms_norm
 from .views import PagedView, as_index_k_view, as_kv_view, index_k_view, kv_cache_view
 
 __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode",
@@ -32,5 +34,7 @@ __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "ms
            "PrefillMaps", "prefill_maps", "msa_attention_step", "StepSpec", "step_inputs",
            "PagedView", "kv_cache_view", "index_k_view", "as_kv_view", "as_index_k_view",
            "cache", "allocate_pool", "layer_views", "write_cache", "write_layer",
-           "interop", "StepMetadata", "to_jax", "to_torch", "ops", "reference", "sample", "LLM", "SamplingParams",
-           "RequestOutput", "CompletionOutput"]
+           "interop", "StepMetadata", "to_jax", "to_torch", "ops", "reference", "sample", "fused_moe", "LLM",
+           "SamplingParams",
+           "RequestOutput", "CompletionOutput",
+           "add_rms_norm", "rms_norm", "moe_route", "qk_norm_rope"]

@@ -216,11 +216,13 @@ def cuda_capability(compute_capability):
 
 
 def _python_scalar(x):
+    """A scalar argument as jax-triton types it like torch's launcher: bool, int32/int64, and floats as
+    float32 (jax-triton makes a Python float a float64 argument; torch's Triton launcher a float32 one)."""
     if isinstance(x, (bool, np.bool_)):
         return bool(x)
     if isinstance(x, (int, np.integer)):
         return int(x)
-    return float(x)
+    return np.float32(x)
 
 
 # -- CPU: the interpreted kernel in a pure_callback ---------------------------------------

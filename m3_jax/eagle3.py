@@ -14,27 +14,36 @@ the layer: ``m3_jax.write_cache`` into the draft's own pool (one dense layer:
 The math, the inputs a step feeds in and the rounding order are those of the
 torch twin, ``m3_torch/eagle3.py``; the format and conventions are in
 ``m3_engine/eagle3.py`` and docs/ENGINE.md ("EAGLE-3 draft heads").
+
+:class:`Eagle3Proposer` is the draft inside an engine (``m3_jax.runner``):
+after each target step it runs the scheduler's
+:class:`~m3_engine.scheduler.DraftPass` as two jitted functions, the first
+pass over the target step's rows as the runner padded them (compiled per the
+step's bucket) and the chain (compiled per padded batch size).
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3_engine.eagle3 import (LAYER, Eagle3Config, draft_pool_layout, draft_to_target_ids, expected_eagle3_shapes,
-                              load_eagle3_weights)
+from m3_engine.eagle3 import (LAYER, Eagle3Config, draft_pool_layout, draft_step_config, draft_to_target_ids,
+                              expected_eagle3_shapes, load_eagle3_weights)
 from m3_engine.model_config import M3TextConfig
+from m3_engine.scheduler import DraftPass
+from m3_kernels.planner import StepConfig, StepPlanner
 from m3_kernels.pool import PoolLayout
 
-from .api import StepSpec, msa_attention_step
-from .cache import layer_views, write_cache
+from .api import StepSpec, msa_attention_step, step_inputs
+from .cache import allocate_pool, layer_views, write_cache
 from .model import StepBatch, _dot, apply_rope, rope_cos_sin
 
 __all__ = ["params_from_weights", "load_params", "fuse", "forward", "draft_logits", "logits", "draft_tokens",
-           "to_target_ids", "pool_layout", "rms_norm"]
+           "to_target_ids", "pool_layout", "rms_norm", "Eagle3Proposer", "TargetStep"]
 
 DRAFT_TO_TARGET = "draft_to_target"
 
@@ -191,3 +200,92 @@ def to_target_ids(params: Mapping, draft_ids):
     """Draft vocabulary ids -> target ids (``id + d2t[id]``; the identity without ``d2t``)."""
     draft_ids = draft_ids.astype(jnp.int32)
     return draft_ids if DRAFT_TO_TARGET not in params else params[DRAFT_TO_TARGET][draft_ids]
+
+
+# -- in an engine ------------------------------------------------------------------------------
+
+class TargetStep(NamedTuple):
+    """A target step as the JAX runner ran it (padded to its buckets), and its aux hidden states.
+
+    batch:       the padded :class:`~m3_jax.model.StepBatch` (numpy).
+    seq_lens, q_lens, num_context: the padded rows (what its plan was made of).
+    token_index: [T] the padded row of each of the scheduler step's tokens.
+    aux:         [T_padded, 3 * target_hidden] on the device.
+    """
+    batch: StepBatch
+    seq_lens: np.ndarray
+    q_lens: np.ndarray
+    num_context: int
+    token_index: np.ndarray
+    aux: jax.Array
+
+
+class Eagle3Proposer:
+    """An EAGLE-3 draft inside the JAX engine: its params, its pool (the target pool's slots), its
+    planners and two jitted functions (pool donated).
+
+    config, params: the draft (:func:`load_params`), on the engine's device.
+    num_slots:      the target pool's slots; dtype, kv_cache_dtype: the pool's (as the target's).
+    step_config:    the engine's planner config (decode steps, graph batch sizes: the chain's buckets).
+    prefill_config: the runner's planner config for steps with context rows (padded there).
+    num_speculative_tokens: ``k``.
+    device:         the engine's device (None: JAX's default).
+    """
+
+    def __init__(self, config: Eagle3Config, params: dict, *, num_slots: int, dtype: str, step_config: StepConfig,
+                 prefill_config: StepConfig, num_speculative_tokens: int, kv_cache_dtype: str = "auto", device=None):
+        self.config, self.params, self.k, self.device = config, params, num_speculative_tokens, device
+        self.step_config = step_config
+        self.layout = pool_layout(config, num_slots, dtype, kv_cache_dtype=kv_cache_dtype)
+        self.pool = allocate_pool(self.layout, device)
+        self._decode_planner = StepPlanner(draft_step_config(config, step_config))
+        self._prefill_planner = StepPlanner(draft_step_config(config, prefill_config))
+        self._first = jax.jit(self._first_pass, static_argnames=("spec",), donate_argnames=("pool",))
+        self._chain = jax.jit(self._chain_steps, static_argnames=("spec",), donate_argnames=("pool",))
+
+    def propose(self, work: DraftPass, target: TargetStep) -> np.ndarray:
+        """Run ``work`` after its target step ``target`` -> the drafts ``[n, k]`` int32 of ``work.request_ids``."""
+        cfg, n = self.step_config, work.num_requests
+        planner = self._decode_planner if target.num_context == 0 else self._prefill_planner
+        spec, maps = self._spec(planner.plan(target.seq_lens, q_lens=target.q_lens, num_context=target.num_context))
+        ids = np.zeros(len(target.batch.input_ids), np.int32)
+        ids[target.token_index] = work.input_ids
+        rows = np.zeros(cfg.max_batch, np.int32)   # one shape: the first pass compiles per target bucket only
+        rows[:n] = target.token_index[work.rows]
+        h, self.pool = self._first(self.params, self.pool, self._put(target.batch._replace(input_ids=ids)),
+                                   self._put(maps), target.aux, self._put(rows), spec=spec)
+        if n == 0:
+            return np.zeros((0, self.k), np.int32)
+        size = next((b for b in cfg.graph_batch_sizes if b >= n), n)   # the chain's bucket
+        chain = {name: np.pad(getattr(work, name), [(0, 0), (0, size - n)], constant_values=fill)
+                 for name, fill in (("positions", 0), ("slot_mapping", -1), ("seq_lens", 0))}
+        chain["block_table"] = np.pad(work.block_table, [(0, size - n), (0, 0)], constant_values=-1)
+        spec, _ = self._spec(self._decode_planner.plan([1] * size, q_lens=[1] * size, num_context=0))
+        drafts, self.pool = self._chain(self.params, self.pool, h, self._put(chain), spec=spec)
+        return np.asarray(drafts)[:n]
+
+    def _spec(self, plan):
+        spec, maps = step_inputs(plan)
+        if spec.generation_rows:   # as the runner's steps: the generation span over the whole table
+            spec = dataclasses.replace(spec, generation_max_blocks=self.step_config.max_blocks)
+        return spec, maps
+
+    def _put(self, tree):
+        return jax.device_put(tree, self.device) if self.device is not None else jax.device_put(tree)
+
+    def _first_pass(self, params, pool, batch, maps, aux, rows, *, spec):
+        """The target step's rows through the draft -> (``h_out`` of ``rows`` [max_batch, hidden], pool)."""
+        h, pool = forward(params, pool, batch, maps, aux, config=self.config, layout=self.layout, spec=spec)
+        return h[rows], pool
+
+    def _chain_steps(self, params, pool, h, chain, *, spec):
+        """Draft 1 from ``h`` (first rows), then ``k - 1`` one-token steps -> (drafts [rows, k], pool)."""
+        h = h[:spec.generation_rows]
+        drafts = [draft_tokens(params, h, config=self.config)]
+        no_rows = jnp.zeros(0, jnp.int32)
+        for i in range(self.k - 1):
+            batch = StepBatch(drafts[-1], chain["positions"][i], chain["slot_mapping"][i], chain["block_table"],
+                              chain["seq_lens"][i], no_rows)
+            h, pool = forward(params, pool, batch, None, h, config=self.config, layout=self.layout, spec=spec)
+            drafts.append(draft_tokens(params, h, config=self.config))
+        return jnp.stack(drafts, axis=1), pool

@@ -5,17 +5,23 @@ Pure functions over a params pytree: the flat dict of canonical tensor names
 names, ``model.layers.{i}.self_attn.q_proj.weight`` ...) -> jax arrays, all in
 the model dtype. :func:`forward` runs every token of one step (context rows'
 prompt chunks first, generation rows last, as the step planner wants) through
-all layers; per layer the attention writes the step's K/V (sparse layers:
-index-K) rows into the pool with ``m3_jax.write_cache`` and attends with
-``m3_jax.msa_attention_step`` (``sparse=True`` on MSA layers). Under
-``jax.jit`` with the pool donated the cache writes are in place.
+all layers. The shared Triton kernels torch runs too do the work XLA cannot
+fuse: per layer ``m3_jax.qk_norm_rope`` (q/k norms and RoPE, the K/V and, on
+sparse layers, index-K rows written into the pool), ``msa_attention_step``
+(``sparse=True`` on MSA layers), ``moe_route`` (the router) and, on a GPU,
+``fused_moe`` (the routed and shared experts). The residual adds and norms
+stay XLA's (it fuses them; a jax-triton launch costs more than a fusion).
+Under ``jax.jit`` with the pool donated the cache writes are in place.
 
 Semantics: transformers 5.23's ``MiniMaxM3VLForCausalLM`` (text model); the
 math, and where and why this project differs from transformers, are written
 once, in docs/ENGINE.md ("The model's semantics"). The torch twin is
-``m3_torch/model.py`` (same math, same order of roundings). Experts run as
+``m3_torch/model.py`` (same math and roundings). On the CPU the experts run as
 ``jax.lax.ragged_dot_general`` over token rows sorted by expert (the canonical
-``[E, out, in]`` weights, no transpose); the sum over the k experts is float32.
+``[E, out, in]`` weights, no transpose; the interpreted fused MoE would cost
+seconds per prefill step); the sum over the k experts is float32 on both.
+The module-level ``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` are the
+reference math of the fused kernels (and the EAGLE-3 head's building blocks).
 """
 
 from __future__ import annotations
@@ -29,10 +35,13 @@ import numpy as np
 from m3_engine.model_config import M3TextConfig
 from m3_kernels.pool import PoolLayout
 
-from .cache import layer_views, write_cache
+from .cache import layer_views
+from ._triton_call import on_gpu
 from .api import StepSpec, msa_attention_step
+from .fused import moe_route, qk_norm_rope
+from .moe import fused_moe
 
-__all__ = ["StepBatch", "forward", "hidden_states", "logits", "attention", "mlp", "moe", "rms_norm", "rope_cos_sin",
+__all__ = ["StepBatch", "forward", "hidden_states", "logits", "attention", "mlp", "moe", "route", "experts", "rms_norm", "rope_cos_sin",
            "apply_rope", "swiglu_oai", "inv_freq", "pool_layout", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -117,15 +126,33 @@ def _experts_dot(rows, weights, group_sizes):
     return jax.lax.ragged_dot_general(rows, weights, group_sizes, _EXPERT_DOT, precision=precision)
 
 
+def route(p: Mapping, x, config: M3TextConfig):
+    """The router of an MoE block on x [T, hidden] (one kernel, ``m3_jax.moe_route``) -> (chosen [T, k] int32
+    expert ids, weights [T, k] float32 summing to 1 per row)."""
+    return moe_route(x, p["gate.weight"], p["gate.e_score_correction_bias"], config.num_experts_per_tok)
+
+
 def moe(p: Mapping, x, config: M3TextConfig):
-    """The MoE block of one layer (``p``: its ``mlp.*`` tensors by suffix) on x [T, hidden]."""
+    """The MoE block of one layer (``p``: its ``mlp.*`` tensors by suffix) on x [T, hidden]: on a GPU the
+    shared fused-MoE kernels (``m3_jax.fused_moe``; the shared expert inside them when it has the
+    experts' width, M3's), on the CPU :func:`experts` (same math and roundings)."""
     c = config
-    shared = mlp(x, p["shared_experts.gate_up_proj.weight"], p["shared_experts.down_proj.weight"], c)
-    probs = jax.nn.sigmoid(_dot(x, p["gate.weight"]).astype(jnp.float32))                  # [T, E]
-    _, chosen = jax.lax.top_k(probs + p["gate.e_score_correction_bias"].astype(jnp.float32),
-                              c.num_experts_per_tok)                                     # [T, k]
-    top_w = jnp.take_along_axis(probs, chosen, axis=-1)
-    top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)                                # [T, k] float32
+    chosen, top_w = route(p, x, c)
+    gate_up, down = p["shared_experts.gate_up_proj.weight"], p["shared_experts.down_proj.weight"]
+    if not on_gpu():
+        return experts(p, x, chosen, top_w, c) * c.routed_scaling_factor + mlp(x, gate_up, down, c)
+    fuse_shared = down.shape[1] == p["experts.down_proj"].shape[2]
+    out = fused_moe(x, p["experts.gate_up_proj"], p["experts.down_proj"], chosen, top_w,
+                    swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit,
+                    routed_scaling_factor=c.routed_scaling_factor,
+                    **(dict(shared_gate_up=gate_up, shared_down=down) if fuse_shared else {}))
+    return out if fuse_shared else out + mlp(x, gate_up, down, c)
+
+
+def experts(p: Mapping, x, chosen, top_w, config: M3TextConfig):
+    """``sum_j top_w[t, j] * expert_{chosen[t, j]}(x[t])`` [T, hidden] in x's dtype: ``ragged_dot`` over the
+    rows sorted by expert, the sum over j in float32."""
+    c = config
     T, k = chosen.shape
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)                                                # rows grouped by expert
@@ -135,35 +162,31 @@ def moe(p: Mapping, x, config: M3TextConfig):
     out = _experts_dot(act, p["experts.down_proj"], group_sizes)                          # [T*k, hidden]
     weighted = jnp.zeros((T * k, x.shape[1]), jnp.float32).at[order].set(
         out.astype(jnp.float32) * top_w.reshape(-1)[order, None])
-    routed = weighted.reshape(T, k, -1).sum(axis=1).astype(x.dtype)
-    return routed * c.routed_scaling_factor + shared
+    return weighted.reshape(T, k, -1).sum(axis=1).astype(x.dtype)
 
 
 # -- attention ----------------------------------------------------------------------------------
 
-def attention(p: Mapping, x, cos, sin, pool, batch: StepBatch, maps, *, layer: int, config: M3TextConfig,
-              layout: PoolLayout, spec: StepSpec):
-    """Attention of layer ``layer`` (``p``: its ``self_attn.*`` tensors by suffix) -> (out [T, hidden], pool)."""
+def attention(p: Mapping, x, pool, batch: StepBatch, maps, *, layer: int, config: M3TextConfig, layout: PoolLayout,
+              spec: StepSpec):
+    """Attention of layer ``layer`` (``p``: its ``self_attn.*`` tensors by suffix) -> (out [T, hidden], pool).
+
+    The q/k/v (/index q/k) projections, then one kernel (``m3_jax.qk_norm_rope``) for the q/k norms and
+    RoPE that also writes the K/V (/index-K) rows into the pool, then ``msa_attention_step`` and o_proj."""
     c = config
-    T = x.shape[0]
-    hq, hk, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
     sparse = c.sparse_layers[layer]
-    q = apply_rope(rms_norm(_dot(x, p["q_proj.weight"]).reshape(T, hq, d), p["q_norm.weight"], eps), cos, sin)
-    k = apply_rope(rms_norm(_dot(x, p["k_proj.weight"]).reshape(T, hk, d), p["k_norm.weight"], eps), cos, sin)
-    v = _dot(x, p["v_proj.weight"]).reshape(T, hk, d)
-    idx_q = idx_k = None
-    if sparse:
-        di = c.index_head_dim
-        icos, isin = cos[:, :di], sin[:, :di]   # transformers: cos[..., :index_head_dim]
-        idx_q = apply_rope(rms_norm(_dot(x, p["indexer.q_proj.weight"]).reshape(T, c.index_n_heads, di),
-                                    p["indexer.q_norm.weight"], eps), icos, isin)
-        idx_k = apply_rope(rms_norm(_dot(x, p["indexer.k_proj.weight"]).reshape(T, 1, di),
-                                    p["indexer.k_norm.weight"], eps), icos, isin).reshape(T, di)
-    k_cache, v_cache, index_k_cache = write_cache(k, v, idx_k, *layer_views(pool, layout, layer), batch.slot_mapping)
+    names = ["q_proj", "k_proj", "v_proj"] + (["indexer.q_proj", "indexer.k_proj"] if sparse else [])
+    qkv = jnp.concatenate([_dot(x, p[f"{n}.weight"]) for n in names], axis=-1)
+    k_view, v_view, index_view = layer_views(pool, layout, layer)
+    q, idx_q, k_cache, v_cache, index_k_cache = qk_norm_rope(
+        qkv, batch.positions, jnp.asarray(inv_freq(c)), p["q_norm.weight"], p["k_norm.weight"], k_view, v_view,
+        batch.slot_mapping, num_q_heads=c.num_attention_heads, eps=c.rms_norm_eps,
+        index_q_norm=p.get("indexer.q_norm.weight"), index_k_norm=p.get("indexer.k_norm.weight"),
+        index_k_cache=index_view)
     out, _ = msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, batch.block_table, batch.seq_lens,
                                 plan=spec, maps=maps, sparse=sparse, init_blocks=c.index_init_blocks,
                                 local_blocks=c.index_local_blocks)
-    return _dot(out.reshape(T, hq * d), p["o_proj.weight"]), k_cache.buffer
+    return _dot(out.reshape(x.shape[0], -1), p["o_proj.weight"]), k_cache.buffer
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -174,8 +197,9 @@ def _layer_params(params: Mapping, layer: int, part: str) -> dict:
 
 
 def forward(params: Mapping, pool, batch: StepBatch, maps, *, config: M3TextConfig, layout: PoolLayout,
-            spec: StepSpec, all_reduce: Callable | None = None):
-    """One step through the model -> ``(logits [L, vocab] float32, pool)``.
+            spec: StepSpec, all_reduce: Callable | None = None, aux_layers: tuple = ()):
+    """One step through the model -> ``(logits [L, vocab] float32, pool)``; with ``aux_layers`` (an
+    EAGLE-3 draft's) ``((logits, aux), pool)``, ``aux`` as :func:`hidden_states` gives it.
 
     params: canonical name -> array (model dtype); ``lm_head.weight`` may be
             absent when ``config.tie_word_embeddings``.
@@ -186,14 +210,19 @@ def forward(params: Mapping, pool, batch: StepBatch, maps, *, config: M3TextConf
             (one layer per model layer) and the step's ``StepSpec``.
     all_reduce: see :func:`hidden_states`.
     """
-    x, pool = hidden_states(params, pool, batch, maps, config=config, layout=layout, spec=spec,
-                            all_reduce=all_reduce)
-    return logits(params, x[batch.logits_rows], config=config), pool
+    out, pool = hidden_states(params, pool, batch, maps, config=config, layout=layout, spec=spec,
+                              all_reduce=all_reduce, aux_layers=aux_layers)
+    if not aux_layers:
+        return logits(params, out[batch.logits_rows], config=config), pool
+    x, aux = out
+    return (logits(params, x[batch.logits_rows], config=config), aux), pool
 
 
 def hidden_states(params: Mapping, pool, batch: StepBatch, maps, *, config: M3TextConfig, layout: PoolLayout,
-                  spec: StepSpec, all_reduce: Callable | None = None):
+                  spec: StepSpec, all_reduce: Callable | None = None, aux_layers: tuple = ()):
     """The step through every layer (cache writes included) -> ``(residual stream [T, hidden], pool)``.
+    With ``aux_layers``: ``((x, aux), pool)``, ``aux [T, len(aux_layers) * hidden]`` the residual
+    stream after each of those layers (their outputs), concatenated in their order: EAGLE-3's aux states.
 
     all_reduce: None, or ``all_reduce(x) -> x`` summed over a tensor-parallel
             axis. The model knows nothing of tensor parallelism: given one
@@ -209,17 +238,21 @@ def hidden_states(params: Mapping, pool, batch: StepBatch, maps, *, config: M3Te
     reduce = all_reduce or (lambda t: t)
     embed = params["model.embed_tokens.weight"]
     x = embed[batch.input_ids]
-    cos, sin = rope_cos_sin(batch.positions, inv_freq(c), x.dtype)
+    outputs = {}
     for i in range(c.num_hidden_layers):
         prefix = f"model.layers.{i}."
         h = rms_norm(x, params[prefix + "input_layernorm.weight"], c.rms_norm_eps)
-        out, pool = attention(_layer_params(params, i, "self_attn"), h, cos, sin, pool, batch, maps, layer=i,
-                              config=c, layout=layout, spec=spec)
+        out, pool = attention(_layer_params(params, i, "self_attn"), h, pool, batch, maps, layer=i, config=c,
+                              layout=layout, spec=spec)
         x = x + reduce(out)
         h = rms_norm(x, params[prefix + "post_attention_layernorm.weight"], c.rms_norm_eps)
         p = _layer_params(params, i, "mlp")
         x = x + reduce(moe(p, h, c) if c.moe_layers[i] else mlp(h, p["gate_up_proj.weight"], p["down_proj.weight"], c))
-    return x, pool
+        if i in aux_layers:
+            outputs[i] = x
+    if not aux_layers:
+        return x, pool
+    return (x, jnp.concatenate([outputs[i] for i in aux_layers], axis=-1)), pool
 
 
 def logits(params: Mapping, x, *, config: M3TextConfig):

@@ -28,6 +28,12 @@ shard's heads).
 Sampling parameters join the key only through what changes the traced
 function: whether a row uses penalties (their id arrays padded to powers of
 two) and how many top logprobs are asked.
+
+With an EAGLE-3 draft (``speculative_config`` method "eagle3", one device)
+the jitted step also returns the target's aux hidden states, and
+:meth:`JaxRunner.propose` runs the draft on them after the step
+(``m3_jax.eagle3.Eagle3Proposer``: a jitted first pass per step bucket, a
+jitted chain per padded batch size).
 """
 
 from __future__ import annotations
@@ -44,11 +50,11 @@ from m3_engine import checkpoint
 from m3_engine.args import CheckedArgs, check_gpu_device
 from m3_engine.dummy_weights import dummy_dtype
 from m3_engine.runner import SampleResult, SamplingBatch
-from m3_engine.scheduler import Step
+from m3_engine.scheduler import DraftPass, Step
 from m3_kernels import planner
 from m3_kernels.maps import next_pow2
 
-from . import model, tp
+from . import eagle3, model, tp
 from .api import StepSpec, step_inputs
 from .cache import allocate_pool
 from .dummy_weights import dummy_params
@@ -145,47 +151,82 @@ class JaxRunner:
                 tp.allocate_pool(self.pool_layout, self.mesh)
         self.compiled_steps: list[StepSpec] = []   # one entry per compilation: the spec it was traced for
         self._step = jax.jit(self._run, static_argnames=("spec", "num_logprobs"), donate_argnames=("pool",))
+        self._aux_layers = args.draft.aux_layer_ids if args.draft is not None else ()   # eagle3: one device (args)
+        self.proposer, self._last = None, None   # eagle3: the draft, and the last step (eagle3.TargetStep)
+        if args.draft is not None:
+            with self._on_device():
+                embed = self.params["model.embed_tokens.weight"]
+                draft_config, draft_params = eagle3.load_params(
+                    args.speculative.model, config, dtype=self.dtype, target_embed=embed,
+                    target_lm_head=self.params.get("lm_head.weight", embed))
+                self.proposer = eagle3.Eagle3Proposer(
+                    draft_config, draft_params, num_slots=sc.num_slots, dtype=self.dtype,
+                    step_config=args.step_config(), prefill_config=self._prefill_planner.config,
+                    num_speculative_tokens=args.speculative.num_speculative_tokens,
+                    kv_cache_dtype=args.kv_cache_dtype, device=self.device)
 
     # -- the protocol ------------------------------------------------------------------------------
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
         if self.pool is None:
             raise RuntimeError("this LLM is closed (close() was called)")
-        batch, spec, maps = self._layout(step)
+        batch, spec, maps, padded = self._layout(step)
         num_logits = len(step.logits_indices)
         with self._on_device():
             out, self.pool = self._step(self.params, self.pool, self._put(batch), self._put(maps),
                                         self._put(_sampling_arrays(sampling, _num_logits(spec))), spec=spec,
                                         num_logprobs=sampling.num_logprobs)
+        if self.proposer is not None:
+            self._last = (step, eagle3.TargetStep(batch, *padded, aux=out.pop("aux")))
         out = {k: np.asarray(v)[:num_logits] for k, v in out.items()}
         return SampleResult(tokens=out["tokens"], logprobs=out["logprobs"], top_ids=out.get("top_ids"),
                             top_logprobs=out.get("top_logprobs"), ranks=out.get("ranks"))
 
+    def propose(self, work: DraftPass) -> np.ndarray:
+        """EAGLE-3: the draft after the step just executed (``work.step``) -> drafts ``[n, k]`` int32."""
+        if self.proposer is None:
+            raise RuntimeError("propose: this engine has no EAGLE-3 draft (speculative_config method 'eagle3')")
+        if self._last is None or self._last[0] is not work.step:
+            raise RuntimeError("propose: expected the DraftPass of the step executed last")
+        target, self._last = self._last[1], None
+        with self._on_device():
+            return self.proposer.propose(work, target)
+
     def close(self) -> None:
-        """Release the weights and the pool (one process: nothing else to end)."""
-        self.params = self.pool = None
+        """Release the weights and the pools (one process: nothing else to end)."""
+        self.params = self.pool = self.proposer = self._last = None
 
     # -- one step -----------------------------------------------------------------------------------
 
     def _run(self, params, pool, batch, maps, sampling, *, spec, num_logprobs):
         self.compiled_steps.append(spec)  # runs once per trace, i.e. per compilation
-        if self.mesh is None:
-            logits, pool = model.forward(params, pool, batch, maps, config=self.config, layout=self.pool_layout,
-                                         spec=spec)
-        else:
+        aux = None
+        if self.mesh is not None:
             logits, pool = tp.forward(params, pool, batch, maps, plan=self.tp, layout=self.pool_layout, spec=spec,
                                       mesh=self.mesh)
-        return sample_logits(logits.astype(jnp.float32), sampling, num_logprobs), pool
+        elif self._aux_layers:   # an EAGLE-3 draft (one device): the aux states come back beside the samples
+            (logits, aux), pool = model.forward(params, pool, batch, maps, config=self.config,
+                                                layout=self.pool_layout, spec=spec, aux_layers=self._aux_layers)
+        else:
+            logits, pool = model.forward(params, pool, batch, maps, config=self.config, layout=self.pool_layout,
+                                         spec=spec)
+        out = sample_logits(logits.astype(jnp.float32), sampling, num_logprobs)
+        if aux is not None:
+            out["aux"] = aux
+        return out, pool
 
     def _layout(self, step: Step):
-        """The scheduler's step as (StepBatch of numpy arrays, StepSpec, PrefillMaps | None), padded to buckets."""
+        """The scheduler's step as (StepBatch of numpy arrays, StepSpec, PrefillMaps | None, padded), padded
+        to buckets; ``padded``: the padded rows' ``(seq_lens, q_lens, num_context)`` and the padded token
+        row of each of the step's tokens (what an EAGLE-3 draft replans the step from)."""
         max_blocks = self.scheduler_config.max_blocks
         if step.is_decode:  # padded to a graph batch size by the scheduler
             spec, maps = step_inputs(step.plan)
             rows = np.pad(step.logits_indices, (0, _num_logits(spec) - len(step.logits_indices)))
             batch = model.StepBatch(step.input_ids, step.positions, step.slot_mapping, step.block_table,
                                     step.seq_lens, rows)
-            return batch, dataclasses.replace(spec, generation_max_blocks=max_blocks), maps
+            padded = (step.seq_lens, np.diff(step.cu_seqlens_q), 0, np.arange(step.num_tokens))
+            return batch, dataclasses.replace(spec, generation_max_blocks=max_blocks), maps, padded
 
         cu, R, Rc = step.cu_seqlens_q, step.num_rows, step.num_context
         q_lens, seq_lens = np.diff(cu), step.seq_lens
@@ -216,7 +257,9 @@ class JaxRunner:
                                 table, new_seq, np.pad(rows, (0, _num_logits(spec) - len(rows))))
         if Rg_new:
             spec = dataclasses.replace(spec, generation_max_blocks=max_blocks)
-        return batch, spec, maps
+        token_index = np.arange(step.num_tokens)
+        padded = (new_seq, new_q, Rc_new, np.where(token_index < Tc, token_index, token_index + Tc_pad))
+        return batch, spec, maps, padded
 
     # -- devices ----------------------------------------------------------------------------------
 

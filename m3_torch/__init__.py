@@ -18,13 +18,16 @@ from .api import (dense_decode, dense_prefill, index_scores, index_scores_prefil
                   msa_prefill, prefill_plan, select_blocks, select_blocks_prefill, sparse_decode, sparse_prefill)
 from .cache import allocate_pool, layer_caches, write_cache
 from .ops import StepArena, step_arena
+from .moe import fused_moe
 from .sampling import sample
+from .fused import add_rms_norm, moe_route, qk_norm_rope, rms_norm
 from .llm import LLM
 from m3_engine import CompletionOutput, RequestOutput, SamplingParams
 
 __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "msa_decode",
            "index_scores_prefill", "select_blocks_prefill", "sparse_prefill", "dense_prefill", "msa_prefill",
            "msa_attention_step", "prefill_plan", "StepArena", "step_arena",
-           "cache", "allocate_pool", "layer_caches", "write_cache", "ops", "reference", "sample",
+           "cache", "allocate_pool", "layer_caches", "write_cache", "ops", "reference", "sample", "fused_moe",
            "LLM", "SamplingParams",
-           "RequestOutput", "CompletionOutput"]
+           "RequestOutput", "CompletionOutput",
+           "add_rms_norm", "rms_norm", "moe_route", "qk_norm_rope"]

@@ -17,26 +17,33 @@ shifted by one, the sampled token last), and writes the draft's K/V at ``p``;
 later draft steps take the drafted token and the draft's own ``h_out`` of the
 previous position. Norms compute in float32 and round as transformers' Llama
 does (``weight * normed.to(dtype)``); everything else stays in the weights' dtype.
+
+:class:`Eagle3Proposer` is the draft inside an engine (``m3_torch.runner``):
+after each target step it runs the scheduler's
+:class:`~m3_engine.scheduler.DraftPass` eagerly (first pass, then the chain).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from m3_engine.eagle3 import (LAYER, Eagle3Config, draft_pool_layout, draft_to_target_ids, expected_eagle3_shapes,
-                              load_eagle3_weights)
+from m3_engine.eagle3 import (LAYER, Eagle3Config, draft_pool_layout, draft_step_config, draft_to_target_ids,
+                              expected_eagle3_shapes, load_eagle3_weights)
 from m3_engine.model_config import M3TextConfig
-from m3_kernels.planner import StepPlan
+from m3_engine.scheduler import DraftPass
+from m3_kernels.planner import StepConfig, StepPlan, StepPlanner
 from m3_kernels.pool import PoolLayout
 
 from .api import msa_attention_step
 from .cache import TORCH_DTYPES, LayerCaches, allocate_pool, layer_caches, write_cache
 from .model import StepTensors, _take, apply_rope, rope_cos_sin
 
-__all__ = ["Eagle3Draft", "DraftCache", "allocate_draft_cache", "rms_norm"]
+__all__ = ["Eagle3Draft", "Eagle3Proposer", "DraftCache", "allocate_draft_cache", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -214,3 +221,56 @@ class Eagle3Draft:
         """Draft vocabulary ids -> target ids (``id + d2t[id]``; the identity without ``d2t``)."""
         draft_ids = draft_ids.long()
         return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
+
+
+class Eagle3Proposer:
+    """An :class:`Eagle3Draft` inside an engine: its own pool (the target pool's slots) and planner,
+    run eagerly after each target step.
+
+    draft:          the draft head, on the engine's device in the model dtype.
+    num_slots:      the target pool's slots.
+    step_config:    the engine's planner config (batch, token and block limits); the draft's
+                    plans use its heads and no graph padding.
+    num_speculative_tokens: ``k``, drafts per request.
+    kv_cache_dtype: the draft pool's K/V dtype, as the target's ("auto" or "fp8").
+    """
+
+    def __init__(self, draft: Eagle3Draft, *, num_slots: int, step_config: StepConfig, num_speculative_tokens: int,
+                 kv_cache_dtype: str = "auto"):
+        self.draft, self.k = draft, num_speculative_tokens
+        dtype = next(name for name, d in TORCH_DTYPES.items() if d == draft.dtype)
+        self.cache = allocate_draft_cache(draft.config, num_slots, dtype, draft.device, kv_cache_dtype=kv_cache_dtype)
+        self.planner = StepPlanner(draft_step_config(draft.config,
+                                                     dataclasses.replace(step_config, graph_batch_sizes=())))
+
+    @torch.no_grad()
+    def propose(self, work: DraftPass, aux: torch.Tensor) -> np.ndarray:
+        """Run ``work`` after its target step, whose aux hidden states are ``aux [T, 3 * target_hidden]``
+        -> the drafts ``[n, k]`` int32 (target ids) of ``work.request_ids``."""
+        step = work.step
+
+        def dev(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.draft.device, non_blocking=True)
+
+        # the first pass: the step's rows, each taking the token after it, the target's aux states
+        first = StepTensors(input_ids=dev(work.input_ids), positions=dev(step.positions),
+                            slot_mapping=dev(step.slot_mapping), block_table=dev(step.block_table),
+                            seq_lens=dev(step.seq_lens), logits_rows=dev(work.rows))
+        plan = self.planner.plan(step.seq_lens, cu_seqlens_q=step.cu_seqlens_q, num_context=step.num_context)
+        h = self.draft.forward(first, plan, self.cache.caches, aux)
+        n = work.num_requests
+        if n == 0:
+            return np.zeros((0, self.k), np.int32)
+        # draft 1 from each request's last valid row; then one-token steps on the draft's own h_out
+        h = h.index_select(0, first.logits_rows)
+        rows = torch.arange(n, device=self.draft.device)
+        drafts = [self.draft.draft_tokens(h, rows)]
+        table = dev(work.block_table)
+        for i in range(self.k - 1):
+            chain = StepTensors(input_ids=drafts[-1], positions=dev(work.positions[i]),
+                                slot_mapping=dev(work.slot_mapping[i]), block_table=table,
+                                seq_lens=dev(work.seq_lens[i]), logits_rows=rows)
+            plan = self.planner.plan(work.seq_lens[i], q_lens=[1] * n, num_context=0)
+            h = self.draft.forward(chain, plan, self.cache.caches, h)
+            drafts.append(self.draft.draft_tokens(h, rows))
+        return torch.stack(drafts, dim=1).int().cpu().numpy()

@@ -2,23 +2,36 @@
 
 One call of :meth:`M3Model.forward` runs every token of a step (context rows'
 prompt chunks first, generation rows last, as the step planner wants) through
-all layers at once; attention goes through this project's kernels: per layer
-``m3_torch.write_cache`` appends the step's K/V (and, sparse layers, index-K)
-rows to the layer's pool views, then ``m3_torch.msa_attention_step`` attends
-with the step's plan (``sparse=True`` on MSA layers, ``False`` on dense ones).
-Weights and activations stay in the weights' dtype; norms, the router and the
-attention softmax compute in float32 where transformers does.
+all layers at once, in this project's kernels where the step spends its time
+(the shared Triton kernels, ``m3_torch.fused``, ``m3_torch.moe``):
+
+* each residual add and the RMSNorm after it: one kernel (``add_rms_norm``);
+* attention: the fused q/k/v (/index q/k) GEMM, then one kernel for the q/k
+  norms and RoPE that also writes the K/V (and, sparse layers, index-K) rows
+  into the layer's pool views (``qk_norm_rope``), then
+  ``m3_torch.msa_attention_step`` with the step's plan (``sparse=True`` on MSA
+  layers, ``False`` on dense ones), then ``o_proj``;
+* MoE: the router in one kernel (``moe_route``); the experts, on a GPU, in the
+  fused-MoE kernels (``fused_moe``: each touched expert's weights read once,
+  SwiGLU-OAI and the routing weights fused, the shared expert as one more
+  expert when it has the experts' width, M3's); on the CPU as
+  ``torch.nn.functional.grouped_mm`` over token rows sorted by expert (the
+  interpreted fused MoE would cost seconds per prefill step; tests/test_moe.py
+  checks the two agree).
+
+No step synchronises with the host, so decode steps are captured in CUDA
+graphs. Weights and activations stay in the weights' dtype; norms, the router
+and the attention softmax compute in float32 where transformers does, and each
+kernel rounds where the transformers module does (the kernels' docstrings say
+where a rounding differs).
 
 Semantics: transformers 5.23's ``MiniMaxM3VLForCausalLM`` (text model); the
 math, and where and why this project differs from transformers, are written
 once, in docs/ENGINE.md ("The model's semantics"). The JAX twin is
-``m3_jax/model.py`` (same math, same order of roundings).
-
-MoE experts run as ``torch.nn.functional.grouped_mm`` over token rows sorted
-by expert (no host sync, so decode steps can be captured in CUDA graphs; the
-weighted sum over the k experts of a token accumulates in float32). CUDA's
-grouped GEMM takes bfloat16 only: other dtypes on a GPU run every expert over
-every token and weight the unchosen ones by 0 (same math, more flops).
+``m3_jax/model.py`` (same math; XLA fuses the norms itself there). The
+module-level ``rms_norm``, ``rope_cos_sin``, ``apply_rope`` and ``swiglu_oai``
+are that math in torch ops: the references the fused kernels are tested
+against, and the EAGLE-3 draft head's building blocks.
 """
 
 from __future__ import annotations
@@ -30,10 +43,14 @@ import torch
 import torch.nn.functional as F
 
 from m3_kernels import planner as step_planner
+from m3_kernels.maps import PAGE_SIZE
+from m3_kernels.pool import PoolLayout
 from m3_engine.model_config import M3TextConfig
 
+from . import fused
 from .api import msa_attention_step
-from .cache import LayerCaches, write_cache
+from .cache import LayerCaches, allocate_pool, layer_caches
+from .moe import fused_moe
 
 __all__ = ["M3Model", "StepTensors", "rms_norm", "apply_rope", "rope_cos_sin", "swiglu_oai"]
 
@@ -193,32 +210,47 @@ class M3Model:
     # -- forward ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, step: StepTensors, plan: step_planner.StepPlan, caches: Sequence[LayerCaches]) -> torch.Tensor:
+    def forward(self, step: StepTensors, plan: step_planner.StepPlan, caches: Sequence[LayerCaches],
+                aux_layers: Sequence[int] = ()):
         """All tokens of one step through the model -> logits ``[L, vocab]`` (model dtype) of
         ``step.logits_rows``. Writes the step's K/V/index-K rows into ``caches`` (one
-        :class:`~m3_torch.cache.LayerCaches` per layer, views of the pool)."""
-        return self.logits(self.hidden_states(step, plan, caches), step.logits_rows)
+        :class:`~m3_torch.cache.LayerCaches` per layer, views of the pool). With ``aux_layers``
+        (an EAGLE-3 draft's): ``(logits, aux)``, ``aux`` as :meth:`hidden_states` gives it."""
+        if not aux_layers:
+            return self.logits(self.hidden_states(step, plan, caches), step.logits_rows)
+        x, aux = self.hidden_states(step, plan, caches, aux_layers)
+        return self.logits(x, step.logits_rows), aux
 
     @torch.no_grad()
-    def hidden_states(self, step: StepTensors, plan: step_planner.StepPlan,
-                      caches: Sequence[LayerCaches]) -> torch.Tensor:
-        """The step through every layer (cache writes included) -> the residual stream ``[T, hidden]``."""
-        c = self.config
+    def hidden_states(self, step: StepTensors, plan: step_planner.StepPlan, caches: Sequence[LayerCaches],
+                      aux_layers: Sequence[int] = ()):
+        """The step through every layer (cache writes included) -> the residual stream ``[T, hidden]``.
+        With ``aux_layers``: ``(x, aux)``, ``aux [T, len(aux_layers) * hidden]`` the residual stream
+        after each of those layers (their outputs), concatenated in their order: EAGLE-3's aux states."""
+        eps = self.config.rms_norm_eps
         x = F.embedding(step.input_ids, self.embed)
-        cos, sin = rope_cos_sin(step.positions, self.inv_freq, self.dtype)
-        for layer, cache in zip(self.layers, caches):
-            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            x = x + self._reduce(self._attention(layer, h, cos, sin, step, plan, cache))
-            h = rms_norm(x, layer.post_attn_norm, c.rms_norm_eps)
-            x = x + self._reduce(self._mlp(layer, h))
-        return x
+        mlp_out, outputs = None, {}     # each layer's MLP output is added by the next layer's norm kernel
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            if mlp_out is None:
+                h = fused.rms_norm(x, layer.input_norm, eps)
+            else:
+                x, h = fused.add_rms_norm(mlp_out, x, layer.input_norm, eps)
+            attn_out = self._reduce(self._attention(layer, h, step, plan, cache))
+            x, h = fused.add_rms_norm(attn_out, x, layer.post_attn_norm, eps)
+            mlp_out = self._reduce(self._mlp(layer, h))
+            if i in aux_layers:
+                outputs[i] = x + mlp_out
+        x = x + mlp_out
+        if not aux_layers:
+            return x
+        return x, torch.cat([outputs[i] for i in aux_layers], dim=-1)
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Final norm + ``lm_head`` of the rows ``rows`` of ``x [T, hidden]`` -> ``[len(rows), vocab]``."""
         if self.lm_head is None:
             raise RuntimeError("logits: this model was built with lm_head=False (hidden states only)")
-        x = rms_norm(x.index_select(0, rows), self.norm, self.config.rms_norm_eps)
+        x = fused.rms_norm(x.index_select(0, rows), self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head)
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
@@ -239,32 +271,31 @@ class M3Model:
     def projections(self, i: int, h: torch.Tensor, positions: torch.Tensor):
         """Layer ``i``'s attention inputs for normalised rows ``h [T, hidden]`` at ``positions [T]``
         -> ``(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], idx_q [T, Hi, Di], idx_k [T, Di])``,
-        normed and rotated (``idx_q``/``idx_k`` are None on a dense layer)."""
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
-        return self._project(self.layers[i], h, cos, sin)
+        normed and rotated (``idx_q``/``idx_k`` are None on a dense layer): the step's own path
+        (:meth:`_project`) into scratch caches, k/v/idx_k read back from them."""
+        c, layer, T = self.config, self.layers[i], h.shape[0]
+        layout = PoolLayout.create(max(1, -(-T // PAGE_SIZE)), sparse=[layer.sparse],
+                                   num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                                   index_head_dim=c.index_head_dim, dtype=str(self.dtype).removeprefix("torch."))
+        cache = layer_caches(allocate_pool(layout, h.device), layout, 0)
+        slots = torch.arange(T, device=h.device)
+        q, idx_q = self._project(layer, h, positions, slots, cache)
+        page, row = slots // PAGE_SIZE, slots % PAGE_SIZE
+        k, v = cache.k_cache[page, :, row], cache.v_cache[page, :, row]
+        return q, k, v, idx_q, cache.index_k_cache[page, row] if layer.sparse else None
 
-    def _project(self, layer: _Layer, h, cos, sin):
+    def _project(self, layer: _Layer, h, positions, slot_mapping, cache: LayerCaches):
+        """The layer's fused q/k/v (/index q/k) GEMM, then one kernel (``m3_torch.qk_norm_rope``): q/k
+        norms and RoPE, the K/V/index-K rows written to ``cache`` -> (q, idx_q or None)."""
         c = self.config
-        T, hq, hk, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        sizes = [hq * d, hk * d, hk * d] + ([c.index_n_heads * c.index_head_dim, c.index_head_dim]
-                                           if layer.sparse else [])
-        parts = F.linear(h, layer.qkv).split(sizes, dim=-1)
-        q = apply_rope(rms_norm(parts[0].view(T, hq, d), layer.q_norm, c.rms_norm_eps), cos, sin)
-        k = apply_rope(rms_norm(parts[1].view(T, hk, d), layer.k_norm, c.rms_norm_eps), cos, sin)
-        v = parts[2].reshape(T, hk, d)
-        if not layer.sparse:
-            return q, k, v, None, None
-        di, rot = c.index_head_dim, c.index_rotary_dim
-        icos, isin = cos[:, :rot], sin[:, :rot]
-        idx_q = apply_rope(rms_norm(parts[3].view(T, c.index_n_heads, di), layer.index_q_norm, c.rms_norm_eps),
-                           icos, isin)
-        idx_k = apply_rope(rms_norm(parts[4].view(T, 1, di), layer.index_k_norm, c.rms_norm_eps), icos, isin)
-        return q, k, v, idx_q, idx_k.view(T, di)
+        return fused.qk_norm_rope(F.linear(h, layer.qkv), positions, self.inv_freq, layer.q_norm, layer.k_norm,
+                                  cache.k_cache, cache.v_cache, slot_mapping, num_q_heads=c.num_attention_heads,
+                                  eps=c.rms_norm_eps, index_q_norm=layer.index_q_norm,
+                                  index_k_norm=layer.index_k_norm, index_k_cache=cache.index_k_cache)
 
-    def _attention(self, layer: _Layer, h, cos, sin, step: StepTensors, plan, cache: LayerCaches):
+    def _attention(self, layer: _Layer, h, step: StepTensors, plan, cache: LayerCaches):
         c = self.config
-        q, k, v, idx_q, idx_k = self._project(layer, h, cos, sin)
-        write_cache(k, v, idx_k, cache.k_cache, cache.v_cache, cache.index_k_cache, step.slot_mapping)
+        q, idx_q = self._project(layer, h, step.positions, step.slot_mapping, cache)
         out, _ = msa_attention_step(q, idx_q, cache.k_cache, cache.v_cache, cache.index_k_cache, step.block_table,
                                     step.seq_lens, plan=plan, sparse=layer.sparse, init_blocks=c.index_init_blocks,
                                     local_blocks=c.index_local_blocks, sm_scale=c.attention_scale)
@@ -272,26 +303,35 @@ class M3Model:
 
     def _moe(self, layer: _Layer, h):
         c = self.config
-        shared = F.linear(swiglu_oai(F.linear(h, layer.shared_gate_up), c.swiglu_alpha, c.swiglu_limit),
-                          layer.shared_down)
-        weights = torch.sigmoid(F.linear(h, layer.router).float())                    # [T, E]
-        _, chosen = torch.topk(weights + layer.router_bias, c.num_experts_per_tok, dim=-1, sorted=False)
-        top_w = weights.gather(1, chosen)
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)                               # [T, k] float32
-        routed = self._experts(layer, h, chosen, top_w)
-        return routed * c.routed_scaling_factor + shared
+        chosen, top_w = self._route(layer, h)
+        if not h.is_cuda:
+            return self._experts(layer, h, chosen, top_w) * c.routed_scaling_factor + self._shared_expert(layer, h)
+        # the shared expert runs inside fused_moe as one more expert when it has the experts' width (M3's)
+        fuse_shared = layer.shared_down.shape[1] == layer.experts_down.shape[2]
+        shared = dict(shared_gate_up=layer.shared_gate_up, shared_down=layer.shared_down) if fuse_shared else {}
+        out = fused_moe(h, layer.experts_gate_up, layer.experts_down, chosen, top_w,
+                        swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit,
+                        routed_scaling_factor=c.routed_scaling_factor, **shared)
+        return out if fuse_shared else out + self._shared_expert(layer, h)
+
+    def _shared_expert(self, layer: _Layer, h):
+        c = self.config
+        return F.linear(swiglu_oai(F.linear(h, layer.shared_gate_up), c.swiglu_alpha, c.swiglu_limit),
+                        layer.shared_down)
+
+    def _route(self, layer: _Layer, h):
+        """The router (one kernel, ``m3_torch.moe_route``): -> (chosen [T, k] int32 expert ids, top_w [T, k]
+        float32 weights summing to 1)."""
+        return fused.moe_route(h, layer.router, layer.router_bias, self.config.num_experts_per_tok)
 
     def _experts(self, layer: _Layer, h, chosen, top_w):
-        """sum_k top_w[t, k] * expert_{chosen[t, k]}(h[t]) -> [T, hidden] in h's dtype."""
+        """sum_k top_w[t, k] * expert_{chosen[t, k]}(h[t]) -> [T, hidden] in h's dtype: the CPU path, torch's
+        grouped GEMM over the rows sorted by expert (``fused_moe`` computes the same on the GPU)."""
         c = self.config
-        num_experts = layer.experts_gate_up.shape[0]
-        if h.device.type == "cuda" and h.dtype != torch.bfloat16:
-            return self._experts_dense(layer, h, chosen, top_w)
         T, k = chosen.shape
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)                                     # rows grouped by expert
-        counts = torch.bincount(flat, minlength=num_experts) if h.device.type == "cpu" else \
-            torch.histc(flat.int(), bins=num_experts, min=0, max=num_experts - 1)
+        counts = torch.bincount(flat, minlength=layer.experts_gate_up.shape[0])
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = h.index_select(0, order // k)                                          # [T*k, hidden]
         act = swiglu_oai(F.grouped_mm(rows, layer.experts_gate_up.transpose(1, 2), offs=offsets),
@@ -300,11 +340,3 @@ class M3Model:
         weighted = torch.empty((T * k, out.shape[1]), dtype=torch.float32, device=h.device)
         weighted[order] = out.float() * top_w.reshape(-1)[order, None]
         return weighted.view(T, k, -1).sum(1).to(h.dtype)
-
-    def _experts_dense(self, layer: _Layer, h, chosen, top_w):
-        c = self.config
-        gate = torch.zeros((h.shape[0], layer.experts_gate_up.shape[0]), dtype=torch.float32, device=h.device)
-        gate.scatter_(1, chosen, top_w)                                               # [T, E]
-        act = swiglu_oai(torch.einsum("th,eih->eti", h, layer.experts_gate_up), c.swiglu_alpha, c.swiglu_limit)
-        out = torch.einsum("eti,ehi->eth", act, layer.experts_down)                  # [E, T, hidden]
-        return torch.einsum("eth,te->th", out.float(), gate).to(h.dtype)

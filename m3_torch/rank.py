@@ -56,15 +56,19 @@ class Runner:
     all_reduce: the model's tensor-parallel hook (``m3_torch.tp.all_reduce``), None on one rank.
     load_format: "auto" (read ``model_dir``'s safetensors) or "dummy" (random weights drawn on the
                 device from ``seed``: ``m3_engine.dummy_weights``).
+    aux_layers: an EAGLE-3 draft's aux layers (one rank only): every step also returns the
+                residual stream after them (``M3Model.hidden_states``), from the graphs too.
     Rank 0 holds ``lm_head`` and returns logits; other ranks compute the hidden
     states only (their ``lm_head`` is never read from the checkpoint).
     """
 
     def __init__(self, *, model_dir, tp: TPPlan, rank: int, device, dtype, num_slots: int, max_blocks: int,
                  cuda_graphs: bool, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
-                 all_reduce: Optional[Callable] = None, load_format: str = "auto", seed: int = 0):
+                 all_reduce: Optional[Callable] = None, load_format: str = "auto", seed: int = 0,
+                 aux_layers: tuple = ()):
         c = tp.config
         self.rank, self.device, self.max_blocks = rank, rank_device(torch.device(device), rank), max_blocks
+        self.aux_layers = tuple(aux_layers)
         head = rank == 0
         weights, self.dtype = {}, dtype
         for name, w in self._weights(model_dir, tp, load_format, seed):
@@ -91,16 +95,17 @@ class Runner:
         return checkpoint.iter_weights(model_dir, tp.config, framework="pt", concatenate=torch.cat,
                                        device=str(self.device), shard=shard, skip=skip)
 
-    def run(self, step: Step) -> Optional[torch.Tensor]:
+    def run(self, step: Step):
         """One step -> logits ``[len(step.logits_indices), vocab]`` in the model dtype (rank 0), or
-        None (other ranks: the step's cache writes and all-reduces only)."""
+        None (other ranks: the step's cache writes and all-reduces only). With ``aux_layers``:
+        ``(logits, aux [T, 3 * hidden])`` (from a graph: its static output, valid until it replays)."""
         if self.graphs is not None and step.plan.cuda_graph:
             return self.graphs.run(step)
         tensors = self.step_tensors(step)
         if self.model.lm_head is None:
             self.model.hidden_states(tensors, step.plan, self.caches)
             return None
-        return self.model.forward(tensors, step.plan, self.caches)
+        return self.model.forward(tensors, step.plan, self.caches, self.aux_layers)
 
     def step_tensors(self, step: Step, logits_rows: Optional[np.ndarray] = None) -> StepTensors:
         """A step's numpy metadata on this rank's device."""
@@ -121,7 +126,8 @@ class _DecodeGraphs:
     steps ``k + 1`` (every token's logits are returned).
 
     Each (batch, tokens per row) has static inputs: one device int32 buffer holding the
-    step's metadata, filled by ONE copy from a pinned host buffer per step.
+    step's metadata, filled by ONE copy from a pinned host buffer per step. With an
+    EAGLE-3 draft the graphs also output the aux hidden states of every token row.
     The first step of each key runs eagerly on the static inputs (its result is
     used; it also compiles the kernels and creates the persistent maps and
     workspaces the graph points at), then the graph is captured; later steps
@@ -158,11 +164,12 @@ class _DecodeGraphs:
         model = self.runner.model
         if model.lm_head is None:   # a tensor-parallel worker: hidden states only
             return model.hidden_states(tensors, plan, self.runner.caches)
-        return model.forward(tensors, plan, self.runner.caches)
+        return model.forward(tensors, plan, self.runner.caches, self.runner.aux_layers)
 
-    def run(self, step: Step) -> Optional[torch.Tensor]:
+    def run(self, step: Step):
         """-> logits ``[len(step.logits_indices), vocab]`` of a pure decode or verify step; None on a
-        rank without ``lm_head``."""
+        rank without ``lm_head``. With the runner's ``aux_layers``: ``(logits, aux)``, ``aux`` the
+        graph's static output buffer (every token row of the step)."""
         gen = step.plan.generation
         batch, n, bound = gen.num_rows, gen.decode_query_len, gen.max_blocks
         device = self.runner.device
@@ -187,7 +194,12 @@ class _DecodeGraphs:
         else:
             graph, out = self.graphs[key]
             graph.replay()
-        return out.index_select(0, rows) if head else None
+        if not head:
+            return None
+        if self.runner.aux_layers:
+            logits, aux = out
+            return logits.index_select(0, rows), aux
+        return out.index_select(0, rows)
 
     def release(self):
         """Free the captured graphs. Under tensor parallelism every rank must do this BEFORE the

@@ -4,7 +4,10 @@
 :class:`m3_torch.rank.Runner`, plus ``tensor_parallel_size - 1`` worker
 processes from ``m3_torch.tp``), runs each step the engine schedules (CUDA
 graphs for pure decode steps on a GPU) and samples with the shared sampling
-kernel (``m3_torch.sample``) on rank 0, which holds ``lm_head``.
+kernel (``m3_torch.sample``) on rank 0, which holds ``lm_head``. With an
+EAGLE-3 draft (one rank) each step also returns the target's aux hidden
+states, and :meth:`TorchRunner.propose` runs the draft on them, eagerly
+(``m3_torch.eagle3.Eagle3Proposer``).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import torch
 
 from m3_engine.args import CheckedArgs, check_gpu_device
 from m3_engine.runner import SampleResult, SamplingBatch
-from m3_engine.scheduler import Step
+from m3_engine.scheduler import DraftPass, Step
 
+from .eagle3 import Eagle3Draft, Eagle3Proposer
 from .model import StepTensors
 from .rank import DTYPES, Runner
 from .sampling import sample
@@ -72,8 +76,10 @@ class TorchRunner:
             from . import tp   # the worker processes start now and load their slices while rank 0 loads its own
             self._workers = tp.Workers(self.tp, self.device, runner_args)
             all_reduce = tp.all_reduce
+        aux_layers = args.draft.aux_layer_ids if args.draft is not None else ()   # eagle3: one rank (args)
         try:
-            self.rank0 = Runner(tp=self.tp, rank=0, device=self.device, all_reduce=all_reduce, **runner_args)
+            self.rank0 = Runner(tp=self.tp, rank=0, device=self.device, all_reduce=all_reduce,
+                                aux_layers=aux_layers, **runner_args)
             if self._workers is not None:
                 if self.rank0.graphs is not None:   # freed before the group goes, also when a step fails
                     self._workers.before_destroy = self.rank0.graphs.release
@@ -85,12 +91,29 @@ class TorchRunner:
         r = self.rank0
         self.dtype, self.model, self.layout, self.pool, self.caches, self.graphs = \
             r.dtype, r.model, r.layout, r.pool, r.caches, r.graphs
+        self.proposer = None
+        if args.draft is not None:
+            draft = Eagle3Draft.load(args.speculative.model, args.config, dtype=self.dtype, device=self.device,
+                                     target_embed=self.model.embed, target_lm_head=self.model.lm_head)
+            self.proposer = Eagle3Proposer(draft, num_slots=sc.num_slots, step_config=args.step_config(),
+                                           num_speculative_tokens=args.speculative.num_speculative_tokens,
+                                           kv_cache_dtype=args.kv_cache_dtype)
+        self._aux = None   # eagle3: (the last step, its aux hidden states)
 
     # -- the protocol ----------------------------------------------------------------------------
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
         logits = self.step_logits(step)
         return sample_logits(logits, sampling)
+
+    def propose(self, work: DraftPass) -> np.ndarray:
+        """EAGLE-3: the draft after the step just executed (``work.step``) -> drafts ``[n, k]`` int32."""
+        if self.proposer is None:
+            raise RuntimeError("propose: this engine has no EAGLE-3 draft (speculative_config method 'eagle3')")
+        if self._aux is None or self._aux[0] is not work.step:
+            raise RuntimeError("propose: expected the DraftPass of the step executed last")
+        aux, self._aux = self._aux[1], None
+        return self.proposer.propose(work, aux)
 
     def close(self) -> None:
         """End the worker processes (tensor parallelism) and free the graphs. Idempotent."""
@@ -102,10 +125,15 @@ class TorchRunner:
     # -- steps -----------------------------------------------------------------------------------
 
     def step_logits(self, step: Step) -> torch.Tensor:
-        """Run one scheduler step (on every rank) -> float32 logits ``[len(step.logits_indices), vocab]``."""
+        """Run one scheduler step (on every rank) -> float32 logits ``[len(step.logits_indices), vocab]``
+        (with an EAGLE-3 draft, the step's aux hidden states are kept for :meth:`propose`)."""
         if self._workers is not None:
             return self._workers.run_step(step, self.rank0)
-        return self.rank0.run(step).float()
+        if self.proposer is None:
+            return self.rank0.run(step).float()
+        logits, aux = self.rank0.run(step)
+        self._aux = (step, aux)
+        return logits.float()
 
     def step_tensors(self, step: Step, logits_rows: Optional[np.ndarray] = None) -> StepTensors:
         """A step's numpy metadata on rank 0's device."""

@@ -4,7 +4,11 @@ The engine-level tests run the real scheduler and engine over a stand-in runner 
 "model" reads each token's context back through the step's cache metadata (slot mapping,
 block table, positions), so a draft row that was rejected but still counted as cached
 would change the next tokens. Speculative and plain runs must give the same tokens.
-The model tests (torch and JAX) run the tiny checkpoint.
+With method "eagle3" the stand-in also keeps a "draft cache" written through the draft
+passes' slot mappings (the token each draft row takes) and checks, at every pass, that it
+holds the token after every cached position of every drafting request.
+The model tests (torch and JAX) run the tiny checkpoint; the EAGLE-3 model tests are in
+test_speculative_eagle3.py.
 """
 
 import numpy as np
@@ -51,15 +55,37 @@ def test_config_type_error():
         SpeculativeConfig.from_dict("ngram")
 
 
-def test_engine_refuses_eagle3_for_now(tmp_path):
+def test_eagle3_options(tmp_path):
+    """The draft folder is read and checked against the target before anything loads; tensor
+    parallelism is refused."""
     import json
     from m3_engine.args import EngineArgs
+    from m3_engine.eagle3 import write_random_eagle3
+    from m3_engine.model_config import M3TextConfig
     from m3_engine.tiny_model import tiny_text_config
-    (tmp_path / "config.json").write_text(json.dumps(tiny_text_config()))
-    spec = {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="not run by this engine"):
-        EngineArgs(tmp_path, speculative_config=spec).check()
-    assert EngineArgs(tmp_path, speculative_config=NGRAM).check().speculative.num_speculative_tokens == 3
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(tiny_text_config()))
+    config = M3TextConfig.from_dict(tiny_text_config())
+    draft = write_random_eagle3(tmp_path / "draft", config, num_attention_heads=2, head_dim=32,
+                                intermediate_size=64, aux_layer_ids=(0, 1, 3))
+
+    def check(model, **options):
+        spec = {"method": "eagle3", "model": str(model), "num_speculative_tokens": 2}
+        return EngineArgs(target, speculative_config=spec, **options).check()
+
+    assert check(draft).draft.aux_layer_ids == (0, 1, 3)
+    assert EngineArgs(target, speculative_config=NGRAM).check().draft is None
+    with pytest.raises(ValueError, match=r"'eagle3' draft head runs on one device.*tensor_parallel_size=2"):
+        check(draft, tensor_parallel_size=2)
+    with pytest.raises(FileNotFoundError, match=r"speculative_config.model: .*missing is not a folder"):
+        check(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="draft model: no config.json"):
+        check(tmp_path / "empty")
+    other = write_random_eagle3(tmp_path / "other", M3TextConfig.from_dict(tiny_text_config(hidden_size=64)))
+    with pytest.raises(ValueError, match=r"other/config.json: target_hidden_size=64"):
+        check(other)
 
 
 def test_ngram_draft():
@@ -86,12 +112,17 @@ def test_num_accepted():
 class CacheModel:
     """A deterministic "model": the next token is a function of every token before it, read back
     from a cache of token ids written through the step's slot mapping and read through its block
-    table (unwritten or freed rows are -1, and reading one fails the test)."""
+    table (unwritten or freed rows are -1, and reading one fails the test).
 
-    def __init__(self, num_slots: int, next_token):
+    ``drafter`` (method "eagle3"): ``drafter(tokens) -> the token after them``, the stand-in draft
+    model; :meth:`propose` writes the token each draft row takes into ``draft_cache`` (where the
+    draft's K/V would go) and drafts from the sequence it reads back from both caches."""
+
+    def __init__(self, num_slots: int, next_token, drafter=None):
         self.cache = np.full(num_slots * PAGE_SIZE, -1, np.int64)
-        self.next_token = next_token
-        self.steps = []
+        self.draft_cache = np.full(num_slots * PAGE_SIZE, -1, np.int64)
+        self.next_token, self.drafter = next_token, drafter
+        self.steps, self.passes = [], []
 
     def execute(self, step, sampling):
         self.steps.append(step)
@@ -105,6 +136,33 @@ class CacheModel:
             assert (seen >= 0).all(), "read an unwritten cache row"
             tokens.append(self.next_token(seen))
         return SampleResult(tokens=np.array(tokens, np.int32), logprobs=np.zeros(len(tokens), np.float32))
+
+    def propose(self, work):
+        self.passes.append(work)
+        step = work.step
+        assert len(work.input_ids) == len(step.input_ids)
+        written = step.slot_mapping >= 0
+        self.draft_cache[step.slot_mapping[written]] = work.input_ids[written]   # row p: the token at p + 1
+        k = work.positions.shape[0] + 1
+        drafts = np.zeros((work.num_requests, k), np.int32)
+        for i, row in enumerate(work.rows.tolist()):
+            n = int(step.positions[row]) + 1         # the request's cached length: positions 0 .. n - 1
+            table = work.block_table[i]
+            pos = np.arange(n)
+            slots = table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+            seen, after = self.cache[slots], self.draft_cache[slots]
+            assert (seen >= 0).all() and (after >= 0).all(), "a cached position without its (draft) row"
+            assert (after[:-1] == seen[1:]).all(), "a draft row that does not hold the token after its position"
+            assert after[-1] == self.next_token(seen), "draft 1 is not made from the row of the last token"
+            assert (work.positions[:, i] == n + np.arange(k - 1)).all()
+            assert (table[work.positions[:, i] // PAGE_SIZE] >= 0).all(), "a chain position outside its slots"
+            tokens = list(np.concatenate([seen[:1], after]))   # the whole sequence, the last token included
+            for j in range(k):
+                drafts[i, j] = self.drafter(np.array(tokens))
+                tokens.append(int(drafts[i, j]))
+            chain = work.slot_mapping[:, i]
+            self.draft_cache[chain] = drafts[i, :k - 1]   # chain step j writes its input, draft j, at n + j
+        return drafts
 
     def close(self):
         pass
@@ -125,21 +183,24 @@ def tiny(tmp_path_factory):
 
 
 def run_engine(tiny, prompts, params, next_token=periodic, *, speculative=None, max_batch=4, prefill_chunk=None,
-               prefix=False, tokenizer=False):
+               prefix=False, tokenizer=False, drafter=None, max_context=1024, one_by_one=False):
+    """Run the engine over a :class:`CacheModel` (``drafter``: its stand-in EAGLE-3 draft, default a
+    perfect one). ``one_by_one``: each prompt runs to the end before the next is added."""
     config, tok = tiny
-    sc = SchedulerConfig(max_batch=max_batch, max_context=1024, num_slots=64, max_num_tokens=256,
+    sc = SchedulerConfig(max_batch=max_batch, max_context=max_context, num_slots=64, max_num_tokens=256,
                          prefill_chunk=prefill_chunk, enable_prefix_caching=prefix)
-    model = CacheModel(sc.num_slots, next_token)
+    model = CacheModel(sc.num_slots, next_token, drafter or next_token)
     engine = LLMEngine(model, Scheduler(sc, config, speculative=SpeculativeConfig.from_dict(speculative)),
                        tokenizer=tok if tokenizer else None)
     params = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), p, sp)
     done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    for group in ([[i] for i in range(len(prompts))] if one_by_one else [range(len(prompts))]):
+        for i in group:
+            engine.add_request(str(i), prompts[i], params[i])
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
     return [done[str(i)] for i in range(len(prompts))], engine, model
 
 
@@ -213,6 +274,79 @@ def test_zero_acceptance_turns_speculation_off(tiny):
     verify = sum(1 for s in model.steps if s.num_verify_rows)
     assert engine.stats["spec_accepted_tokens"] == 0 and verify >= 1
     assert verify <= 3 + len(model.steps) // PROBE_INTERVAL + 1, (verify, len(model.steps))
+
+
+EAGLE = {"method": "eagle3", "model": "stand-in", "num_speculative_tokens": 3}
+
+
+def wrong(seen):
+    """A stand-in draft that is never right."""
+    return periodic(seen) + 1
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("drafter", [None, wrong], ids=["right", "wrong"])
+def test_eagle3_drafts_match_plain(tiny, k, prefix, drafter):
+    """Drafts from the (stand-in) draft model after every step: a draft pass per step, its first pass
+    over every row (prefill chunks beside verify steps included: the stand-in checks the draft cache
+    at every pass), the tokens of plain decoding; a right draft is always accepted, a wrong one never
+    and then turns speculation off."""
+    rng = np.random.default_rng(k)
+    prompts = prompts_mix(rng)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (30, 5, 23, 2)]
+    plain, _, _ = run_engine(tiny, prompts, params, prefill_chunk=48, prefix=prefix)
+    spec, engine, model = run_engine(tiny, prompts, params, prefill_chunk=48, prefix=prefix, drafter=drafter,
+                                     speculative=dict(EAGLE, num_speculative_tokens=k))
+    for a, b in zip(plain, spec):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert [p.step for p in model.passes] == model.steps
+    assert sum(p.num_requests for p in model.passes) > len(model.passes) // 2
+    stats = engine.stats
+    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_time_s"] > 0
+    assert stats["spec_draft_tokens"] == sum(o.metrics.num_draft_tokens for o in spec)
+    # the passes that draft for nobody (pure prefill steps) count in the engine's total only
+    assert 0 < sum(o.metrics.draft_time for o in spec) <= stats["spec_draft_time_s"] + 1e-9
+    verify = [s for s in model.steps if s.num_verify_rows]
+    assert any(s.num_context for s in verify), "expected a prefill chunk beside a verify step"
+    if drafter is None:
+        assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"]
+        assert len(model.steps) < len(run_engine(tiny, prompts, params, prefill_chunk=48)[2].steps)
+    else:
+        assert stats["spec_accepted_tokens"] == 0   # each request: 3 verify steps drop its average below 0.2
+        assert all(o.metrics.num_verify_steps <= 3 + len(model.steps) // PROBE_INTERVAL + 1 for o in spec)
+
+
+def test_eagle3_prefix_cache_recomputes_the_last_hit_block(tiny):
+    """The draft's row at a block's last position holds the token after the block: a prompt that
+    shares two full blocks with an earlier one (and then differs) reuses the first only."""
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, 400, 2 * PAGE_SIZE).tolist()
+    prompts = [shared + [5, 6, 7], shared + [8, 9]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain, _, _ = run_engine(tiny, prompts, params, prefix=True, one_by_one=True)
+    spec, engine, model = run_engine(tiny, prompts, params, prefix=True, one_by_one=True, speculative=EAGLE)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert engine.stats["prefix_cache_hit_tokens"] == PAGE_SIZE
+    assert spec[1].num_cached_tokens == PAGE_SIZE
+
+
+def test_eagle3_chain_stays_in_the_context(tiny):
+    """Near ``max_context`` a request stops drafting (no chain past its slots); an eos inside an
+    accepted run ends it as plain decoding does; over ``disable_by_batch_size`` no chain runs."""
+    prompt = [5, 6, 7, 8] * 25 + [5, 6]   # cached lengths 102, 106, ... 126: no room to verify, then 127
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain, _, _ = run_engine(tiny, [prompt], params, max_context=PAGE_SIZE)   # one slot
+    spec, engine, model = run_engine(tiny, [prompt], params, max_context=PAGE_SIZE, speculative=EAGLE)
+    assert spec[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert spec[0].outputs[0].finish_reason == "length" and len(spec[0].outputs[0].token_ids) == 27
+    assert model.passes[-1].num_requests == 0 and engine.stats["spec_accepted_tokens"] > 0
+    period = [11, 12, EOS_ID, 13]
+    spec, _, model = run_engine(tiny, [period * 8 + period[:1]], SamplingParams(max_tokens=40),
+                                next_token=lambda seen: int(seen[-4]), speculative=EAGLE)
+    assert spec[0].outputs[0].token_ids == [12, EOS_ID] and spec[0].metrics.num_accepted_tokens >= 1
+    _, engine, model = run_engine(tiny, [prompt[:24]] * 3, params, speculative=dict(EAGLE, disable_by_batch_size=2))
+    assert engine.stats["spec_verify_steps"] == 0 and all(p.num_requests == 0 for p in model.passes)
 
 
 def test_batch_above_threshold_does_not_speculate(tiny):
