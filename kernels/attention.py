@@ -136,7 +136,7 @@ def paged_attention_kernel(
     kv_head = tl.program_id(2)
     KV_FP8: tl.constexpr = KV_DTYPE == tl.float8e4nv
     k_ptr, v_ptr = typed(k_ptr, KV_DTYPE), typed(v_ptr, KV_DTYPE)
-    qk_scale = tl.full([], qk_scale, tl.float32)  # jax-triton passes Python floats as fp64
+    qk_scale = tl.full([], qk_scale, tl.float32)  # float32 from both launchers (m3_jax passes np.float32)
     k_off, v_off = multiple_of_16(k_off), multiple_of_16(v_off)
     stride_kp, stride_kh, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kh), multiple_of_16(stride_kn)
     stride_vp, stride_vh, stride_vn = multiple_of_16(stride_vp), multiple_of_16(stride_vh), multiple_of_16(stride_vn)

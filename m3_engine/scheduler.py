@@ -331,6 +331,7 @@ class Scheduler:
         # and accepted, seconds spent proposing
         self.spec_stats = {"spec_verify_steps": 0, "spec_drafts": 0, "spec_draft_tokens": 0,
                            "spec_accepted_tokens": 0, "spec_draft_time_s": 0.0}
+        self.num_steps = 0   # steps updated so far (speculation's probes go by it)
         self.vocab_size = model.vocab_size
         self.eos_token_ids = frozenset(model.eos_token_ids)
         self.planner = planner or StepPlanner(StepConfig(
@@ -506,7 +507,7 @@ class Scheduler:
                 continue
             useful = min(k, r.max_new_tokens - len(r.output) - 1)   # a verify emits up to drafts + 1 tokens
             d = np.zeros(0, np.int32)
-            if useful > 0 and r.gate.wants_drafts():
+            if useful > 0 and r.gate.wants_drafts(self.num_steps):
                 if self.eagle3:   # the draft model's, made after the last step (and timed there)
                     d = r.draft_tokens[:useful]
                 else:
@@ -621,6 +622,7 @@ class Scheduler:
             raise ValueError(f"next_tokens: expected {len(step.logits_indices)} tokens (one per logits row), "
                              f"got {tokens.shape[0]}")
         self._pending = None
+        self.num_steps += 1
         tokens = tokens.tolist()
         finished, row = [], 0
         for (r, q), count, drafts in zip(step.rows, step.num_logits.tolist(), step.drafts):

@@ -39,9 +39,10 @@ reads it back):
 has at most ``disable_by_batch_size`` generation rows and ``k + 1`` tokens
 for each fit the step's token budget; a request drafts only while its recent
 acceptance (an exponential average of accepted / proposed) stays at or above
-``MIN_ACCEPTANCE``, and after ``PROBE_INTERVAL`` steps without drafting it
-tries again once. A workload whose drafts are never accepted (or that has no
-n-gram matches) therefore runs plain steps almost always.
+``MIN_ACCEPTANCE``, and otherwise tries again once in every
+``PROBE_INTERVAL``-th step of the engine (the same steps for every request,
+so a batch probes together). A workload whose drafts are never accepted (or
+that has no n-gram matches) therefore runs plain steps almost always.
 
 Framework-neutral: pure Python and numpy.
 """
@@ -59,7 +60,7 @@ __all__ = ["SpeculativeConfig", "ngram_draft", "num_accepted", "SpeculationGate"
 MAX_SPECULATIVE_TOKENS = 7      # the decode kernels take up to 8 query tokens per request
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 MIN_ACCEPTANCE = 0.2            # a request drafts while its acceptance average stays at or above this
-PROBE_INTERVAL = 16             # ... and after this many steps without drafting, it tries once more
+PROBE_INTERVAL = 16             # ... and below it, drafts in every PROBE_INTERVAL-th step of the engine
 _EMA = 0.5                      # weight of the newest verify step in the acceptance average
 METHODS = ("ngram", "eagle3")
 
@@ -162,22 +163,18 @@ def num_accepted(drafts, sampled) -> int:
 
 
 class SpeculationGate:
-    """One request's acceptance average and probe counter (see the module docstring)."""
+    """One request's acceptance average (see the module docstring)."""
 
-    __slots__ = ("acceptance", "idle_steps")
+    __slots__ = ("acceptance",)
 
     def __init__(self):
         self.acceptance = 1.0      # optimistic: a new request drafts at once
-        self.idle_steps = 0
 
-    def wants_drafts(self) -> bool:
-        if self.acceptance >= MIN_ACCEPTANCE:
-            return True
-        self.idle_steps += 1
-        if self.idle_steps >= PROBE_INTERVAL:
-            self.idle_steps = 0
-            return True
-        return False
+    def wants_drafts(self, step_index: int) -> bool:
+        """Draft in the scheduler's step ``step_index``? While the average is under ``MIN_ACCEPTANCE``,
+        only in every ``PROBE_INTERVAL``-th step of the engine: requests that stopped drafting probe in
+        the same steps, so a batch of them makes one verify step per interval, not one per request."""
+        return self.acceptance >= MIN_ACCEPTANCE or step_index % PROBE_INTERVAL == 0
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed:

@@ -317,6 +317,20 @@ def test_eagle3_drafts_match_plain(tiny, k, prefix, drafter):
         assert all(o.metrics.num_verify_steps <= 3 + len(model.steps) // PROBE_INTERVAL + 1 for o in spec)
 
 
+def test_requests_that_stopped_drafting_probe_together(tiny):
+    """Requests that reach the acceptance floor at different steps (staggered prefills; drafts always
+    there, never right) probe in the same engine steps: verify steps grow by one per PROBE_INTERVAL
+    steps, not by one per request."""
+    prompts = [[5, 6, 7, 8] * n for n in (2, 6, 10, 14)]   # prefilled in 1, 3, 5 and 7 chunks of 8
+    outs, engine, model = run_engine(tiny, prompts, SamplingParams(max_tokens=120, ignore_eos=True),
+                                     speculative=EAGLE, drafter=wrong, prefill_chunk=8)
+    verify = sum(1 for s in model.steps if s.num_verify_rows)
+    assert engine.stats["spec_accepted_tokens"] == 0
+    assert all(o.metrics.num_verify_steps > 3 + 2 for o in outs)   # each probed a few times
+    # each request: 3 verify steps drop its average below 0.2; then the shared probes
+    assert verify <= 3 * len(prompts) + len(model.steps) // PROBE_INTERVAL + 1, (verify, len(model.steps))
+
+
 def test_eagle3_prefix_cache_recomputes_the_last_hit_block(tiny):
     """The draft's row at a block's last position holds the token after the block: a prompt that
     shares two full blocks with an earlier one (and then differs) reuses the first only."""
