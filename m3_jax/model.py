@@ -5,23 +5,25 @@ Pure functions over a params pytree: the flat dict of canonical tensor names
 names, ``model.layers.{i}.self_attn.q_proj.weight`` ...) -> jax arrays, all in
 the model dtype. :func:`forward` runs every token of one step (context rows'
 prompt chunks first, generation rows last, as the step planner wants) through
-all layers. The shared Triton kernels torch runs too do the work XLA cannot
-fuse: per layer ``m3_jax.qk_norm_rope`` (q/k norms and RoPE, the K/V and, on
-sparse layers, index-K rows written into the pool), ``msa_attention_step``
-(``sparse=True`` on MSA layers), ``moe_route`` (the router) and, on a GPU,
-``fused_moe`` (the routed and shared experts). The residual adds and norms
-stay XLA's (it fuses them; a jax-triton launch costs more than a fusion).
-Under ``jax.jit`` with the pool donated the cache writes are in place.
+all layers. On a GPU the shared Triton kernels torch runs too do the work XLA
+cannot fuse: per layer ``m3_jax.qk_norm_rope`` (q/k norms and RoPE, the K/V
+and, on sparse layers, index-K rows written into the pool),
+``msa_attention_step`` (``sparse=True`` on MSA layers), ``moe_route`` (the
+router) and ``fused_moe`` (the routed and shared experts); the residual adds
+and norms stay XLA's (it fuses them; a jax-triton launch costs more than a
+fusion). On the CPU the attention kernels run in Triton's interpreter, but the
+norms, RoPE (then ``write_cache``), router and experts are the same math in XLA
+ops: their interpreted kernels cost 25-110 ms a call. Under ``jax.jit`` with
+the pool donated the cache writes are in place.
 
 Semantics: transformers 5.23's ``MiniMaxM3VLForCausalLM`` (text model); the
 math, and where and why this project differs from transformers, are written
 once, in docs/ENGINE.md ("The model's semantics"). The torch twin is
 ``m3_torch/model.py`` (same math and roundings). On the CPU the experts run as
 ``jax.lax.ragged_dot_general`` over token rows sorted by expert (the canonical
-``[E, out, in]`` weights, no transpose; the interpreted fused MoE would cost
-seconds per prefill step); the sum over the k experts is float32 on both.
-The module-level ``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` are the
-reference math of the fused kernels (and the EAGLE-3 head's building blocks).
+``[E, out, in]`` weights, no transpose); the sum over the k experts is float32
+on both. The module-level ``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` are
+that math in XLA ops (and the EAGLE-3 head's building blocks).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import numpy as np
 from m3_engine.model_config import M3TextConfig
 from m3_kernels.pool import PoolLayout
 
-from .cache import layer_views
+from .cache import layer_views, write_cache
 from ._triton_call import on_gpu
 from .api import StepSpec, msa_attention_step
 from .fused import moe_route, qk_norm_rope
@@ -127,9 +129,15 @@ def _experts_dot(rows, weights, group_sizes):
 
 
 def route(p: Mapping, x, config: M3TextConfig):
-    """The router of an MoE block on x [T, hidden] (one kernel, ``m3_jax.moe_route``) -> (chosen [T, k] int32
-    expert ids, weights [T, k] float32 summing to 1 per row)."""
-    return moe_route(x, p["gate.weight"], p["gate.e_score_correction_bias"], config.num_experts_per_tok)
+    """The router of an MoE block on x [T, hidden] (on a GPU ``m3_jax.moe_route``, on the CPU the same math
+    in XLA ops) -> (chosen [T, k] int32 expert ids, weights [T, k] float32 summing to 1 per row)."""
+    if on_gpu():
+        return moe_route(x, p["gate.weight"], p["gate.e_score_correction_bias"], config.num_experts_per_tok)
+    probs = jax.nn.sigmoid(_dot(x, p["gate.weight"]).astype(jnp.float32))                  # [T, E]
+    _, chosen = jax.lax.top_k(probs + p["gate.e_score_correction_bias"].astype(jnp.float32),
+                              config.num_experts_per_tok)                                # [T, k]
+    top_w = jnp.take_along_axis(probs, chosen, axis=-1)
+    return chosen.astype(jnp.int32), top_w / jnp.sum(top_w, axis=-1, keepdims=True)
 
 
 def moe(p: Mapping, x, config: M3TextConfig):
@@ -178,15 +186,40 @@ def attention(p: Mapping, x, pool, batch: StepBatch, maps, *, layer: int, config
     names = ["q_proj", "k_proj", "v_proj"] + (["indexer.q_proj", "indexer.k_proj"] if sparse else [])
     qkv = jnp.concatenate([_dot(x, p[f"{n}.weight"]) for n in names], axis=-1)
     k_view, v_view, index_view = layer_views(pool, layout, layer)
-    q, idx_q, k_cache, v_cache, index_k_cache = qk_norm_rope(
-        qkv, batch.positions, jnp.asarray(inv_freq(c)), p["q_norm.weight"], p["k_norm.weight"], k_view, v_view,
-        batch.slot_mapping, num_q_heads=c.num_attention_heads, eps=c.rms_norm_eps,
-        index_q_norm=p.get("indexer.q_norm.weight"), index_k_norm=p.get("indexer.k_norm.weight"),
-        index_k_cache=index_view)
+    if on_gpu():
+        q, idx_q, k_cache, v_cache, index_k_cache = qk_norm_rope(
+            qkv, batch.positions, jnp.asarray(inv_freq(c)), p["q_norm.weight"], p["k_norm.weight"], k_view,
+            v_view, batch.slot_mapping, num_q_heads=c.num_attention_heads, eps=c.rms_norm_eps,
+            index_q_norm=p.get("indexer.q_norm.weight"), index_k_norm=p.get("indexer.k_norm.weight"),
+            index_k_cache=index_view)
+    else:   # the same math in XLA ops, then write_cache (the interpreted kernel costs ~0.1 s a call)
+        q, k, v, idx_q, idx_k = _project(p, qkv, batch.positions, c, sparse)
+        k_cache, v_cache, index_k_cache = write_cache(k, v, idx_k, k_view, v_view, index_view,
+                                                      batch.slot_mapping)
     out, _ = msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, batch.block_table, batch.seq_lens,
                                 plan=spec, maps=maps, sparse=sparse, init_blocks=c.index_init_blocks,
                                 local_blocks=c.index_local_blocks)
     return _dot(out.reshape(x.shape[0], -1), p["o_proj.weight"]), k_cache.buffer
+
+
+def _project(p: Mapping, qkv, positions, config: M3TextConfig, sparse: bool):
+    """The q/k (/index) norms and RoPE of the fused projection ``qkv`` in XLA ops -> q, k, v, idx_q, idx_k."""
+    c = config
+    T, hq, hk, d, di, eps = qkv.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, \
+        c.index_head_dim, c.rms_norm_eps
+    cos, sin = rope_cos_sin(positions, inv_freq(c), qkv.dtype)
+    ends = np.cumsum([hq * d, hk * d, hk * d] + ([c.index_n_heads * di] if sparse else []))
+    parts = jnp.split(qkv, ends, axis=-1)
+    q = apply_rope(rms_norm(parts[0].reshape(T, hq, d), p["q_norm.weight"], eps), cos, sin)
+    k = apply_rope(rms_norm(parts[1].reshape(T, hk, d), p["k_norm.weight"], eps), cos, sin)
+    v = parts[2].reshape(T, hk, d)
+    if not sparse:
+        return q, k, v, None, None
+    icos, isin = cos[:, :di], sin[:, :di]   # transformers: cos[..., :index_head_dim]
+    idx_q = apply_rope(rms_norm(parts[3].reshape(T, c.index_n_heads, di), p["indexer.q_norm.weight"], eps),
+                       icos, isin)
+    idx_k = apply_rope(rms_norm(parts[4].reshape(T, 1, di), p["indexer.k_norm.weight"], eps), icos, isin)
+    return q, k, v, idx_q, idx_k.reshape(T, di)
 
 
 # -- the model ----------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 One call of :meth:`M3Model.forward` runs every token of a step (context rows'
 prompt chunks first, generation rows last, as the step planner wants) through
-all layers at once, in this project's kernels where the step spends its time
-(the shared Triton kernels, ``m3_torch.fused``, ``m3_torch.moe``):
+all layers at once. On a GPU the step runs in this project's kernels where it
+spends its time (the shared Triton kernels, ``m3_torch.fused``,
+``m3_torch.moe``):
 
 * each residual add and the RMSNorm after it: one kernel (``add_rms_norm``);
 * attention: the fused q/k/v (/index q/k) GEMM, then one kernel for the q/k
@@ -11,13 +12,16 @@ all layers at once, in this project's kernels where the step spends its time
   into the layer's pool views (``qk_norm_rope``), then
   ``m3_torch.msa_attention_step`` with the step's plan (``sparse=True`` on MSA
   layers, ``False`` on dense ones), then ``o_proj``;
-* MoE: the router in one kernel (``moe_route``); the experts, on a GPU, in the
-  fused-MoE kernels (``fused_moe``: each touched expert's weights read once,
-  SwiGLU-OAI and the routing weights fused, the shared expert as one more
-  expert when it has the experts' width, M3's); on the CPU as
-  ``torch.nn.functional.grouped_mm`` over token rows sorted by expert (the
-  interpreted fused MoE would cost seconds per prefill step; tests/test_moe.py
-  checks the two agree).
+* MoE: the router (``moe_route``: logits, then the top-k) and the experts in
+  the fused-MoE kernels (``fused_moe``: each touched expert's weights read
+  once, SwiGLU-OAI and the routing weights fused, the shared expert as one
+  more expert when it has the experts' width, M3's).
+
+On the CPU the attention kernels run in Triton's interpreter, but the norms,
+RoPE, router and experts are the same math in torch ops (``write_cache`` for
+the cache rows, ``grouped_mm`` for the experts): their interpreted kernels
+cost 25-110 ms a call. tests/test_fused_ops.py and tests/test_moe.py check the
+kernels against these ops.
 
 No step synchronises with the host, so decode steps are captured in CUDA
 graphs. Weights and activations stay in the weights' dtype; norms, the router
@@ -49,7 +53,7 @@ from m3_engine.model_config import M3TextConfig
 
 from . import fused
 from .api import msa_attention_step
-from .cache import LayerCaches, allocate_pool, layer_caches
+from .cache import LayerCaches, allocate_pool, layer_caches, write_cache
 from .moe import fused_moe
 
 __all__ = ["M3Model", "StepTensors", "rms_norm", "apply_rope", "rope_cos_sin", "swiglu_oai"]
@@ -227,16 +231,15 @@ class M3Model:
         """The step through every layer (cache writes included) -> the residual stream ``[T, hidden]``.
         With ``aux_layers``: ``(x, aux)``, ``aux [T, len(aux_layers) * hidden]`` the residual stream
         after each of those layers (their outputs), concatenated in their order: EAGLE-3's aux states."""
-        eps = self.config.rms_norm_eps
         x = F.embedding(step.input_ids, self.embed)
         mlp_out, outputs = None, {}     # each layer's MLP output is added by the next layer's norm kernel
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             if mlp_out is None:
-                h = fused.rms_norm(x, layer.input_norm, eps)
+                h = self._norm(x, layer.input_norm)
             else:
-                x, h = fused.add_rms_norm(mlp_out, x, layer.input_norm, eps)
+                x, h = self._add_norm(mlp_out, x, layer.input_norm)
             attn_out = self._reduce(self._attention(layer, h, step, plan, cache))
-            x, h = fused.add_rms_norm(attn_out, x, layer.post_attn_norm, eps)
+            x, h = self._add_norm(attn_out, x, layer.post_attn_norm)
             mlp_out = self._reduce(self._mlp(layer, h))
             if i in aux_layers:
                 outputs[i] = x + mlp_out
@@ -250,8 +253,20 @@ class M3Model:
         """Final norm + ``lm_head`` of the rows ``rows`` of ``x [T, hidden]`` -> ``[len(rows), vocab]``."""
         if self.lm_head is None:
             raise RuntimeError("logits: this model was built with lm_head=False (hidden states only)")
-        x = fused.rms_norm(x.index_select(0, rows), self.norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head)
+        return F.linear(self._norm(x.index_select(0, rows), self.norm), self.lm_head)
+
+    def _norm(self, x, weight):
+        """RMSNorm: one kernel on a GPU, torch ops on the CPU (see the module docstring)."""
+        eps = self.config.rms_norm_eps
+        return fused.rms_norm(x, weight, eps) if x.is_cuda else rms_norm(x, weight, eps)
+
+    def _add_norm(self, x, residual, weight):
+        """-> (residual + x, its RMSNorm): one kernel on a GPU, torch ops on the CPU."""
+        eps = self.config.rms_norm_eps
+        if x.is_cuda:
+            return fused.add_rms_norm(x, residual, weight, eps)
+        residual = residual + x
+        return residual, rms_norm(residual, weight, eps)
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.all_reduce is None else self.all_reduce(partial)
@@ -288,10 +303,29 @@ class M3Model:
         """The layer's fused q/k/v (/index q/k) GEMM, then one kernel (``m3_torch.qk_norm_rope``): q/k
         norms and RoPE, the K/V/index-K rows written to ``cache`` -> (q, idx_q or None)."""
         c = self.config
-        return fused.qk_norm_rope(F.linear(h, layer.qkv), positions, self.inv_freq, layer.q_norm, layer.k_norm,
-                                  cache.k_cache, cache.v_cache, slot_mapping, num_q_heads=c.num_attention_heads,
-                                  eps=c.rms_norm_eps, index_q_norm=layer.index_q_norm,
-                                  index_k_norm=layer.index_k_norm, index_k_cache=cache.index_k_cache)
+        qkv = F.linear(h, layer.qkv)
+        if h.is_cuda:
+            return fused.qk_norm_rope(qkv, positions, self.inv_freq, layer.q_norm, layer.k_norm, cache.k_cache,
+                                      cache.v_cache, slot_mapping, num_q_heads=c.num_attention_heads,
+                                      eps=c.rms_norm_eps, index_q_norm=layer.index_q_norm,
+                                      index_k_norm=layer.index_k_norm, index_k_cache=cache.index_k_cache)
+        # the CPU: the same math in torch ops, then write_cache
+        T, hq, hk, d, eps = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        sizes = [hq * d, hk * d, hk * d] + ([c.index_n_heads * c.index_head_dim, c.index_head_dim]
+                                           if layer.sparse else [])
+        parts = qkv.split(sizes, dim=-1)
+        q = apply_rope(rms_norm(parts[0].view(T, hq, d), layer.q_norm, eps), cos, sin)
+        k = apply_rope(rms_norm(parts[1].view(T, hk, d), layer.k_norm, eps), cos, sin)
+        v = parts[2].reshape(T, hk, d)
+        idx_q = idx_k = None
+        if layer.sparse:
+            di, rot = c.index_head_dim, c.index_rotary_dim
+            icos, isin = cos[:, :rot], sin[:, :rot]
+            idx_q = apply_rope(rms_norm(parts[3].view(T, c.index_n_heads, di), layer.index_q_norm, eps), icos, isin)
+            idx_k = apply_rope(rms_norm(parts[4].view(T, 1, di), layer.index_k_norm, eps), icos, isin).view(T, di)
+        write_cache(k, v, idx_k, cache.k_cache, cache.v_cache, cache.index_k_cache, slot_mapping)
+        return q, idx_q
 
     def _attention(self, layer: _Layer, h, step: StepTensors, plan, cache: LayerCaches):
         c = self.config
@@ -320,9 +354,15 @@ class M3Model:
                         layer.shared_down)
 
     def _route(self, layer: _Layer, h):
-        """The router (one kernel, ``m3_torch.moe_route``): -> (chosen [T, k] int32 expert ids, top_w [T, k]
+        """The router (``m3_torch.moe_route``): -> (chosen [T, k] int32 expert ids, top_w [T, k]
         float32 weights summing to 1)."""
-        return fused.moe_route(h, layer.router, layer.router_bias, self.config.num_experts_per_tok)
+        k = self.config.num_experts_per_tok
+        if h.is_cuda:
+            return fused.moe_route(h, layer.router, layer.router_bias, k)
+        weights = torch.sigmoid(F.linear(h, layer.router).float())                    # [T, E]
+        _, chosen = torch.topk(weights + layer.router_bias, k, dim=-1, sorted=False)
+        top_w = weights.gather(1, chosen)
+        return chosen, top_w / top_w.sum(dim=-1, keepdim=True)
 
     def _experts(self, layer: _Layer, h, chosen, top_w):
         """sum_k top_w[t, k] * expert_{chosen[t, k]}(h[t]) -> [T, hidden] in h's dtype: the CPU path, torch's

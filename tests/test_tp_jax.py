@@ -99,6 +99,7 @@ def prompt(n, seed):
     return np.random.default_rng(seed).integers(3, 512, n).tolist()
 
 
+@pytest.mark.long   # ~26 s on the interpreter: `make test` stays under 10 minutes on 2 cores
 def test_tp2_gives_the_tokens_of_tp1(model_dir):
     """In a subprocess with 2 fake CPU devices: TP=1 and TP=2 greedy tokens, the weights' shardings, the
     pool ([2, one shard's flat pool], one row per device), each shard's caches against the TP=1 pool."""
