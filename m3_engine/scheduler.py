@@ -664,8 +664,9 @@ class Scheduler:
         """EAGLE-3: what the draft model runs after ``step`` (call after :meth:`update` with the same
         tokens, and after any request it ended was finished): the first pass over every token row of
         the step, and a chain for each request that may verify drafts in the next step (it has the
-        room and the token budget left; none when the next step cannot speculate: more rows than
-        ``disable_by_batch_size`` or ``k + 1`` tokens a row over ``max_num_tokens``)."""
+        room and the token budget left, and its acceptance gate lets it draft; none when the next step
+        cannot speculate: more rows than ``disable_by_batch_size`` or ``k + 1`` tokens a row over
+        ``max_num_tokens``)."""
         if not self.eagle3:
             raise RuntimeError("draft_pass: the engine has no EAGLE-3 draft model")
         k, cu = self.num_speculative_tokens, step.cu_seqlens_q
@@ -675,7 +676,8 @@ class Scheduler:
         for i, ((r, q), count) in enumerate(zip(step.rows, step.num_logits.tolist())):
             if not count:   # a prompt chunk that does not end the prompt: the next chunk's first token
                 ids[cu[i] + q - 1] = r.prompt[r.num_cached]
-            elif not r.finished and self._has_room(r) and len(r.output) + 1 < r.max_new_tokens:
+            elif (not r.finished and self._has_room(r) and len(r.output) + 1 < r.max_new_tokens
+                  and r.gate.wants_drafts(self.num_steps)):   # the next step's _propose asks the same
                 drafting.append((r, int(step.logits_indices[r.emitted_row + len(r.emitted) - 1])))
         ids[step.logits_indices] = np.asarray(next_tokens, np.int32).reshape(-1)   # the token sampled there
         n = len(drafting)

@@ -301,7 +301,6 @@ def test_eagle3_drafts_match_plain(tiny, k, prefix, drafter):
     for a, b in zip(plain, spec):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
     assert [p.step for p in model.passes] == model.steps
-    assert sum(p.num_requests for p in model.passes) > len(model.passes) // 2
     stats = engine.stats
     assert stats["spec_verify_steps"] > 0 and stats["spec_draft_time_s"] > 0
     assert stats["spec_draft_tokens"] == sum(o.metrics.num_draft_tokens for o in spec)
@@ -310,9 +309,13 @@ def test_eagle3_drafts_match_plain(tiny, k, prefix, drafter):
     verify = [s for s in model.steps if s.num_verify_rows]
     assert any(s.num_context for s in verify), "expected a prefill chunk beside a verify step"
     if drafter is None:
+        assert sum(p.num_requests for p in model.passes) > len(model.passes) // 2
         assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"]
         assert len(model.steps) < len(run_engine(tiny, prompts, params, prefill_chunk=48)[2].steps)
     else:
+        # no chain for a request whose gate has closed, but in the shared probe steps
+        chains = sum(1 for p in model.passes if p.num_requests)
+        assert chains <= 3 * len(prompts) + len(model.passes) // PROBE_INTERVAL + 1, (chains, len(model.passes))
         assert stats["spec_accepted_tokens"] == 0   # each request: 3 verify steps drop its average below 0.2
         assert all(o.metrics.num_verify_steps <= 3 + len(model.steps) // PROBE_INTERVAL + 1 for o in spec)
 
