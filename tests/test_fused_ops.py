@@ -208,6 +208,16 @@ def route_reference(x, router_weight, bias, top_k):
     return ids.int(), top / top.sum(-1, keepdim=True), sorted_scores
 
 
+def assert_route_where_apart(ids, weights, want_ids, want_weights, scores, *, gap, rtol, min_share=None):
+    """The reference's ids and weights in every row whose 5 best (sorted) ``scores`` are more than ``gap``
+    apart; ``min_share``: at least that share of the rows must be such rows."""
+    apart = (scores[:, :4] - scores[:, 1:5]).min(-1).values > gap
+    if min_share is not None:
+        assert apart.float().mean() > min_share
+    assert torch.equal(ids[apart], want_ids[apart])
+    torch.testing.assert_close(weights[apart], want_weights[apart], rtol=rtol, atol=0)
+
+
 def grid_route_inputs(seed, tokens, hidden, experts, dtype):
     """Router inputs whose logits are exact in float32 in any summation order (7-bit values, so ~14-bit sums:
     bf16 and fp16 round them; scaled by powers of two to logits of about +-2), so the kernel must find the
@@ -254,10 +264,7 @@ def test_moe_route_random_router_float32():
     ids, weights = m3_torch.moe_route(x, router_weight, bias, 4)
     want_ids, want_weights, scores = route_reference(x, router_weight, bias, 4)
     # rows whose best 5 scores are apart by more than the logits' float32 rounding must agree exactly
-    clear = (scores[:, :4] - scores[:, 1:5]).min(-1).values > 1e-5
-    assert clear.float().mean() > 0.9
-    assert torch.equal(ids[clear], want_ids[clear])
-    torch.testing.assert_close(weights[clear], want_weights[clear], rtol=1e-5, atol=0)
+    assert_route_where_apart(ids, weights, want_ids, want_weights, scores, gap=1e-5, rtol=1e-5, min_share=0.9)
 
 
 def test_moe_route_ties_go_to_the_lowest_id_and_nan_loses():
@@ -673,10 +680,7 @@ def test_gpu_moe_route_real_shapes(tokens):
     want_ids, want_weights, scores = route_reference(x, router_weight, bias, 4)
     # the logits are exact; sigmoid is Triton's exp against torch's: rows whose 5 best scores lie within a few
     # float32 ulps may order them differently (at 4096 tokens some did on an H200)
-    apart = (scores[:, :4] - scores[:, 1:5]).min(-1).values > 1e-6
-    assert apart.float().mean() > 0.99
-    assert torch.equal(ids[apart], want_ids[apart])
-    torch.testing.assert_close(weights[apart], want_weights[apart], rtol=1e-5, atol=0)
+    assert_route_where_apart(ids, weights, want_ids, want_weights, scores, gap=1e-6, rtol=1e-5, min_share=0.99)
     # normal random data: the model's choice wherever its 5 best scores are apart by more than a logit's rounding
     rng = np.random.default_rng(91)
     x, router_weight = rand(rng, (tokens, 6144), "bfloat16", device="cuda"), rand(rng, (128, 6144), "bfloat16", 0.02,
@@ -684,10 +688,8 @@ def test_gpu_moe_route_real_shapes(tokens):
     bias = rand(rng, (128,), "float32", 0.02, device="cuda")
     ids, weights = m3_torch.moe_route(x, router_weight, bias, 4)
     want_ids, want_weights, scores = route_reference(x, router_weight, bias, 4)
-    clear = (scores[:, :4] - scores[:, 1:5]).min(-1).values > 0.01
-    assert torch.equal(ids[clear], want_ids[clear])
     # a logit's float32 sum may round to the neighbouring bf16 value (another summation order than cuBLAS's)
-    torch.testing.assert_close(weights[clear], want_weights[clear], rtol=2 ** -8, atol=0)
+    assert_route_where_apart(ids, weights, want_ids, want_weights, scores, gap=0.01, rtol=2 ** -8)
     if not jax_gpu_ready():
         pytest.skip("needs a JAX GPU backend and jax_triton for the JAX half")
     for fn in (m3_jax.moe_route, jax.jit(m3_jax.moe_route, static_argnums=3)):

@@ -18,18 +18,9 @@ import m3_jax
 import m3_torch
 from m3_kernels import moe as moe_kernels
 from m3_torch.model import swiglu_oai
+from jax_helpers import _jax_device  # noqa: F401  (autouse: CPU tests run on JAX's CPU device)
 
 ALPHA, LIMIT = 1.702, 7.0
-
-
-@pytest.fixture(autouse=True)
-def _jax_on_cpu(request):
-    """JAX on its CPU device (the interpreter), also on a GPU machine, except in ``gpu`` tests."""
-    if "gpu" in request.keywords:
-        yield
-    else:
-        with jax.default_device(jax.devices("cpu")[0]):
-            yield
 
 
 def make_inputs(seed, tokens, experts, top_k, hidden, inter, *, dtype=torch.float32, ids=None, shared=True,

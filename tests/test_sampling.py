@@ -21,21 +21,12 @@ import torch
 
 import m3_jax
 import m3_torch
+from jax_helpers import _jax_device  # noqa: F401  (autouse: CPU tests run on JAX's CPU device)
 
 FRAMEWORKS = ("torch", "jax", "jax-jit")
 PER_ROW = ("temperature", "top_k", "top_p", "min_p", "seeds", "counters")
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "prompt_ids", "output_ids")
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-@pytest.fixture(autouse=True)
-def _jax_on_cpu(request):
-    """JAX on its CPU device (the interpreter), also on a GPU machine, except in ``gpu`` tests."""
-    if "gpu" in request.keywords:
-        yield
-    else:
-        with jax.default_device(jax.devices("cpu")[0]):
-            yield
 
 
 # -- inputs, the two launchers, the reference ---------------------------------------------------
