@@ -448,14 +448,16 @@ def jax_step(llm, step, reps: int) -> dict:
     """The engine's jitted step (model + greedy sampling; ``JaxRunner.execute`` without its host work),
     compiled ahead of time, on device-resident inputs; the pool is donated from call to call."""
     import jax
-    from m3_jax.runner import _sampling_arrays
+    from m3_jax.runner import _sampling_arrays, pack_inputs
 
     runner = llm.runner
     batch, spec, maps, _ = runner._layout(step)
-    inputs = (runner._put(batch), runner._put(maps),
-              runner._put(_sampling_arrays(SamplingBatch.greedy(len(step.logits_indices)), len(batch.logits_rows))))
+    flat, packing = pack_inputs((batch, maps, _sampling_arrays(SamplingBatch.greedy(len(step.logits_indices)),
+                                                               len(batch.logits_rows))))
+    inputs = (runner._put(flat),)
     t0 = time.perf_counter()
-    compiled = runner._step.lower(runner.params, runner.pool, *inputs, spec=spec, num_logprobs=None).compile()
+    compiled = runner._step.lower(runner.params, runner.pool, *inputs, spec=spec, packing=packing,
+                                  num_logprobs=None).compile()
     row = dict(jax_compile_s=time.perf_counter() - t0, jax_launches=hlo_launches(compiled.as_text()))
 
     def call():

@@ -10,15 +10,25 @@ workload would give is measured with drafts of known quality instead:
   plain run first): what n-gram drafting gives when the answer repeats text
   the prompt holds (every draft right unless bf16 rounding makes the
   speculative run leave the plain one);
+* ``forced``: the plain output as drafts, each accepted with probability
+  ``--acceptance`` while the ones before it were (0.8: 59% of k = 4 drafts
+  accepted on average), whatever the target samples, with the same draws in
+  every run: the benchmark's stand-in for the engine's acceptance test writes
+  the accepted drafts over the sampled tokens, so outputs hold what the cache
+  holds. The steps, their shapes and the gate are those of a workload with
+  that acceptance. The oracle's acceptance is limited by the random model: a
+  verify step's bf16 logits differ in the last bits from a one-token step's,
+  and at a near-tie the speculative run leaves the plain one;
 * ``wrong``: that output shifted by one token id (every draft wrong): the
   zero-acceptance case, with drafts on every step until the per-request
   acceptance gate turns drafting off;
 * ``ngram``: the real n-gram lookup on the same random prompts (what a random
   model gives: almost never a draft).
 
-The drafts are swapped in by replacing the scheduler's n-gram lookup in the
-benchmark's process only; everything else (verify steps, CUDA graphs / compiled
-steps, acceptance, the gate) is the engine's. For each mode and batch (1 and
+The drafts are swapped in by replacing the scheduler's n-gram lookup (and, for
+``forced``, its acceptance count) in the benchmark's process only; everything
+else (verify steps, CUDA graphs / compiled steps, acceptance, the gate) is the
+engine's. For each mode and batch (1 and
 ``--batch``): tokens per second of ``LLM.generate`` (output tokens / wall
 time, median of ``--reps`` runs after a warm-up run that captures the graphs
 / compiles the steps) with ``{"method": "ngram", "num_speculative_tokens": k}``
@@ -49,7 +59,7 @@ from benchmarks.e2e import in_fresh_process
 from benchmarks.model_step import M3_DIMS, text_config, write_config
 from benchmarks.run import save_results
 
-MODES = ("off", "oracle", "wrong", "ngram")
+MODES = ("off", "oracle", "forced", "wrong", "ngram")
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list:
@@ -77,7 +87,32 @@ class DraftSource:
         length, known = self.by_prompt[tuple(tokens[:32].tolist())]
         i = len(tokens) - length                       # tokens[-1] is output i - 1
         draft = np.asarray(known[i:i + k], np.int32)
-        return draft if self.mode == "oracle" else (draft + 1) % self.vocab
+        return (draft + 1) % self.vocab if self.mode == "wrong" else draft
+
+
+class ForcedAcceptance:
+    """Stands in for ``m3_engine.scheduler.num_accepted``: in mode ``forced`` each draft is accepted with
+    probability ``rate`` while the ones before it were, and the accepted drafts are written over the
+    sampled tokens (``sampled`` is the scheduler's list for this row; the token after them stays the
+    target's); the real test otherwise."""
+
+    def __init__(self, source: DraftSource, rate: float, real):
+        self.source, self.rate, self.real = source, rate, real
+        self.reset()
+
+    def reset(self):
+        """The same draws in every run: a warm-up run meets the step shapes of the timed ones (JAX compiles
+        a step shape when it first meets it)."""
+        self.rng = np.random.default_rng(0)
+
+    def __call__(self, drafts, sampled) -> int:
+        if self.source.mode != "forced":
+            return self.real(drafts, sampled)
+        n = 0
+        while n < len(drafts) and self.rng.random() < self.rate:
+            n += 1
+        sampled[:n] = [int(d) for d in drafts[:n]]
+        return n
 
 
 def generate(llm, prompts, params) -> tuple:
@@ -106,6 +141,7 @@ def run_framework(framework: str, model_dir: str, args: dict) -> dict:
     with LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **options) as llm:
         source = DraftSource(llm.config.vocab_size)
         scheduler.ngram_draft = source
+        forced = scheduler.num_accepted = ForcedAcceptance(source, args["acceptance"], scheduler.num_accepted)
         prompts = random_prompts(batch, args["prompt_len"], llm.config.vocab_size)
         for b in sorted({1, batch}):
             chosen, runs = prompts[:b], {m: [] for m in MODES}
@@ -119,6 +155,7 @@ def run_framework(framework: str, model_dir: str, args: dict) -> dict:
                 for mode in MODES:
                     source.mode = mode
                     source.record(chosen, last_oracle if mode == "oracle" else plain)
+                    forced.reset()
                     tokens, seconds, moved = generate(llm, chosen, greedy)
                     if mode == "oracle":
                         last_oracle = tokens
@@ -149,6 +186,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--acceptance", type=float, default=0.8, help="the forced mode's acceptance per draft")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tiny", action="store_true", help="the tiny CPU model (checks the script)")
     a = parser.parse_args(argv)
@@ -163,12 +201,14 @@ def main(argv=None) -> dict:
             text = text_config(M3_DIMS, a.layers, a.prompt_len + a.new_tokens + 16)
         model_dir = str(write_config(Path(tmp) / "model", text))
         args = dict(k=a.k, batch=a.batch, new_tokens=a.new_tokens, reps=a.reps, prompt_len=a.prompt_len,
+                    acceptance=a.acceptance,
                     dtype="float32" if a.tiny else "bfloat16", device=device)
         result = dict(command="python3 -m benchmarks.speculative " + " ".join(argv if argv is not None else
                                                                              sys.argv[1:]),
                       date=datetime.date.today().isoformat(), **info, layers=a.layers, k=a.k, batch=a.batch,
                       model="the tiny test model (float32)" if a.tiny else f"M3 layer shapes, {a.layers} layers, bf16",
-                      new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, results={})
+                      new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, acceptance=a.acceptance,
+                      results={})
         name = f"{result['date']}-{'cpu-tiny' if a.tiny else 'h200'}-speculative"
         for fw in a.frameworks.split(","):   # saved after each framework
             result["results"][fw] = in_fresh_process(run_framework, fw, model_dir, args)
@@ -182,7 +222,9 @@ def markdown(r: dict) -> str:
              f"{r['model']}, random weights; random prompts of {r['prompt_len']} tokens, {r['new_tokens']} new "
              f"tokens each, greedy; one engine with speculation, modes interleaved, median of {r['reps']} runs. Drafts: "
              f"off = none (plain steps), oracle = the output of the previous oracle run (a quoting workload's best "
-             f"case), wrong = never accepted, ngram = the real lookup (random prompts: almost no drafts).", "",
+             f"case), forced = the plain outputs as drafts, each accepted with probability {r['acceptance']:.2f} while "
+             f"the ones before it were (by construction, the same draws in every run), wrong = "
+             f"never accepted, ngram = the real lookup (random prompts: almost no drafts).", "",
              "| framework | drafts | batch | tok/s | speedup vs off | acceptance | verify / steps | "
              "same outputs as off |", "|---|---|---|---|---|---|---|---|"]
     for fw, res in r["results"].items():

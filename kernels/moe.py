@@ -243,15 +243,19 @@ class MoEPlan:
         return self.num_blocks * self.block_m
 
 
-# GPU block sizes (H200-tuned: python3 -m benchmarks.moe --tune): decode-sized calls stream weights (16-row
-# blocks), prefill-sized ones (>= 32 pairs per expert on average) are compute-bound (64-row blocks)
+# GPU block sizes (H200-tuned for bf16: python3 -m benchmarks.moe --tune): decode-sized calls stream weights
+# (16-row blocks), prefill-sized ones (>= 32 pairs per expert on average) are compute-bound (64-row blocks);
+# float32 runs them with fewer stages where its tiles would not fit ``_SHARED_MEMORY``
 _GPU_DECODE = dict(block_m=16, gate_up=(32, 128, 4, 4), down=(64, 128, 4, 4))
 _GPU_PREFILL = dict(block_m=64, gate_up=(128, 64, 4, 4), down=(128, 64, 4, 3))
+# shared memory the GEMMs' pipelined tiles may take (an H100 / H200 block has 227 KiB; Triton adds its own)
+_SHARED_MEMORY = 200 << 10
 
 
 def plan(num_tokens: int, num_experts: int, top_k: int, shared: bool, hidden: int, inter: int,
-         interpret: bool) -> MoEPlan:
-    """The launches of a call with these shapes. Block sizes change the speed only, never a result."""
+         itemsize: int, interpret: bool) -> MoEPlan:
+    """The launches of a call with these shapes (``itemsize``: bytes per element of x and the weights).
+    Block sizes and stages change the speed only, never a result."""
     per_token = top_k + shared
     pairs, experts = num_tokens * per_token, num_experts + shared
     if interpret:
@@ -267,8 +271,11 @@ def plan(num_tokens: int, num_experts: int, top_k: int, shared: bool, hidden: in
     shape = dict(NUM_EXPERTS=num_experts, TOP_K=top_k, SHARED=shared)
     sum_block = min(triton.next_power_of_2(hidden), 1024)
 
-    def gemm(n, sizes):
+    def gemm(n, sizes, weight_tiles):
         block_n, block_k, warps, stages = sizes
+        # each stage holds a [BLOCK_M, BLOCK_K] tile of rows and weight_tiles [BLOCK_N, BLOCK_K] weight tiles
+        stage_bytes = (block_m + weight_tiles * block_n) * block_k * itemsize
+        stages = max(1, min(stages, _SHARED_MEMORY // stage_bytes))
         return KernelLaunch((num_blocks, triton.cdiv(n, block_n)), warps, stages,
                             dict(shape, HIDDEN=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n,
                                  BLOCK_K=block_k))
@@ -277,7 +284,7 @@ def plan(num_tokens: int, num_experts: int, top_k: int, shared: bool, hidden: in
         num_tokens=num_tokens, pairs_per_token=per_token, block_m=block_m, num_blocks=num_blocks,
         align=KernelLaunch((1,), 4, 1, dict(shape, EXPERTS_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m,
                                             NUM_BLOCKS=num_blocks, CHUNK=256 if interpret else 64)),
-        gate_up=gemm(inter, gate_up), down=gemm(hidden, down),
+        gate_up=gemm(inter, gate_up, 2), down=gemm(hidden, down, 1),
         sum=KernelLaunch((num_tokens, triton.cdiv(hidden, sum_block)), 4, 1,
                          dict(HIDDEN=hidden, TOP_K=top_k, SHARED=shared, BLOCK_H=sum_block)))
 

@@ -26,11 +26,15 @@ one but in rare double-rounding cases. Both products are rounded to
 the dtype and then their float32 sum (torch's bf16/fp16 arithmetic, which the
 unfused model does op by op); channels past R pass unchanged.
 
+No FMA contraction: GPUs compile this kernel with ``enable_fp_fusion=False``.
+With fusion on, LLVM narrowed ``round(round(x * cos) + round(r * sin))`` of
+bf16 values to bf16 operations and fused them into ``fma.rn.bf16`` (the
+product unrounded): 12% of q's values were an ulp from the model's on an H200.
+
 Where the rounding can differ from the unfused torch model: the sum of
 squares (exact here, float32 in the model's order; ``norm.py``), the inverse
 square root (sqrt then an IEEE division here), cos / sin (rounded from float64
-here, torch's float32 functions there), and, in float32 on a GPU, ``x * cos + r * sin``,
-which the compiler may fuse into one FMA. Each is a float32 rounding; in
+here, torch's float32 functions there). Each is a float32 rounding; in
 bf16 / fp16 they show as a rare one-ulp difference.
 
 Caches (as ``cache_write.py``): views of ONE buffer, ``pool_ptr``, at element
@@ -225,8 +229,9 @@ class QKRopeCall:
 
 
 def launch_config(call: QKRopeCall, kv_cache_dtype: str, index_cache_dtype: str, interpret: bool) -> dict:
-    """Grid, warps, stages and constexprs of ``qk_norm_rope_kernel`` for ``call`` and the caches' dtypes (by
-    name; a dense layer's index dtype is ignored). Block sizes change the speed only, never a result."""
+    """Grid, warps, stages, constexprs and (GPUs) ``enable_fp_fusion`` of ``qk_norm_rope_kernel`` for ``call``
+    and the caches' dtypes (by name; a dense layer's index dtype is ignored). Block sizes change the speed
+    only, never a result."""
     from m3_kernels.launches import TRITON_DTYPES
 
     q_heads_pad = triton.next_power_of_2(call.num_q_heads)
@@ -237,7 +242,8 @@ def launch_config(call: QKRopeCall, kv_cache_dtype: str, index_cache_dtype: str,
         config = dict(BLOCK_T=block_t, Q_HEADS=q_heads, num_warps=1, num_stages=1)
     else:
         # one token a program, up to 2048 q elements (16 heads of 128) per q program
-        config = dict(BLOCK_T=1, Q_HEADS=min(q_heads_pad, max(1, 2048 // call.head_dim)), num_warps=4, num_stages=1)
+        config = dict(BLOCK_T=1, Q_HEADS=min(q_heads_pad, max(1, 2048 // call.head_dim)), num_warps=4, num_stages=1,
+                      enable_fp_fusion=False)   # no FMA contraction (module docstring)
     config["grid"] = (triton.cdiv(call.num_tokens, config["BLOCK_T"]),
                       1 + triton.cdiv(call.num_q_heads, config["Q_HEADS"]))
     # a dense layer: index sizes that compile (never used)

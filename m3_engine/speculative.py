@@ -39,10 +39,14 @@ reads it back):
 has at most ``disable_by_batch_size`` generation rows and ``k + 1`` tokens
 for each fit the step's token budget; a request drafts only while its recent
 acceptance (an exponential average of accepted / proposed) stays at or above
-``MIN_ACCEPTANCE``, and otherwise tries again once in every
-``PROBE_INTERVAL``-th step of the engine (the same steps for every request,
-so a batch probes together). A workload whose drafts are never accepted (or
-that has no n-gram matches) therefore runs plain steps almost always.
+``MIN_ACCEPTANCE``, and otherwise tries again in the engine steps that are
+multiples of its probe interval: ``PROBE_INTERVAL`` at first, doubled by every
+probe that leaves the average below the threshold (up to
+``MAX_PROBE_INTERVAL``), back to ``PROBE_INTERVAL`` once it recovers. The
+intervals are powers of two, so a batch's requests probe in the same steps
+(one verify step, not one per request). A workload whose drafts are never
+accepted (or that has no n-gram matches) therefore runs plain steps almost
+always: 3 verify steps at first, then about log2(steps / 16) probes.
 
 Framework-neutral: pure Python and numpy.
 """
@@ -55,13 +59,17 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 __all__ = ["SpeculativeConfig", "ngram_draft", "num_accepted", "SpeculationGate", "MAX_SPECULATIVE_TOKENS", "MIN_ACCEPTANCE",
-           "PROBE_INTERVAL"]
+           "PROBE_INTERVAL", "MAX_PROBE_INTERVAL"]
 
 MAX_SPECULATIVE_TOKENS = 7      # the decode kernels take up to 8 query tokens per request
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 MIN_ACCEPTANCE = 0.2            # a request drafts while its acceptance average stays at or above this
-PROBE_INTERVAL = 16             # ... and below it, drafts in every PROBE_INTERVAL-th step of the engine
-_EMA = 0.5                      # weight of the newest verify step in the acceptance average
+PROBE_INTERVAL = 16             # ... and below it, drafts in every PROBE_INTERVAL-th step of the engine,
+MAX_PROBE_INTERVAL = 256        # the interval doubling after each probe that fails, up to this
+_EMA = 0.25                     # weight of the newest verify step in the acceptance average
+# a new request's average: it drafts at once, and three verify steps with nothing accepted take it under
+# MIN_ACCEPTANCE (0.45 * 0.75^3 = 0.19), one bad step among good ones does not
+_FIRST_ACCEPTANCE = 0.45
 METHODS = ("ngram", "eagle3")
 
 
@@ -165,17 +173,25 @@ def num_accepted(drafts, sampled) -> int:
 class SpeculationGate:
     """One request's acceptance average (see the module docstring)."""
 
-    __slots__ = ("acceptance",)
+    __slots__ = ("acceptance", "probe_interval")
 
     def __init__(self):
-        self.acceptance = 1.0      # optimistic: a new request drafts at once
+        self.acceptance = _FIRST_ACCEPTANCE
+        self.probe_interval = PROBE_INTERVAL
 
     def wants_drafts(self, step_index: int) -> bool:
         """Draft in the scheduler's step ``step_index``? While the average is under ``MIN_ACCEPTANCE``,
-        only in every ``PROBE_INTERVAL``-th step of the engine: requests that stopped drafting probe in
-        the same steps, so a batch of them makes one verify step per interval, not one per request."""
-        return self.acceptance >= MIN_ACCEPTANCE or step_index % PROBE_INTERVAL == 0
+        only in the engine's steps that are multiples of the probe interval (a power of two): requests
+        that stopped drafting probe in the same steps, so a batch of them makes one verify step per
+        interval, not one per request."""
+        return self.acceptance >= MIN_ACCEPTANCE or step_index % self.probe_interval == 0
 
     def record(self, proposed: int, accepted: int) -> None:
-        if proposed:
-            self.acceptance = (1 - _EMA) * self.acceptance + _EMA * accepted / proposed
+        if not proposed:
+            return
+        probing = self.acceptance < MIN_ACCEPTANCE
+        self.acceptance = (1 - _EMA) * self.acceptance + _EMA * accepted / proposed
+        if self.acceptance >= MIN_ACCEPTANCE:
+            self.probe_interval = PROBE_INTERVAL
+        elif probing:   # a probe that did not bring the average back: wait twice as long for the next
+            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)

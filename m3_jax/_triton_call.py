@@ -171,6 +171,8 @@ def _ffi_primitive():
 def _gpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stages, aliases, constexprs):
     jt, legacy = _jax_triton()
     fn = getattr(m3_kernels.kernel_module(module_name, interpret=False), fn_name)
+    constexprs = dict(constexprs)
+    fp_fusion = constexprs.pop("enable_fp_fusion", True)   # a compile option some launch configs set
     args = [_python_scalar(a) if isinstance(a, _SCALAR_TYPES) else a for a in args]
     array_index = {}
     for i, a in enumerate(args):
@@ -185,7 +187,7 @@ def _gpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stage
         return _ffi_primitive().bind(
             *(args[i] for i in array_index), fn=fn, scalar_args=scalars, name=fn_name,
             custom_call_target_name=LAUNCH_TARGET, out_shapes=tuple(out_shapes), grid=grid, num_warps=num_warps,
-            num_stages=num_stages, num_ctas=1, compute_capability=None, enable_fp_fusion=True,
+            num_stages=num_stages, num_ctas=1, compute_capability=None, enable_fp_fusion=fp_fusion,
             input_output_aliases=tuple((array_index[i], o) for i, o in aliases.items()), zeroed_outputs=(),
             debug=False, serialized_metadata=b"", **constexprs, **_grid_dependency())
     if legacy:
@@ -195,7 +197,8 @@ def _gpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stage
         jt_aliases = dict(aliases)
         shape_kw = {"out_type": out_shapes}
     return jt.triton_call(*args, kernel=fn, grid=grid, num_warps=num_warps, num_stages=num_stages,
-                          input_output_aliases=jt_aliases, **shape_kw, **constexprs, **_grid_dependency())
+                          enable_fp_fusion=fp_fusion, input_output_aliases=jt_aliases, **shape_kw, **constexprs,
+                          **_grid_dependency())
 
 
 @functools.lru_cache(maxsize=None)

@@ -42,7 +42,7 @@ def _fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, shared_gate_up, sha
                interpret):
     (tokens, hidden), (experts, two_inter, _), top_k = x.shape, w_gate_up.shape, topk_ids.shape[1]
     inter, shared = two_inter // 2, shared_gate_up is not None
-    plan = _moe.plan(tokens, experts, top_k, shared, hidden, inter, interpret)
+    plan = _moe.plan(tokens, experts, top_k, shared, hidden, inter, x.dtype.itemsize, interpret)
     i32 = jnp.int32
 
     def launch(name, step, *args, out_shape):

@@ -49,7 +49,7 @@ def fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, *, swiglu_alpha: flo
     if tokens == 0:
         return out
     interpret = device.type != "cuda"
-    plan = _moe.plan(tokens, experts, top_k, shared, hidden, inter, interpret)
+    plan = _moe.plan(tokens, experts, top_k, shared, hidden, inter, x.element_size(), interpret)
     kernels = kernel_module("moe", interpret)
     pdl = ops._grid_dependency(device)
     x, ids, routing_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()

@@ -15,3 +15,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """``M3_FAILURE_LOG=FILE``: each failure's traceback appended to FILE when it happens, so a run cut
+    short by a time limit still leaves them (xdist: written by the worker that ran the test)."""
+    path = os.environ.get("M3_FAILURE_LOG")
+    if path and report.failed and not hasattr(report, "node"):
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -29,6 +29,8 @@ def compile_for_hopper(fn, constexprs, num_warps, num_stages, scalars_divisible,
     """Compile ``fn`` like torch (ints marked divisible by 16) or like jax-triton (no facts); with
     ``PDL`` True unless given (both runners pass it on an sm_90 GPU)."""
     names = fn.arg_names
+    constexprs = dict(constexprs)
+    fp_fusion = constexprs.pop("enable_fp_fusion", True)   # a compile option, where the launch config sets it
     if "PDL" in names:
         constexprs = {"PDL": True, **constexprs}
     pointer_types = {**POINTER_TYPES, **(pointer_types or {})}
@@ -44,7 +46,8 @@ def compile_for_hopper(fn, constexprs, num_warps, num_stages, scalars_divisible,
              if sig[a].startswith("*") or (scalars_divisible and sig[a] == "i32")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages,
+                                                           enable_fp_fusion=fp_fusion))
 
 
 def operand(*shape, dtype="bfloat16"):

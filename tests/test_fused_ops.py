@@ -641,6 +641,9 @@ def test_gpu_variants_compile_for_hopper_and_vectorize_under_jax_triton(kernel):
     else:   # the heads' channels (the scalars: positions, slots, scales)
         assert sum(".v" in op for op in loads) >= 8, loads
     assert "cos.approx" not in ptx and "sin.approx" not in ptx
+    if kernel == "qk_rope":   # RoPE's products rounded before their sum, as the model rounds them (libdevice's
+        # float64 cos / sin call fma themselves)
+        assert not re.search(r"fma\.\S*(bf16|f16|f32)", ptx), sorted(set(re.findall(r"fma\.\S+", ptx)))
 
 
 # -- GPU: the real model's shapes --------------------------------------------------------------------

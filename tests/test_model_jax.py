@@ -296,3 +296,28 @@ def test_gpu_bf16_against_transformers(tmp_path):
     print(f"bf16 JAX engine vs fp32 transformers: {agree}/{total} greedy tokens agree before the first divergence")
     decode = [s.generation_rows for s in llm.runner.compiled_steps if s.context_rows == 0]
     assert sorted(decode) == sorted(set(decode))   # one decode compilation per batch size
+
+
+def test_step_inputs_travel_packed_in_one_array():
+    """pack_inputs / unpack_inputs: every array of the step's pytree comes back with its shape, dtype and
+    bits (float32 NaN payloads, -0.0 and infinities included), the structure (NamedTuple, dict, None) too."""
+    from m3_jax.runner import pack_inputs, unpack_inputs
+
+    rng = np.random.default_rng(5)
+    special = np.array([np.nan, -0.0, np.inf, -np.inf], np.float32)
+    special[0] = np.frombuffer(np.uint32(0x7FC01234).tobytes(), np.float32)[0]   # a NaN with a payload
+    batch = jm.StepBatch(*(rng.integers(-2 ** 31, 2 ** 31 - 1, shape, dtype=np.int32)
+                           for shape in ((7,), (7,), (7,), (3, 5), (3,), (3,))))
+    tree = (batch, None, {"temperature": np.concatenate([rng.random(6, np.float32), special]),
+                          "seeds": rng.integers(0, 2 ** 31, (10, 2), dtype=np.int32), "scalar": np.int32(4)})
+    flat, packing = pack_inputs(tree)
+    assert flat.dtype == np.int32 and flat.ndim == 1
+    got = jax.jit(unpack_inputs, static_argnums=1)(jnp.asarray(flat), packing)
+    want_leaves, want_def = jax.tree_util.tree_flatten(tree)
+    got_leaves, got_def = jax.tree_util.tree_flatten(got)
+    assert got_def == want_def and isinstance(got[0], jm.StepBatch) and got[1] is None
+    for g, w in zip(got_leaves, want_leaves):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape and g.dtype == w.dtype and g.tobytes() == w.tobytes()
+    with pytest.raises(TypeError, match="int32 / float32"):
+        pack_inputs({"ids": np.zeros(3, np.int64)})

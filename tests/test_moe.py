@@ -127,7 +127,7 @@ def test_block_structure(shared):
     ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top_k]
                        for t in range(tokens)]).int()
     ids[:20] = torch.tensor([5, 2], dtype=torch.int32)    # expert 5 and 2: more than one block
-    plan = moe_kernels.plan(tokens, experts, top_k, shared, 64, 32, interpret=True)
+    plan = moe_kernels.plan(tokens, experts, top_k, shared, 64, 32, 4, interpret=True)
     sorted_pairs = torch.full((plan.num_rows,), -7, dtype=torch.int32)
     block_expert = torch.full((plan.num_blocks,), -7, dtype=torch.int32)
     block_rows = torch.full((plan.num_blocks,), -7, dtype=torch.int32)
@@ -215,7 +215,28 @@ def test_gpu_m3_shapes(tokens):
 
 
 @pytest.mark.gpu
-def test_gpu_float32():
-    inputs = make_inputs(5, 21, 16, 4, 256, 96, device="cuda")
+@pytest.mark.parametrize("tokens", (21, 300))
+def test_gpu_float32(tokens):
+    """float32 (3xTF32 products) at a decode-sized call and a prefill-sized one (64-row blocks: their
+    pipeline stages must fit shared memory with 4-byte tiles)."""
+    inputs = make_inputs(5, tokens, 16, 4, 256, 96, device="cuda")
     out = run_torch(inputs)
     torch.testing.assert_close(out.double().cpu(), reference(**inputs, scale=2.0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,itemsize", (("bf16", 2), ("fp32", 4)))
+@pytest.mark.parametrize("tokens", (8, 4096))
+def test_plans_fit_hopper_shared_memory(dtype, itemsize, tokens):
+    """The GPU plans' GEMMs at M3's shapes (decode- and prefill-sized calls), compiled for Hopper on the CPU:
+    their pipeline stages fit one block's shared memory (227 KiB on an H100 / H200) in both dtypes."""
+    from test_codegen import compile_for_hopper
+    from m3_kernels import kernel_module
+
+    plan = moe_kernels.plan(tokens, 128, 4, True, 6144, 3072, itemsize, interpret=False)
+    kernels = kernel_module("moe", False)
+    for name, step in (("gate_up_kernel", plan.gate_up), ("down_kernel", plan.down)):
+        pointers = {p: f"*{dtype}" for p in ("x_ptr", "w_ptr", "shared_w_ptr", "act_ptr")}
+        pointers.update(weights_ptr="*fp32", weighted_ptr="*fp32")
+        compiled = compile_for_hopper(getattr(kernels, name), dict(step.constexprs), step.num_warps,
+                                      step.num_stages, True, pointers)
+        assert compiled.metadata.shared <= 227 << 10, (name, step.num_stages, compiled.metadata.shared)
