@@ -348,10 +348,10 @@ def _token_buckets(max_num_tokens: int) -> tuple:
 def _sampling_arrays(s: SamplingBatch, rows: int) -> dict:
     """The step's sampling arrays padded to ``rows`` (padding rows: greedy); penalty ids padded to
     powers of two (so their lengths do not recompile the step at every token)."""
-    pad = rows - len(s.temperature)
-
-    def rows_of(a, fill=0):
-        return np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+    def rows_of(a, fill=0):   # (np.pad costs ~15 us a call)
+        out = np.full((rows,) + a.shape[1:], fill, a.dtype)
+        out[:len(a)] = a
+        return out
 
     out = dict(temperature=rows_of(s.temperature), top_k=rows_of(s.top_k), top_p=rows_of(s.top_p, 1),
                    min_p=rows_of(s.min_p), seeds=rows_of(seed_words(s.seeds)), counters=rows_of(s.counters))
