@@ -273,7 +273,8 @@ def plan(num_tokens: int, num_experts: int, top_k: int, shared: bool, hidden: in
 
     def gemm(n, sizes, weight_tiles):
         block_n, block_k, warps, stages = sizes
-        # each stage holds a [BLOCK_M, BLOCK_K] tile of rows and weight_tiles [BLOCK_N, BLOCK_K] weight tiles
+        # an estimate: each stage holds a [BLOCK_M, BLOCK_K] tile of rows and weight_tiles [BLOCK_N, BLOCK_K]
+        # weight tiles (test_plans_fit_hopper_shared_memory checks what Triton allocates)
         stage_bytes = (block_m + weight_tiles * block_n) * block_k * itemsize
         stages = max(1, min(stages, _SHARED_MEMORY // stage_bytes))
         return KernelLaunch((num_blocks, triton.cdiv(n, block_n)), warps, stages,

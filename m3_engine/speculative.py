@@ -46,7 +46,8 @@ probe that leaves the average below the threshold (up to
 intervals are powers of two, so a batch's requests probe in the same steps
 (one verify step, not one per request). A workload whose drafts are never
 accepted (or that has no n-gram matches) therefore runs plain steps almost
-always: 3 verify steps at first, then about log2(steps / 16) probes.
+always: 3 verify steps at first, then probes at steps 16, 32, 64, 128, 256,
+then one in every 256.
 
 Framework-neutral: pure Python and numpy.
 """

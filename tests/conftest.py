@@ -19,8 +19,10 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_logreport(report):
     """``M3_FAILURE_LOG=FILE``: each failure's traceback appended to FILE when it happens, so a run cut
-    short by a time limit still leaves them (xdist: written by the worker that ran the test)."""
+    short by a time limit still leaves them (xdist: each worker writes ``FILE.<worker>``)."""
     path = os.environ.get("M3_FAILURE_LOG")
     if path and report.failed and not hasattr(report, "node"):
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        path = f"{path}.{worker}" if worker else path
         with open(path, "a") as f:
             f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -530,8 +530,8 @@ def test_command_line_and_server_flags():
 
 
 def test_gate_model_benchmark():
-    """benchmarks.speculation_gate prices the engine's gate: every draft right gives k + 1 tokens a verify
-    step; none right costs the few verify steps before the gate stops the request."""
+    """A smoke test of benchmarks.speculation_gate's pricing: every draft right gives k + 1 tokens a verify
+    step; none right costs a few verify steps (the gate's own behaviour: test_gate_probes_back_off_and_reset)."""
     from benchmarks.speculation_gate import speedup
 
     assert speedup(1.0, 500, 4, 1.6, runs=2) == pytest.approx(5 / 1.6, rel=1e-9)
