@@ -101,8 +101,9 @@ class ForcedAcceptance:
         self.reset()
 
     def reset(self):
-        """The same draws in every run: a warm-up run meets the step shapes of the timed ones (JAX compiles
-        a step shape when it first meets it)."""
+        """The same draws in every run, so the timed runs likely meet the step shapes of the warm-up (JAX
+        compiles a step shape when it first meets it); not certain: the gate's probes follow the engine's
+        step count, which runs on across runs."""
         self.rng = np.random.default_rng(0)
 
     def __call__(self, drafts, sampled) -> int:
