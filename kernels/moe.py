@@ -108,6 +108,17 @@ def _block_rows(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK
 
 
 @triton.jit
+def _expert_weights(w_ptr, shared_w_ptr, expert, NUM_EXPERTS: tl.constexpr, EXPERT_SIZE: tl.constexpr):
+    """-> the first weight of ``expert``: in ``w_ptr`` (``EXPERT_SIZE`` elements an expert), or the shared
+    expert's ``shared_w_ptr`` for ``expert == NUM_EXPERTS``."""
+    if expert == NUM_EXPERTS:
+        w = shared_w_ptr
+    else:
+        w = w_ptr + expert.to(tl.int64) * EXPERT_SIZE
+    return w
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, alpha, limit,
                    act_ptr,
                    HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
@@ -125,10 +136,7 @@ def gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_pt
         n_ok = n < INTER
         kk = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + (pairs // (TOP_K + SHARED)).to(tl.int64)[:, None] * HIDDEN
-        if expert == NUM_EXPERTS:
-            w = shared_w_ptr
-        else:
-            w = w_ptr + expert.to(tl.int64) * (2 * INTER * HIDDEN)
+        w = _expert_weights(w_ptr, shared_w_ptr, expert, NUM_EXPERTS, 2 * INTER * HIDDEN)
         gate_rows = w + n.to(tl.int64)[:, None] * HIDDEN
         up_rows = gate_rows + INTER * HIDDEN
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -167,10 +175,7 @@ def down_kernel(act_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr
         n_ok = n < HIDDEN
         kk = tl.arange(0, BLOCK_K)
         a_rows = act_ptr + rows.to(tl.int64)[:, None] * INTER
-        if expert == NUM_EXPERTS:
-            w = shared_w_ptr
-        else:
-            w = w_ptr + expert.to(tl.int64) * (HIDDEN * INTER)
+        w = _expert_weights(w_ptr, shared_w_ptr, expert, NUM_EXPERTS, HIDDEN * INTER)
         w_rows = w + n.to(tl.int64)[:, None] * INTER
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
