@@ -175,11 +175,13 @@ class JaxRunner:
         num_logits = len(step.logits_indices)
         flat, packing = pack_inputs((batch, maps, _sampling_arrays(sampling, _num_logits(spec))))
         with self._on_device():
-            out, self.pool = self._step(self.params, self.pool, self._put(flat), spec=spec, packing=packing,
-                                        num_logprobs=sampling.num_logprobs)
+            (flat_out, aux), self.pool = self._step(self.params, self.pool, self._put(flat), spec=spec,
+                                                    packing=packing, num_logprobs=sampling.num_logprobs)
+        host = np.asarray(jax.device_get(flat_out))   # one wait for every output
         if self.proposer is not None:
-            self._last = (step, eagle3.TargetStep(batch, *padded, aux=out.pop("aux")))
-        out = {k: v[:num_logits] for k, v in jax.device_get(out).items()}   # one wait for every output
+            self._last = (step, eagle3.TargetStep(batch, *padded, aux=aux))
+        out = unpack_outputs(host, _num_logits(spec), sampling.num_logprobs)
+        out = {k: v[:num_logits] for k, v in out.items()}
         return SampleResult(tokens=out["tokens"], logprobs=out["logprobs"], top_ids=out.get("top_ids"),
                             top_logprobs=out.get("top_logprobs"), ranks=out.get("ranks"))
 
@@ -213,9 +215,7 @@ class JaxRunner:
             logits, pool = model.forward(params, pool, batch, maps, config=self.config, layout=self.pool_layout,
                                          spec=spec)
         out = sample_logits(logits.astype(jnp.float32), sampling, num_logprobs)
-        if aux is not None:
-            out["aux"] = aux
-        return out, pool
+        return (pack_outputs(out, num_logprobs), aux), pool
 
     def _layout(self, step: Step):
         """The scheduler's step as (StepBatch of numpy arrays, StepSpec, PrefillMaps | None, padded), padded
@@ -289,6 +289,13 @@ def _check_cpu_threads(count: int):
                          f"PJRT_NPROC={count + 1} (or more) in the environment before JAX initialises")
 
 
+#: Each packed array starts on a multiple of this many int32 elements (16 bytes): with the FFI launch
+#: (``m3_jax._triton_call.LAUNCH_TARGET``) XLA may hand a Triton kernel its operand as an in-place slice of the
+#: packed array, and jaxlib refuses a pointer the kernel assumes 16-byte aligned ("Parameter N is not
+#: divisible by 16"; seen on an H200).
+_ALIGN = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class Packing:
     """Where each array of a step's host inputs lies in the one int32 array they travel in: the pytree's
@@ -309,9 +316,12 @@ def pack_inputs(tree) -> tuple[np.ndarray, Packing]:
         a = np.asarray(leaf)
         if a.dtype not in (np.int32, np.float32):
             raise TypeError(f"pack_inputs: expected int32 / float32 arrays, got {a.dtype}")
-        parts.append(np.ascontiguousarray(a.reshape(-1)).view(np.int32))
+        padded = -(-a.size // _ALIGN) * _ALIGN
+        part = np.zeros(padded, np.int32)
+        part[:a.size] = np.ascontiguousarray(a.reshape(-1)).view(np.int32)
+        parts.append(part)
         layout.append((a.shape, a.dtype.name, offset))
-        offset += a.size
+        offset += padded
     flat = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     return flat, Packing(treedef, tuple(layout))
 
@@ -323,6 +333,37 @@ def unpack_inputs(flat, packing: Packing):
         x = jax.lax.slice_in_dim(flat, offset, offset + int(np.prod(shape, dtype=np.int64))).reshape(shape)
         leaves.append(jax.lax.bitcast_convert_type(x, jnp.float32) if dtype == "float32" else x)
     return jax.tree_util.tree_unflatten(packing.treedef, leaves)
+
+
+def _output_layout(rows: int, num_logprobs) -> list:
+    """``(name, shape, dtype)`` of each sampled output of a step with ``rows`` logits rows, in the order
+    :func:`pack_outputs` packs them."""
+    layout = [("tokens", (rows,), np.int32), ("logprobs", (rows,), np.float32)]
+    if num_logprobs is not None:
+        layout.append(("ranks", (rows,), np.int32))
+        if num_logprobs > 0:
+            layout += [("top_ids", (rows, num_logprobs), np.int32),
+                       ("top_logprobs", (rows, num_logprobs), np.float32)]
+    return layout
+
+
+def pack_outputs(out: dict, num_logprobs):
+    """Traced: the step's sampled outputs (``sample_logits``) as one int32 array (float32 bits as they
+    are): one device-to-host copy a step."""
+    rows = out["tokens"].shape[0]
+    parts = [out[name] if dtype == np.int32 else jax.lax.bitcast_convert_type(out[name], jnp.int32)
+             for name, _, dtype in _output_layout(rows, num_logprobs)]
+    return jnp.concatenate([p.reshape(-1) for p in parts])
+
+
+def unpack_outputs(flat: np.ndarray, rows: int, num_logprobs) -> dict:
+    """Inverse of :func:`pack_outputs`, on the host: numpy views of ``flat``."""
+    out, offset = {}, 0
+    for name, shape, dtype in _output_layout(rows, num_logprobs):
+        size = int(np.prod(shape))
+        out[name] = flat[offset:offset + size].view(dtype).reshape(shape)
+        offset += size
+    return out
 
 
 def _num_logits(spec: StepSpec) -> int:

@@ -319,5 +319,29 @@ def test_step_inputs_travel_packed_in_one_array():
     for g, w in zip(got_leaves, want_leaves):
         g, w = np.asarray(g), np.asarray(w)
         assert g.shape == w.shape and g.dtype == w.dtype and g.tobytes() == w.tobytes()
+    assert all(offset % 4 == 0 for _, _, offset in packing.leaves)   # 16-byte aligned slices (Triton operands)
     with pytest.raises(TypeError, match="int32 / float32"):
         pack_inputs({"ids": np.zeros(3, np.int64)})
+
+
+@pytest.mark.parametrize("num_logprobs", [None, 0, 3])
+def test_step_outputs_travel_packed_in_one_array(num_logprobs):
+    """pack_outputs (traced) / unpack_outputs (host): the sampled outputs, float32 bits included."""
+    from m3_jax.runner import pack_outputs, unpack_outputs
+
+    rng = np.random.default_rng(6)
+    rows = 5
+    out = {"tokens": rng.integers(0, 2 ** 31, rows, dtype=np.int32),
+           "logprobs": np.concatenate([-rng.random(rows - 2, np.float32), np.array([-0.0, -np.inf], np.float32)])}
+    if num_logprobs is not None:
+        out["ranks"] = rng.integers(1, 100, rows, dtype=np.int32)
+        if num_logprobs:
+            out["top_ids"] = rng.integers(0, 1000, (rows, num_logprobs), dtype=np.int32)
+            out["top_logprobs"] = -rng.random((rows, num_logprobs), np.float32)
+    flat = jax.jit(pack_outputs, static_argnums=1)({k: jnp.asarray(v) for k, v in out.items()}, num_logprobs)
+    assert flat.dtype == jnp.int32 and flat.ndim == 1
+    got = unpack_outputs(np.asarray(flat), rows, num_logprobs)
+    assert sorted(got) == sorted(out)
+    for name, want in out.items():
+        assert got[name].shape == want.shape and got[name].dtype == want.dtype
+        assert got[name].tobytes() == want.tobytes(), name
