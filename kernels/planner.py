@@ -142,8 +142,14 @@ def prefill_plan(cu_seqlens_q) -> PrefillPlan:
 
 
 def _from_q_lens(q_lens) -> PrefillPlan:
+    if len(q_lens) == 0:   # a step without context rows (every decode step): nothing to map
+        return PrefillPlan((), _NO_TOKENS)
     _, token_map = varlen_maps(q_lens, 1)
     return PrefillPlan(tuple(int(x) for x in q_lens), token_map)
+
+
+_NO_TOKENS = np.zeros((0, 2), np.int32)
+_NO_TOKENS.flags.writeable = False
 
 
 # -- workspace arena -----------------------------------------------------------------

@@ -45,6 +45,7 @@ def test_generation_only_padded_for_graphs():
     assert plan.padded_batch_size == 4 and plan.cuda_graph
     assert gen.max_kv_len == 700 and gen.max_blocks == 8
     assert plan.context.num_rows == 0 and plan.context.num_tokens == 0
+    assert plan.context.prefill.q_lens == () and plan.context.prefill.token_map.shape == (0, 2)
     # MTP: n = 3, padding rows already in the batch (seq_len 0) count as generation rows
     plan = p.plan([50, 0, 0], q_lens=[3, 3, 3], num_context=0)
     assert (plan.generation.num_rows, plan.generation.num_padding_rows, plan.num_tokens) == (4, 1, 12)
