@@ -116,12 +116,10 @@ def measure(llm, batches, context: int, reps: int, payloads: _Payloads, trace_di
 def fresh_step(runner):
     """A new jit of the runner's step (nothing cached from the previous launch configuration), and jax-triton's
     compiled-kernel cache emptied."""
-    import jax
     from m3_jax._triton_call import _jax_triton
 
     _jax_triton()[0].triton_lib._COMPILED_KERNEL_CACHE.clear()
-    runner._step = jax.jit(runner._run, static_argnames=("spec", "packing", "num_logprobs"),
-                           donate_argnames=("pool",))
+    runner._step = runner.jit_step()
 
 
 def child(name: str, args) -> dict:

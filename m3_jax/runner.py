@@ -151,8 +151,7 @@ class JaxRunner:
             self.pool = allocate_pool(self.pool_layout, self.device) if self.mesh is None else \
                 tp.allocate_pool(self.pool_layout, self.mesh)
         self.compiled_steps: list[StepSpec] = []   # one entry per compilation: the spec it was traced for
-        self._step = jax.jit(self._run, static_argnames=("spec", "packing", "num_logprobs"),
-                             donate_argnames=("pool",))
+        self._step = self.jit_step()
         self._aux_layers = args.draft.aux_layer_ids if args.draft is not None else ()   # eagle3: one device (args)
         self.proposer, self._last = None, None   # eagle3: the draft, and the last step (eagle3.TargetStep)
         if args.draft is not None:
@@ -201,6 +200,10 @@ class JaxRunner:
         self.params = self.pool = self.proposer = self._last = None
 
     # -- one step -----------------------------------------------------------------------------------
+
+    def jit_step(self):
+        """A new jit of the step (:meth:`_run`), the pool donated; the runner's own is ``self._step``."""
+        return jax.jit(self._run, static_argnames=("spec", "packing", "num_logprobs"), donate_argnames=("pool",))
 
     def _run(self, params, pool, flat, *, spec, packing, num_logprobs):
         self.compiled_steps.append(spec)  # runs once per trace, i.e. per compilation
@@ -372,9 +375,9 @@ def _num_logits(spec: StepSpec) -> int:
     return spec.context_rows + spec.generation_rows * spec.decode_query_len
 
 
-def _padded(a: np.ndarray, size: int) -> np.ndarray:
-    """``a`` (1-D) followed by zeros up to ``size`` (np.pad costs ~15 us a call)."""
-    out = np.zeros(size, a.dtype)
+def _padded(a: np.ndarray, rows: int, fill=0) -> np.ndarray:
+    """``a`` followed by ``fill`` rows up to ``rows`` rows (np.pad costs ~15 us a call)."""
+    out = np.full((rows,) + a.shape[1:], fill, a.dtype)
     out[:len(a)] = a
     return out
 
@@ -396,20 +399,16 @@ def _token_buckets(max_num_tokens: int) -> tuple:
 def _sampling_arrays(s: SamplingBatch, rows: int) -> dict:
     """The step's sampling arrays padded to ``rows`` (padding rows: greedy); penalty ids padded to
     powers of two (so their lengths do not recompile the step at every token)."""
-    def rows_of(a, fill=0):   # (np.pad costs ~15 us a call: see _padded)
-        out = np.full((rows,) + a.shape[1:], fill, a.dtype)
-        out[:len(a)] = a
-        return out
-
-    out = dict(temperature=rows_of(s.temperature), top_k=rows_of(s.top_k), top_p=rows_of(s.top_p, 1),
-                   min_p=rows_of(s.min_p), seeds=rows_of(seed_words(s.seeds)), counters=rows_of(s.counters))
+    out = dict(temperature=_padded(s.temperature, rows), top_k=_padded(s.top_k, rows),
+               top_p=_padded(s.top_p, rows, 1), min_p=_padded(s.min_p, rows),
+               seeds=_padded(seed_words(s.seeds), rows), counters=_padded(s.counters, rows))
     if s.has_penalties:
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-            out[name] = rows_of(getattr(s, name), 1 if name == "repetition_penalty" else 0)
+            out[name] = _padded(getattr(s, name), rows, 1 if name == "repetition_penalty" else 0)
         for name in ("prompt_ids", "output_ids"):
             ids = getattr(s, name)
             width = max(next_pow2(ids.shape[1]), MIN_IDS_BUCKET)
-            out[name] = rows_of(np.pad(ids, [(0, 0), (0, width - ids.shape[1])], constant_values=-1), -1)
+            out[name] = _padded(np.pad(ids, [(0, 0), (0, width - ids.shape[1])], constant_values=-1), rows, -1)
     return out
 
 
