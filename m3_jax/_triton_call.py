@@ -4,7 +4,8 @@ One entry point, two lowerings, the same kernel source:
 
 * GPU backend: ``jax_triton.triton_call`` (jax-triton 0.3.1) with the compiled
   kernel ``m3_kernels.kernel_module(module, interpret=False).<fn>``: its legacy
-  ``triton_kernel_call`` custom call, which XLA launches from the host.
+  ``triton_kernel_call`` custom call, which XLA launches from the host, with a
+  lean launch payload (``_LeanKernels``: no TTIR, no debug information).
   ``LAUNCH_TARGET = "triton_kernel_call_ffi"`` lowers the same compiled kernel
   to jaxlib's FFI custom call (jax >= 0.10.1), which XLA records into its
   command buffers (CUDA graphs); measured slower for a blocking step (see
@@ -114,7 +115,8 @@ _FFI_MIN_JAX = (0, 10, 1)
 
 @functools.lru_cache(maxsize=None)
 def _jax_triton():
-    """Import jax_triton once, undoing its side effect on Triton's cache knob.
+    """Import jax_triton once, undoing its side effect on Triton's cache knob and making its launch
+    payloads lean (:class:`_LeanKernels`).
 
     jax-triton 0.3.1 sets ``triton.knobs.cache.dir`` to "" on import, after which
     every torch-side Triton launch in the process fails with "Could not create
@@ -127,11 +129,51 @@ def _jax_triton():
         import jax_triton
     finally:
         triton.knobs.cache.dir = saved
+    lib = jax_triton.triton_lib
+    if not isinstance(lib.triton_kernel_call_lib, _LeanKernels):
+        lib.triton_kernel_call_lib = _LeanKernels(lib.triton_kernel_call_lib)
     params = inspect.signature(jax_triton.triton_call).parameters
     # 0.3.x: `out_shape`, alias keys index the ARRAY operands only;
     # later releases: `out_type`, alias keys index all non-constexpr operands.
     legacy = "out_shape" in params
     return jax_triton, legacy
+
+
+class _LeanKernels:
+    """jaxlib's ``gpu_triton`` module as jax-triton calls it, making each kernel without its TTIR and with
+    its PTX's debug information dropped (:func:`lean_ptx`).
+
+    jaxlib's legacy custom call finds its kernel by the whole launch payload (jax-triton's zlib'd proto of
+    the kernel) at EVERY launch: a hash and a compare of it (``GetKernelCall`` in jaxlib's
+    ``gpu/triton_kernels.cc``). On an H200's host that cost 5.7 us a launch with a 1.5 KB payload and
+    13.7 us with 41 KB (docs/PERF.md, "The JAX launch path: payloads"), and the sparse attention kernel's payload was 41 KB:
+    PTX with line info (25 KB compressed) and the TTIR (16 KB), which jaxlib only stores. Lean: 19 KB.
+    The machine code is the same (``tests/test_codegen.py`` compares ptxas' SASS of both PTX texts)."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def TritonKernel(self, name, num_warps, num_ctas, shared_mem, ptx, ttir, *rest):  # noqa: N802 (jaxlib's name)
+        return self.lib.TritonKernel(name, num_warps, num_ctas, shared_mem, lean_ptx(ptx), "", *rest)
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+
+def lean_ptx(ptx: str) -> str:
+    """``ptx`` without what only a debugger reads: ``.loc`` / ``.file`` lines, ``.debug_*`` sections and
+    whole-line comments. ptxas makes the same instructions from it (tests/test_codegen.py)."""
+    out, in_section = [], False
+    for line in ptx.splitlines(keepends=True):
+        words = line.split(maxsplit=2)
+        first = words[0] if words else ""
+        if in_section:
+            in_section = first != "}"
+        elif first == ".section" and len(words) > 1 and words[1].startswith(".debug"):
+            in_section = "}" not in line
+        elif first not in (".loc", ".file") and not first.startswith("//"):   # (.local is not .loc)
+            out.append(line)
+    return "".join(out)
 
 
 @functools.lru_cache(maxsize=None)

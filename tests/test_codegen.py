@@ -245,3 +245,52 @@ def test_fp8_variants_compile_for_hopper_from_a_byte_pool(kernel):
     ptx = compile_for_hopper(fn, consts, launch.num_warps, launch.num_stages, False, byte_pool).asm["ptx"]
     assert ptx.count("cp.async.cg") + ptx.count("cp.async.ca") > 0
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
+
+
+@pytest.mark.parametrize("case", ["sparse_select_n1", "index"])
+def test_lean_launch_payload_compiles_to_the_same_machine_code(case, tmp_path):
+    """m3_jax hands jaxlib the PTX without its debug information (``lean_ptx``: jaxlib hashes the whole
+    payload at every launch): ptxas must make the very same instructions from it, and the payload must shrink."""
+    import subprocess
+    import zlib
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from m3_jax._triton_call import lean_ptx
+
+    fn, consts, launch = index_case() if case == "index" else attention_case(True, select=True)
+    ptx = compile_for_hopper(fn, consts, launch.num_warps, launch.num_stages, False).asm["ptx"]
+    lean = lean_ptx(ptx)
+    assert ".loc" in ptx and ".debug_info" in ptx, "the kernels no longer carry line info: lean_ptx has nothing to do"
+    assert ".loc" not in lean and ".section" not in lean and ".entry" in lean
+    assert len(zlib.compress(lean.encode())) < 0.85 * len(zlib.compress(ptx.encode()))
+    ptxas = get_ptxas(90).path
+    cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+    sass = []
+    for name, text in (("full", ptx), ("lean", lean)):
+        (tmp_path / f"{name}.ptx").write_text(text)
+        subprocess.run([ptxas, "-arch=sm_90a", str(tmp_path / f"{name}.ptx"), "-o", str(tmp_path / f"{name}.cubin")],
+                       check=True)
+        sass.append(subprocess.run([cuobjdump, "-sass", str(tmp_path / f"{name}.cubin")], capture_output=True,
+                                   text=True, check=True).stdout)
+    assert sass[0].count("/*0") > 100 and sass[0] == sass[1]
+
+
+def test_lean_kernels_make_jaxlibs_kernel_without_ttir_and_debug_info():
+    from m3_jax._triton_call import _LeanKernels
+
+    calls = []
+
+    class Lib:   # jaxlib's gpu_triton module, as jax-triton calls it
+        def TritonKernel(self, *args):  # noqa: N802
+            calls.append(args)
+            return "kernel"
+
+        other = 7
+
+    kept = ".version 8.7\n.entry k()\n{\n\t.local .align 8 .b8 \t__local_depot0[16];\n\tret;\n}\n"
+    ptx = kept.replace("{\n", "{\n\t.loc\t1 2 3\n// %bb.0:\n").replace(".entry", ".file\t1 \"a.py\"\n.entry") + \
+        "\t.section\t.debug_info\n\t{\n.b8 1 // DW_TAG\n\t}\n\t.section\t.debug_macinfo\t{\t}\n"
+    assert _LeanKernels(Lib()).TritonKernel("k", 4, 1, 1024, ptx, "TTIR", 90) == "kernel"
+    assert calls == [("k", 4, 1, 1024, kept, "", 90)]
+    assert _LeanKernels(Lib()).other == 7   # everything else is jaxlib's
