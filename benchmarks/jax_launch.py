@@ -6,12 +6,9 @@ of its own (XLA reads its flags when JAX starts):
 
 * ``legacy``: jax-triton's legacy custom call (``m3_jax._triton_call.LAUNCH_TARGET``, the default), which
   XLA launches from the host kernel by kernel.
-* ``lean``: in ONE process, ``legacy`` and then the same step with a lean launch payload, compared bit for
-  bit. jaxlib's legacy call finds its kernel by the whole payload at every launch (a copy and a hash of
-  it: ``GetKernelCall`` in jaxlib's ``gpu/triton_kernels.cc``), and jax-triton's payload is the zlib'd
-  kernel: PTX with line info and the TTIR, which jaxlib only stores. The lean one drops the TTIR and the
-  line info (``triton.knobs.compilation.disable_line_info``) by wrapping jax-triton's kernel constructor
-  for this process only: an experiment, not the library's launch.
+* ``legacy_nocb``: the same without XLA's command buffers
+  (``--xla_gpu_enable_command_buffer=``): between two legacy Triton calls XLA otherwise launches the few
+  fusions in between as a CUDA graph of their own.
 * ``ffi``: jaxlib's FFI call, which XLA records into command buffers (CUDA graphs).
 * ``ffi_skip_temp``: ``ffi`` with ``--xla_gpu_command_buffer_update_mode=SKIP_TEMP`` (XLA's temporaries at
   fixed addresses; the VMM allocator).
@@ -22,10 +19,11 @@ inputs, median of ``--reps`` blocking calls; ``pipelined_us``, ``--reps`` calls 
 payloads' compressed bytes (``payload_bytes``: the sum over the step's Triton kernels, ``payload_max``) and
 a hash of one step's sampled tokens and logprobs. ``--xla-log``: XLA's command-buffer log
 (``TF_CPP_VMODULE``) of each process in ``<out>/<config>.log``; ``--trace``: a ``jax.profiler`` trace of
-five blocking steps at the first batch, per configuration (``<out>/trace-<config>/``, Perfetto JSON).
+five blocking steps at the first batch, per configuration (``<out>/trace-<config>-*.json.gz``: Perfetto's and
+TensorBoard's trace JSON); ``--summarize TRACE...``: where a traced step's time goes (:func:`trace_summary`).
 
 Writes ``<date>-<gpu>-jax-launch.{json,md}`` to ``--out``. GPU only (jax-triton's lowering needs the CUDA
-plugin). Results so far: ``benchmarks/results/2026-12-02-h200-jax-launch-ab.md``.
+plugin). Results: ``benchmarks/results/2026-12-02-h200-jax-launch-ab.md``, ``-lean-jax-launch.md``, ``-jax-step-trace.md``.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ from pathlib import Path
 
 CONFIGS = {   # name -> (LAUNCH_TARGETS key, XLA flags)
     "legacy": ("legacy", ""),
-    "lean": ("legacy", ""),
+    "legacy_nocb": ("legacy", "--xla_gpu_enable_command_buffer="),
     "ffi": ("ffi", ""),
     "ffi_skip_temp": ("ffi", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"),
 }
@@ -63,19 +61,6 @@ class _Payloads:
 
     def __getattr__(self, name):
         return getattr(self.zlib, name)
-
-
-class _LeanKernels:
-    """Stands in for jaxlib's ``gpu_triton`` module inside jax-triton: kernels made without their TTIR."""
-
-    def __init__(self, lib):
-        self.lib = lib
-
-    def TritonKernel(self, name, num_warps, num_ctas, shared_mem, ptx, ttir, *rest):  # noqa: N802 (jaxlib's name)
-        return self.lib.TritonKernel(name, num_warps, num_ctas, shared_mem, ptx, "", *rest)
-
-    def __getattr__(self, name):
-        return getattr(self.lib, name)
 
 
 def measure(llm, batches, context: int, reps: int, payloads: _Payloads, trace_dir=None) -> dict:
@@ -107,25 +92,70 @@ def measure(llm, batches, context: int, reps: int, payloads: _Payloads, trace_di
                         llm.runner.execute(step, greedy)
             except Exception as e:   # the profiler's plugins may be missing: the timings still count
                 row["trace_error"] = f"{type(e).__name__}: {e}"
+            for f in trace_dir.glob("plugins/profile/*/*.json.gz"):   # flat beside the results
+                f.rename(trace_dir.parent / f"{trace_dir.name}-{f.name}")
         rows[batch] = row
         print(f"  batch {batch}: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                for k, v in row.items()), flush=True)
     return rows
 
 
-def fresh_step(runner):
-    """A new jit of the runner's step (nothing cached from the previous launch configuration), and jax-triton's
-    compiled-kernel cache emptied."""
-    from m3_jax._triton_call import _jax_triton
+#: host-side trace events summed per step by :func:`trace_summary`: a label -> the event names it takes
+TRACE_GROUPS = {
+    "runner: _layout, _sampling_arrays, pack_inputs": ("_layout", "_sampling_arrays", "pack_inputs"),
+    "runner._put (jax.device_put) of the inputs": ("_put",),
+    "XLA ExecutePrepare": ("CommonPjRtLoadedExecutable::ExecutePrepare",),
+    "XLA Thunks::Initialize": ("Thunks::Initialize",),
+    "XLA command_buffer::update": ("command_buffer::update",),
+    "Triton custom call thunks": ("triton_kernel_call",),
+    "command buffer thunks": ("command_buffer_",),
+    "cuGraphLaunch": ("cuGraphLaunch",),
+    "slice thunks (a memcpy each)": ("wrapped_slice",),
+}
 
-    _jax_triton()[0].triton_lib._COMPILED_KERNEL_CACHE.clear()
-    runner._step = runner.jit_step()
+
+def trace_summary(path) -> dict:
+    """A ``--trace`` file (``trace-<config>-*.json.gz``) -> medians over its engine steps but the first (the
+    profiler's warm-up): the step's wall time, from the jitted call to its first kernel, the GPU's span
+    and busy time, and host time per :data:`TRACE_GROUPS` entry (count, microseconds). Host times are
+    inflated by the profiler (CUPTI instruments every driver call)."""
+    import gzip
+    import statistics
+
+    events = json.load(gzip.open(path))
+    events = [e for e in (events["traceEvents"] if isinstance(events, dict) else events) if e.get("ph") == "X"]
+    gpu = [e for e in events if e["pid"] == 1 and e["name"] not in ("MemcpyH2D", "MemcpyD2H")]
+    streams = {(e["pid"], e["tid"]) for e in gpu}
+    busiest = max(streams, key=lambda s: sum(1 for e in gpu if (e["pid"], e["tid"]) == s))
+    gpu = sorted((e for e in gpu if (e["pid"], e["tid"]) == busiest), key=lambda e: e["ts"])
+    host = sorted((e for e in events if e["pid"] != 1), key=lambda e: e["ts"])
+    steps = [e for e in host if e["name"].startswith("$runner.py") and e["name"].endswith(" execute")][1:]
+    starts = [e["ts"] for e in steps] + [float("inf")]
+    rows = []
+    for i, step in enumerate(steps):
+        inside = [e for e in host if step["ts"] <= e["ts"] <= step["ts"] + step["dur"]]
+        call = next(e for e in inside if e["name"].startswith("PjitFunction"))
+        kernels = [e for e in gpu if step["ts"] <= e["ts"] < starts[i + 1]]
+        span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+        row = dict(step_us=step["dur"], call_to_first_kernel_us=kernels[0]["ts"] - call["ts"], kernels=len(kernels),
+                   gpu_span_us=span, gpu_busy_us=sum(e["dur"] for e in kernels))
+        for label, names in TRACE_GROUPS.items():
+            hits = [e["dur"] for e in inside if any(e["name"].split()[-1] == n if e["name"].startswith("$")   # Python
+                                                    else e["name"].startswith(n) for n in names)]
+            row[label] = (len(hits), sum(hits))
+        rows.append(row)
+    out = {}
+    for key, value in rows[0].items():
+        if isinstance(value, tuple):
+            out[key] = tuple(statistics.median(r[key][j] for r in rows) for j in range(2))
+        else:
+            out[key] = statistics.median(r[key] for r in rows)
+    return out
 
 
 def child(name: str, args) -> dict:
-    """One configuration in this process -> {"rows": {...}} (the lean one: {"rows", "lean_rows", "same_bits"})."""
+    """One configuration in this process -> {"rows": {...}}."""
     import jax
-    import triton
 
     import m3_jax
     from benchmarks.model_step import M3_DIMS, fill_jax_pool, text_config, write_config
@@ -142,16 +172,7 @@ def child(name: str, args) -> dict:
     try:
         with jax.default_device(gpu):
             fill_jax_pool(llm.runner)
-            out = dict(rows=measure(llm, args.batches, args.context, args.reps, payloads, trace))
-            if name == "lean":
-                lib.triton_kernel_call_lib = _LeanKernels(lib.triton_kernel_call_lib)
-                triton.knobs.compilation.disable_line_info = True
-                fresh_step(llm.runner)
-                print("  lean payloads:", flush=True)
-                out["lean_rows"] = measure(llm, args.batches, args.context, args.reps, payloads)
-                out["same_bits"] = all(out["rows"][b]["tokens_hash"] == out["lean_rows"][b]["tokens_hash"]
-                                       for b in args.batches)
-        return out
+            return dict(rows=measure(llm, args.batches, args.context, args.reps, payloads, trace))
     finally:
         llm.close()
 
@@ -167,20 +188,16 @@ def markdown(result: dict) -> str:
         if "error" in run:
             lines.append(f"| {name} | error: {run['error']} | | | | | |")
             continue
-        for label, rows in (("", run["rows"]), (" (lean payload)", run.get("lean_rows", {}))):
-            for batch, r in rows.items():
-                lines.append(f"| {name}{label} | {batch} | {r['jax_step_us']:.0f} | {r['jax_pipelined_us']:.0f} | "
-                             f"{r['execute_us']:.0f} | {r['payload_bytes']} ({r['payload_max']}) | "
-                             f"{r['tokens_hash']} |")
-        if "same_bits" in run:
-            lines.append(f"| {name}: lean = default bit for bit | {run['same_bits']} | | | | | |")
+        for batch, r in run["rows"].items():
+            lines.append(f"| {name} | {batch} | {r['jax_step_us']:.0f} | {r['jax_pipelined_us']:.0f} | "
+                         f"{r['execute_us']:.0f} | {r['payload_bytes']} ({r['payload_max']}) | {r['tokens_hash']} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", type=lambda s: s.split(","), default=["lean", "ffi", "ffi_skip_temp"],
-                    help=f"some of {', '.join(CONFIGS)} (default: lean, ffi, ffi_skip_temp; lean runs legacy too)")
+    ap.add_argument("--configs", type=lambda s: s.split(","), default=["legacy", "ffi", "ffi_skip_temp"],
+                    help=f"some of {', '.join(CONFIGS)} (default: legacy, ffi, ffi_skip_temp)")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=4)
@@ -189,8 +206,13 @@ def main(argv=None):
     ap.add_argument("--xla-log", action="store_true", help="XLA's command-buffer log per process")
     ap.add_argument("--trace", action="store_true", help="a jax.profiler trace per configuration")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--summarize", nargs="+", metavar="TRACE", help="print trace_summary of --trace files, and stop")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.summarize:
+        for path in args.summarize:
+            print(path, json.dumps(trace_summary(path), indent=1))
+        return
     if args.child:   # one configuration, in the process the parent started for it
         Path(args.out, f"{args.child}.json").write_text(json.dumps(child(args.child, args), default=str))
         return

@@ -1,24 +1,8 @@
-"""benchmarks.jax_launch's pieces that run without a GPU: the stand-ins it puts into jax-triton, its table."""
+"""benchmarks.jax_launch's pieces that run without a GPU: the stand-in it puts into jax-triton, its table."""
 
 import zlib
 
 from benchmarks import jax_launch
-
-
-def test_lean_kernels_drop_only_the_ttir():
-    calls = []
-
-    class Lib:
-        def TritonKernel(self, *args):  # noqa: N802
-            calls.append(args)
-            return "kernel"
-
-        other = 7
-
-    lean = jax_launch._LeanKernels(Lib())
-    assert lean.TritonKernel("k", 4, 1, 1024, "PTX", "TTIR", 90) == "kernel"
-    assert calls == [("k", 4, 1, 1024, "PTX", "", 90)]
-    assert lean.other == 7   # everything else is jaxlib's
 
 
 def test_payloads_record_compressed_sizes():
@@ -32,10 +16,63 @@ def test_markdown_lists_every_run():
     row = dict(jax_step_us=2104.3, jax_pipelined_us=1672.4, execute_us=3089.0, payload_bytes=900000,
                payload_max=41000, tokens_hash="abc")
     result = dict(device="NVIDIA H200", date="2026-12-02", command="python3 -m benchmarks.jax_launch", layers=4,
-                  context=4096, runs={"lean": dict(rows={"1": row}, lean_rows={"1": dict(row, payload_max=19000)},
-                                                   same_bits=True),
+                  context=4096, runs={"legacy": dict(rows={"1": row, "64": dict(row, jax_step_us=7411.0)}),
                                       "ffi": dict(error="timed out after 240 s")})
     text = jax_launch.markdown(result)
-    assert "| lean | 1 | 2104 | 1672 | 3089 | 900000 (41000) | abc |" in text
-    assert "| lean (lean payload) | 1 |" in text and "(19000)" in text
-    assert "lean = default bit for bit | True" in text and "| ffi | error: timed out after 240 s |" in text
+    assert "| legacy | 1 | 2104 | 1672 | 3089 | 900000 (41000) | abc |" in text
+    assert "| legacy | 64 | 7411 |" in text and "| ffi | error: timed out after 240 s |" in text
+
+
+def test_trace_summary_times_each_step_but_the_first(tmp_path):
+    import gzip
+    import json
+
+    def x(name, ts, dur, pid=701, tid=7):
+        return dict(ph="X", name=name, ts=ts, dur=dur, pid=pid, tid=tid)
+
+    events = []
+    for start, triton_us in ((0, 99), (10000, 20), (20000, 30)):   # three steps; the first is the profiler's warm-up
+        events += [x("$runner.py:171 execute", start, 3000), x("$runner.py:224 _layout", start + 1, 50),
+                   x("$runner.py:312 pack_inputs", start + 60, 40), x("PjitFunction(_run)", start + 200, 2500),
+                   x("triton_kernel_call.7", start + 400, triton_us), x("triton_kernel_call.9", start + 500, 10),
+                   x("MemcpyH2D", start + 300, 5, pid=1, tid=15), x("k1", start + 450, 100, pid=1, tid=14),
+                   x("k2", start + 600, 50, pid=1, tid=14)]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(dict(traceEvents=events + [dict(ph="M", name="process_name", pid=1)]), f)
+    s = jax_launch.trace_summary(path)
+    assert s["step_us"] == 3000 and s["call_to_first_kernel_us"] == 250 and s["kernels"] == 2
+    assert s["gpu_span_us"] == 200 and s["gpu_busy_us"] == 150
+    assert s["Triton custom call thunks"] == (2, 35)   # the median of 30 and 40 us: 35
+    assert s["runner: _layout, _sampling_arrays, pack_inputs"] == (2, 90) and s["cuGraphLaunch"] == (0, 0)
+
+
+def test_launch_cost_pads_only_the_ptx_with_incompressible_comments():
+    from benchmarks import jax_launch_cost
+
+    calls = []
+
+    class Lib:   # jaxlib's gpu_triton module, as jax-triton calls it
+        def TritonKernel(self, *args):  # noqa: N802
+            calls.append(args)
+            return "kernel"
+
+        other = 7
+
+    padded = jax_launch_cost._Padded(Lib(), 100)
+    assert padded.TritonKernel("k", 1, 1, 0, "PTX", "TTIR", 90) == "kernel" and padded.other == 7
+    (name, *_, ptx, ttir, cc), = calls
+    assert (name, ttir, cc) == ("k", "TTIR", 90) and ptx.startswith("PTX\n") and ptx.count("\n// ") == 100
+    assert len(zlib.compress(ptx.encode())) > 3000   # ~33 bytes a line survive compression
+
+
+def test_launch_cost_table():
+    from benchmarks import jax_launch_cost
+
+    rows = {"triton pad=0": dict(payload=1462, blocking_us=364.3, pipelined_us=298.5, per_launch_blocking=5.69,
+                                 per_launch_pipelined=4.66),
+            "empty jit": dict(blocking_us=77.1, pipelined_us=39.5), "torch graph": dict(blocking_us=71.2,
+                                                                                         per_launch_blocking=1.11)}
+    text = jax_launch_cost.markdown(dict(device="NVIDIA H200", date="2026-12-02", command="c", xla_flags="", rows=rows))
+    assert "| triton pad=0 | 1462 | 5.7 | 4.7 |" in text and "| empty jit | - | 77.1 (a call) | 39.5 (a call) |" in text
+    assert "| torch graph | - | 1.1 | - |" in text
