@@ -1,10 +1,14 @@
 """The same msa_decode kernels launched from torch and from JAX (GPU): `python3 -m benchmarks.jax_vs_torch`.
 
-Per step, M3 shapes, context 16k: torch CUDA-graph replay; torch eager and the
-jitted JAX step, each as 50 back-to-back calls timed as a whole (steady-state
-throughput: host dispatch overlaps the GPU) and as blocking single calls;
-then eight steps on eight input sets per call on both sides (a CUDA graph, one
-jitted function), which compares the device time of the two launch paths.
+Per step, M3 shapes, per case (``--cases`` n:batch, ``--contexts``; ``--grid``: the
+anchors' grid, n 1/2/4/8 x batch 1-128 x 1k-128k): torch CUDA-graph replay, also
+blocking (one replay, then wait); torch eager and the jitted JAX step, each as 50
+back-to-back calls timed as a whole (steady-state throughput: host dispatch
+overlaps the GPU) and as blocking single calls; then eight steps on eight input
+sets per call on both sides (a CUDA graph, one jitted function), which compares
+the device time of the two launch paths. The summary puts JAX against torch as
+issue #30's targets do: back to back (JAX jit / torch graph) and blocking (JAX
+jit blocking / torch graph blocking), within 1.05x at batch >= 8 and 1.25x below.
 ``--launch``: the JAX custom call(s) timed (``m3_jax._triton_call.LAUNCH_TARGET``):
 ``legacy`` (jax-triton 0.3.1's ``triton_kernel_call``, the default), ``ffi``
 (jaxlib's command-buffer-compatible ``triton_kernel_call_ffi``) or ``both``.
@@ -13,6 +17,7 @@ Writes jax_vs_torch.{json,md} to --out.
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -40,36 +45,96 @@ def wall_us(fn, sync, calls=50, reps=5):
     return statistics.median(out)
 
 
+GRID = dict(ns=(1, 2, 4, 8), batches=(1, 4, 8, 32, 64, 128), contexts=(1024, 4096, 16384, 65536, 131072))
+TARGETS = ((8, 1.05), (1, 1.25))   # (smallest batch, JAX / torch at most), issue #30
+
+
+def target(batch: int) -> float:
+    return next(limit for smallest, limit in TARGETS if batch >= smallest)
+
+
+def graph_blocking_us(step, reps=30):
+    """Median wall-clock microseconds of one CUDA-graph replay of ``step`` and a synchronize."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        step()
+    times = []
+    for _ in range(reps + 3):
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:]) * 1e6
+
+
+def summary(rows, launch) -> list:
+    """Markdown lines: per batch, the geometric mean and the worst of JAX / torch, back to back and blocking,
+    and how many cases meet the target."""
+    lines = [f"| launch | batch | cases | target | back to back: geomean / worst / met | "
+             "blocking: geomean / worst / met |", "|---|---|---|---|---|---|"]
+    for batch in sorted({r["batch"] for r in rows}):
+        sel = [r for r in rows if r["batch"] == batch]
+        cells = []
+        for jax_key, torch_key in ((f"{launch}_jax_jit_us", "torch_graph_us"),
+                                   (f"{launch}_jax_jit_blocking_us", "torch_graph_blocking_us")):
+            ratios = [r[jax_key] / r[torch_key] for r in sel]
+            geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            met = sum(x <= target(batch) for x in ratios)
+            cells.append(f"{geomean:.2f}x / {max(ratios):.2f}x / {met} of {len(ratios)}")
+        lines.append(f"| {launch} | {batch} | {len(sel)} | {target(batch)}x | {cells[0]} | {cells[1]} |")
+    return lines
+
+
+def cases_of(args) -> list:
+    """[(n, batch, context)] the run measures."""
+    if args.grid:
+        ns = [int(n) for n in args.ns.split(",")] if args.ns else GRID["ns"]
+        return [(n, b, c) for n in ns for b in GRID["batches"] for c in GRID["contexts"]]
+    pairs = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
+    return [(n, b, int(c)) for n, b in pairs for c in args.contexts.split(",")]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/latest"))
     ap.add_argument("--cases", default="1:1,1:8,1:32,1:64,8:8", help="decode_query_len:batch, comma-separated")
-    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--contexts", default="16384", help="context lengths, comma-separated")
+    ap.add_argument("--grid", action="store_true", help="the anchors' grid instead of --cases / --contexts "
+                    "(120 cases, ~5-10 s each: split it with --ns)")
+    ap.add_argument("--ns", help="with --grid: its decode_query_len values, comma-separated (default 1,2,4,8)")
+    ap.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
     ap.add_argument("--launch", choices=sorted(_triton_call.LAUNCH_TARGETS) + ["both"], default="legacy")
     args = ap.parse_args()
     launches = sorted(_triton_call.LAUNCH_TARGETS) if args.launch == "both" else [args.launch]
-    cases = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
+    cases = cases_of(args)
+    t_start = time.time()
     xla_flags = os.environ.get("XLA_FLAGS", "")
     bw = copy_bandwidth()
     cfg = CONFIGS["M3"]
-    pool = Pool(cfg, 128 * 150 + 64)
+    pool = Pool(cfg, max(b * -(-int(c * 1.1) // 128) for _, b, c in cases) + 64)
     jpool = [jax.dlpack.from_dlpack(t) for t in (pool.k, pool.v, pool.ik)]
     rows = []
-    for n, batch in cases:
-        x = make_step_inputs(pool, cfg, batch, args.context, n, seed=1)
+    for n, batch, context in cases:
+        if time.time() - t_start > args.budget_s:
+            print(f"time budget reached: stopping before n={n} batch={batch} context={context}", flush=True)
+            break
+        x = make_step_inputs(pool, cfg, batch, context, n, seed=1)
         out = torch.empty_like(x["q"])
         torch_step = lambda: m3_torch.msa_decode(x["q"], x["idx_q"], pool.k, pool.v, pool.ik, x["block_table"],
                                                  x["seq_lens"], decode_query_len=n, topk=TOPK, out=out)[0]
         jargs = [jax.dlpack.from_dlpack(x[k]) for k in ("q", "idx_q")] + jpool + \
                 [jax.dlpack.from_dlpack(x[k]) for k in ("block_table", "seq_lens")]
         torch_sync = lambda r: torch.cuda.synchronize()
-        row = dict(n=n, batch=batch, context=args.context,
+        row = dict(n=n, batch=batch, context=context,
                    torch_graph_us=time_graph([torch_step]),
+                   torch_graph_blocking_us=graph_blocking_us(torch_step),
                    torch_eager_us=wall_us(torch_step, torch_sync),
                    torch_eager_blocking_us=wall_us(torch_step, torch_sync, calls=1, reps=30))
         # Eight input sets per call on both sides: torch one CUDA graph of eight
         # steps, JAX one jitted function of eight steps, called back to back.
-        sets = [x] + [make_step_inputs(pool, cfg, batch, args.context, n, seed=s) for s in range(2, 9)]
+        sets = [x] + [make_step_inputs(pool, cfg, batch, context, n, seed=s) for s in range(2, 9)]
         outs = [torch.empty_like(s["q"]) for s in sets]
         row["torch_graph_8_us"] = time_graph([
             lambda s=s, o=o: m3_torch.msa_decode(s["q"], s["idx_q"], pool.k, pool.v, pool.ik, s["block_table"],
@@ -96,19 +161,28 @@ def main():
     lines = [f"# torch vs JAX launch of the same msa_decode kernels ({torch.cuda.get_device_name()}, "
              f"copy {bw / 1e12:.2f} TB/s)", "",
              f"XLA_FLAGS: `{xla_flags or '(none)'}`.", "",
-             f"Microseconds per step, M3 shapes, context {args.context // 1024}k. Throughput = 50 back-to-back calls / 50; "
-             "blocking = one call then wait; x8 = eight steps on eight input sets per call (torch: one CUDA "
-             "graph replay; JAX: one jitted function, 20 calls back to back).", "",
-             "| n | batch | launch | bit-identical | torch graph | torch eager | JAX jit | torch eager blocking "
-             "| JAX jit blocking | torch graph x8 | JAX jit x8 | JAX / torch x8 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['n']} | {r['batch']} | {la} | {r[la + '_bit_identical']} | {r['torch_graph_us']:.1f} | "
-              f"{r['torch_eager_us']:.1f} | {r[la + '_jax_jit_us']:.1f} | {r['torch_eager_blocking_us']:.1f} | "
-              f"{r[la + '_jax_jit_blocking_us']:.1f} | {r['torch_graph_8_us']:.1f} | {r[la + '_jax_jit_8_us']:.1f} | "
-              f"{r[la + '_jax_jit_8_us'] / r['torch_graph_8_us']:.3f} |" for r in rows for la in launches]
+             "Microseconds per step, M3 shapes. Throughput = 50 back-to-back calls / 50 (torch graph: CUDA events "
+             "around a replay); blocking = one call (torch graph: one replay) then wait; x8 = eight steps on eight "
+             "input sets per call (torch: one CUDA graph replay; JAX: one jitted function, 20 calls back to back).",
+             ""]
+    for la in launches:
+        lines += summary(rows, la) + [""]
+    lines += table(rows, launches)
     with open(os.path.join(args.out, "jax_vs_torch.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def table(rows, launches) -> list:
+    lines = ["| n | batch | context | launch | bit-identical | torch graph | torch eager | JAX jit | torch graph "
+             "blocking | torch eager blocking | JAX jit blocking | torch graph x8 | JAX jit x8 | JAX / torch x8 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    return lines + [
+        f"| {r['n']} | {r['batch']} | {r['context'] // 1024}k | {la} | {r[la + '_bit_identical']} | "
+        f"{r['torch_graph_us']:.1f} | {r['torch_eager_us']:.1f} | {r[la + '_jax_jit_us']:.1f} | "
+        f"{r['torch_graph_blocking_us']:.1f} | {r['torch_eager_blocking_us']:.1f} | "
+        f"{r[la + '_jax_jit_blocking_us']:.1f} | {r['torch_graph_8_us']:.1f} | {r[la + '_jax_jit_8_us']:.1f} | "
+        f"{r[la + '_jax_jit_8_us'] / r['torch_graph_8_us']:.3f} |" for r in rows for la in launches]
 
 
 if __name__ == "__main__":

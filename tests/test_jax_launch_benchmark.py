@@ -76,3 +76,43 @@ def test_launch_cost_table():
     text = jax_launch_cost.markdown(dict(device="NVIDIA H200", date="2026-12-02", command="c", xla_flags="", rows=rows))
     assert "| triton pad=0 | 1462 | 5.7 | 4.7 |" in text and "| empty jit | - | 77.1 (a call) | 39.5 (a call) |" in text
     assert "| torch graph | - | 1.1 | - |" in text
+
+
+def test_jax_vs_torch_cases_and_targets():
+    import argparse
+
+    from benchmarks import jax_vs_torch
+
+    args = argparse.Namespace(grid=False, cases="1:1,8:8", contexts="1024,16384", ns=None)
+    assert jax_vs_torch.cases_of(args) == [(1, 1, 1024), (1, 1, 16384), (8, 8, 1024), (8, 8, 16384)]
+    grid = jax_vs_torch.cases_of(argparse.Namespace(grid=True, cases="", contexts="", ns=None))
+    assert len(grid) == 120 and (8, 128, 131072) in grid and (1, 1, 1024) in grid
+    assert {n for n, _, _ in jax_vs_torch.cases_of(argparse.Namespace(grid=True, cases="", contexts="",
+                                                                        ns="1,2"))} == {1, 2}
+    assert [jax_vs_torch.target(b) for b in (1, 4, 8, 128)] == [1.25, 1.25, 1.05, 1.05]
+
+
+def test_jax_vs_torch_summary_counts_cases_within_the_target():
+    from benchmarks import jax_vs_torch
+
+    def row(batch, jit, blocking):
+        return dict(n=1, batch=batch, context=16384, torch_graph_us=10.0, torch_graph_blocking_us=20.0,
+                    legacy_jax_jit_us=jit, legacy_jax_jit_blocking_us=blocking)
+
+    rows = [row(1, 12.0, 30.0), row(1, 20.0, 24.0), row(8, 10.4, 21.0)]
+    text = "\n".join(jax_vs_torch.summary(rows, "legacy"))
+    # batch 1: ratios 1.2 and 2.0 back to back (geomean 1.55, one within 1.25x); 1.5 and 1.2 blocking
+    assert "| legacy | 1 | 2 | 1.25x | 1.55x / 2.00x / 1 of 2 | 1.34x / 1.50x / 1 of 2 |" in text
+    assert "| legacy | 8 | 1 | 1.05x | 1.04x / 1.04x / 1 of 1 | 1.05x / 1.05x / 1 of 1 |" in text
+
+
+def test_jax_vs_torch_table_row():
+    from benchmarks import jax_vs_torch
+
+    r = dict(n=8, batch=64, context=131072, torch_graph_us=145.4, torch_graph_blocking_us=160.0, torch_eager_us=698.0,
+             torch_eager_blocking_us=773.4, torch_graph_8_us=138.5, legacy_bit_identical=True, legacy_jax_jit_us=153.4,
+             legacy_jax_jit_blocking_us=362.8, legacy_jax_jit_8_us=148.8)
+    lines = jax_vs_torch.table([r], ["legacy"])
+    assert lines[0].count("|") == lines[2].count("|") == 15
+    assert lines[2] == ("| 8 | 64 | 128k | legacy | True | 145.4 | 698.0 | 153.4 | 160.0 | 773.4 | 362.8 | 138.5 | "
+                        "148.8 | 1.074 |")
