@@ -151,7 +151,8 @@ class JaxRunner:
             self.pool = allocate_pool(self.pool_layout, self.device) if self.mesh is None else \
                 tp.allocate_pool(self.pool_layout, self.mesh)
         self.compiled_steps: list[StepSpec] = []   # one entry per compilation: the spec it was traced for
-        self._step = self.jit_step()
+        self._step = jax.jit(self._run, static_argnames=("spec", "packing", "num_logprobs"),
+                             donate_argnames=("pool",))
         self._aux_layers = args.draft.aux_layer_ids if args.draft is not None else ()   # eagle3: one device (args)
         self.proposer, self._last = None, None   # eagle3: the draft, and the last step (eagle3.TargetStep)
         if args.draft is not None:
@@ -200,10 +201,6 @@ class JaxRunner:
         self.params = self.pool = self.proposer = self._last = None
 
     # -- one step -----------------------------------------------------------------------------------
-
-    def jit_step(self):
-        """A new jit of the step (:meth:`_run`), the pool donated; the runner's own is ``self._step``."""
-        return jax.jit(self._run, static_argnames=("spec", "packing", "num_logprobs"), donate_argnames=("pool",))
 
     def _run(self, params, pool, flat, *, spec, packing, num_logprobs):
         self.compiled_steps.append(spec)  # runs once per trace, i.e. per compilation
