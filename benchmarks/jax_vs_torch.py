@@ -107,6 +107,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
     ap.add_argument("--launch", choices=sorted(_triton_call.LAUNCH_TARGETS) + ["both"], default="legacy")
     args = ap.parse_args()
+    if args.ns and not args.grid:
+        ap.error("--ns selects the --grid's decode_query_len values; without --grid use --cases n:batch")
     launches = sorted(_triton_call.LAUNCH_TARGETS) if args.launch == "both" else [args.launch]
     cases = cases_of(args)
     t_start = time.time()
