@@ -20,3 +20,18 @@ def _jax_device(request):
     else:
         with jax.default_device(jax.devices("cpu")[0]):
             yield
+
+
+class FakeTritonKernels:
+    """Stands in for jaxlib's ``gpu_triton`` module as jax-triton calls it (for the wrappers that m3_jax and
+    the benchmarks put around it): records the arguments of each ``TritonKernel`` call in ``calls`` and
+    returns "kernel"; ``other`` stands for every other attribute, which a wrapper must pass through."""
+
+    other = 7
+
+    def __init__(self):
+        self.calls = []
+
+    def TritonKernel(self, *args):  # noqa: N802 (jaxlib's name)
+        self.calls.append(args)
+        return "kernel"

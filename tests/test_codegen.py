@@ -278,20 +278,13 @@ def test_lean_launch_payload_compiles_to_the_same_machine_code(case, tmp_path):
 
 
 def test_lean_kernels_make_jaxlibs_kernel_without_ttir_and_debug_info():
+    from jax_helpers import FakeTritonKernels
     from m3_jax._triton_call import _LeanKernels
 
-    calls = []
-
-    class Lib:   # jaxlib's gpu_triton module, as jax-triton calls it
-        def TritonKernel(self, *args):  # noqa: N802
-            calls.append(args)
-            return "kernel"
-
-        other = 7
-
+    lib = FakeTritonKernels()
     kept = ".version 8.7\n.entry k()\n{\n\t.local .align 8 .b8 \t__local_depot0[16];\n\tret;\n}\n"
     ptx = kept.replace("{\n", "{\n\t.loc\t1 2 3\n// %bb.0:\n").replace(".entry", ".file\t1 \"a.py\"\n.entry") + \
         "\t.section\t.debug_info\n\t{\n.b8 1 // DW_TAG\n\t}\n\t.section\t.debug_macinfo\t{\t}\n"
-    assert _LeanKernels(Lib()).TritonKernel("k", 4, 1, 1024, ptx, "TTIR", 90) == "kernel"
-    assert calls == [("k", 4, 1, 1024, kept, "", 90)]
-    assert _LeanKernels(Lib()).other == 7   # everything else is jaxlib's
+    assert _LeanKernels(lib).TritonKernel("k", 4, 1, 1024, ptx, "TTIR", 90) == "kernel"
+    assert lib.calls == [("k", 4, 1, 1024, kept, "", 90)]
+    assert _LeanKernels(lib).other == 7   # everything else is jaxlib's

@@ -49,19 +49,12 @@ def test_trace_summary_times_each_step_but_the_first(tmp_path):
 
 def test_launch_cost_pads_only_the_ptx_with_incompressible_comments():
     from benchmarks import jax_launch_cost
+    from jax_helpers import FakeTritonKernels
 
-    calls = []
-
-    class Lib:   # jaxlib's gpu_triton module, as jax-triton calls it
-        def TritonKernel(self, *args):  # noqa: N802
-            calls.append(args)
-            return "kernel"
-
-        other = 7
-
-    padded = jax_launch_cost._Padded(Lib(), 100)
+    lib = FakeTritonKernels()
+    padded = jax_launch_cost._Padded(lib, 100)
     assert padded.TritonKernel("k", 1, 1, 0, "PTX", "TTIR", 90) == "kernel" and padded.other == 7
-    (name, *_, ptx, ttir, cc), = calls
+    (name, *_, ptx, ttir, cc), = lib.calls
     assert (name, ttir, cc) == ("k", "TTIR", 90) and ptx.startswith("PTX\n") and ptx.count("\n// ") == 100
     assert len(zlib.compress(ptx.encode())) > 3000   # ~33 bytes a line survive compression
 
