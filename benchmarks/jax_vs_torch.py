@@ -1,7 +1,7 @@
 """The same msa_decode kernels launched from torch and from JAX (GPU): `python3 -m benchmarks.jax_vs_torch`.
 
 Per step, M3 shapes, per case (``--cases`` n:batch, ``--contexts``; ``--grid``: the
-anchors' grid, n 1/2/4/8 x batch 1-128 x 1k-128k): torch CUDA-graph replay, also
+anchors' 87 cases, n 1/2/4/8 x batch 1-128 x 1k-128k): torch CUDA-graph replay, also
 blocking (one replay, then wait); torch eager and the jitted JAX step, each as 50
 back-to-back calls timed as a whole (steady-state throughput: host dispatch
 overlaps the GPU) and as blocking single calls; then eight steps on eight input
@@ -45,7 +45,11 @@ def wall_us(fn, sync, calls=50, reps=5):
     return statistics.median(out)
 
 
-GRID = dict(ns=(1, 2, 4, 8), batches=(1, 4, 8, 32, 64, 128), contexts=(1024, 4096, 16384, 65536, 131072))
+CONTEXTS = (1024, 4096, 16384, 65536, 131072)
+# The anchors' 87 cases (../shared/BENCH_ANCHORS.md): n = 1 at batch 1-64 (and 128 at 16k / 128k), n = 2 / 4 / 8
+# at batch 1-32, every context.
+GRID = [(1, b, c) for b in (1, 4, 8, 32, 64) for c in CONTEXTS] + [(1, 128, 16384), (1, 128, 131072)] + \
+       [(n, b, c) for n in (2, 4, 8) for b in (1, 4, 8, 32) for c in CONTEXTS]
 TARGETS = ((8, 1.05), (1, 1.25))   # (smallest batch, JAX / torch at most), issue #30
 
 
@@ -90,8 +94,8 @@ def summary(rows, launch) -> list:
 def cases_of(args) -> list:
     """[(n, batch, context)] the run measures."""
     if args.grid:
-        ns = [int(n) for n in args.ns.split(",")] if args.ns else GRID["ns"]
-        return [(n, b, c) for n in ns for b in GRID["batches"] for c in GRID["contexts"]]
+        ns = {int(n) for n in args.ns.split(",")} if args.ns else {1, 2, 4, 8}
+        return [case for case in GRID if case[0] in ns]
     pairs = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
     return [(n, b, int(c)) for n, b in pairs for c in args.contexts.split(",")]
 
@@ -102,7 +106,7 @@ def main():
     ap.add_argument("--cases", default="1:1,1:8,1:32,1:64,8:8", help="decode_query_len:batch, comma-separated")
     ap.add_argument("--contexts", default="16384", help="context lengths, comma-separated")
     ap.add_argument("--grid", action="store_true", help="the anchors' grid instead of --cases / --contexts "
-                    "(120 cases, ~5-10 s each: split it with --ns)")
+                    "(87 cases, ~5-10 s each: split it with --ns)")
     ap.add_argument("--ns", help="with --grid: its decode_query_len values, comma-separated (default 1,2,4,8)")
     ap.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
     ap.add_argument("--launch", choices=sorted(_triton_call.LAUNCH_TARGETS) + ["both"], default="legacy")
