@@ -6,8 +6,8 @@
 #                                                #   byte floor (MODEL_STEP_ARGS: extra arguments)
 #   bash benchmarks/device_check.sh speculative  # benchmarks/speculative.py: n-gram drafts vs plain decoding at M3's
 #                                                #   layer shapes (SPEC_ARGS: extra arguments)
-#   bash benchmarks/device_check.sh jax [NS]     # benchmarks.jax_vs_torch on the anchors' grid for decode_query_len
-#                                                #   NS (default 1,2; then 4,8 in a second call): JAX vs torch
+#   bash benchmarks/device_check.sh jax [NS]     # benchmarks.jax_vs_torch on the anchors' 87 cases (about 5 minutes;
+#                                                #   NS: only these decode_query_len values): JAX vs torch
 #   bash benchmarks/device_check.sh grid OLD     # quick grid of checkout OLD, then of this one (same call)
 #   bash benchmarks/device_check.sh cute-stage   # CuTeDSL, call 1 (carry .whl-cute1): park the first wheels in /tmp/cute
 #   bash benchmarks/device_check.sh cutedsl      # CuTeDSL, call 2 within 30 s (carry .whl, .whl-cute2): install,
@@ -47,7 +47,7 @@ case "${1:-tests}" in
     python3 -m benchmarks.e2e --tp 2 --out "$OUT/e2e-tp" 2>&1 | tee "$OUT/e2e-tp.log" | tail -40 ;;
   jax)
     source benchmarks/device_env.sh
-    python3 -m benchmarks.jax_vs_torch --grid --ns "${2:-1,2}" --budget-s 480 --out "$OUT/jax-vs-torch" 2>&1 \
+    python3 -m benchmarks.jax_vs_torch --grid --ns "${2:-1,2,4,8}" --budget-s 480 --out "$OUT/jax-vs-torch" 2>&1 \
       | tee "$OUT/jax-vs-torch.log" | tail -30 ;;
   fp8)
     source benchmarks/device_env.sh

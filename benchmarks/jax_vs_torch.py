@@ -73,21 +73,29 @@ def graph_blocking_us(step, reps=30):
     return statistics.median(times[3:]) * 1e6
 
 
+def _ratios(rows, launch, kind):
+    """JAX / torch per row: ``kind`` "x8" (eight steps a call on both sides), "b2b" (one step a call, back to back)
+    or "blocking" (one step a call, then wait)."""
+    jax_key, torch_key = {"x8": ("_jax_jit_8_us", "torch_graph_8_us"), "b2b": ("_jax_jit_us", "torch_graph_us"),
+                          "blocking": ("_jax_jit_blocking_us", "torch_graph_blocking_us")}[kind]
+    return [r[launch + jax_key] / r[torch_key] for r in rows]
+
+
 def summary(rows, launch) -> list:
-    """Markdown lines: per batch, the geometric mean and the worst of JAX / torch, back to back and blocking,
-    and how many cases meet the target."""
-    lines = [f"| launch | batch | cases | target | back to back: geomean / worst / met | "
-             "blocking: geomean / worst / met |", "|---|---|---|---|---|---|"]
-    for batch in sorted({r["batch"] for r in rows}):
-        sel = [r for r in rows if r["batch"] == batch]
+    """Markdown lines: per batch (then all rows), the geometric mean and the worst of JAX / torch with eight steps a
+    call, one step a call back to back and blocking, and how many cases meet the target (the last two)."""
+    lines = ["| launch | batch | cases | target | x8: geomean / worst | back to back: geomean / worst / met | "
+             "blocking: geomean / worst / met |", "|---|---|---|---|---|---|---|"]
+    groups = [(str(b), [r for r in rows if r["batch"] == b]) for b in sorted({r["batch"] for r in rows})]
+    for name, sel in groups + [("all", rows)]:
         cells = []
-        for jax_key, torch_key in ((f"{launch}_jax_jit_us", "torch_graph_us"),
-                                   (f"{launch}_jax_jit_blocking_us", "torch_graph_blocking_us")):
-            ratios = [r[jax_key] / r[torch_key] for r in sel]
+        for kind in ("x8", "b2b", "blocking"):
+            ratios = _ratios(sel, launch, kind)
             geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-            met = sum(x <= target(batch) for x in ratios)
-            cells.append(f"{geomean:.2f}x / {max(ratios):.2f}x / {met} of {len(ratios)}")
-        lines.append(f"| {launch} | {batch} | {len(sel)} | {target(batch)}x | {cells[0]} | {cells[1]} |")
+            met = sum(x <= target(r["batch"]) for x, r in zip(ratios, sel))
+            cells.append(f"{geomean:.2f}x / {max(ratios):.2f}x" + ("" if kind == "x8" else f" / {met} of {len(sel)}"))
+        limit = f"{target(int(name))}x" if name != "all" else "-"
+        lines.append(f"| {launch} | {name} | {len(sel)} | {limit} | {' | '.join(cells)} |")
     return lines
 
 
@@ -106,14 +114,18 @@ def main():
     ap.add_argument("--cases", default="1:1,1:8,1:32,1:64,8:8", help="decode_query_len:batch, comma-separated")
     ap.add_argument("--contexts", default="16384", help="context lengths, comma-separated")
     ap.add_argument("--grid", action="store_true", help="the anchors' grid instead of --cases / --contexts "
-                    "(87 cases, ~5-10 s each: split it with --ns)")
+                    "(87 cases; about 5 minutes on the H200)")
     ap.add_argument("--ns", help="with --grid: its decode_query_len values, comma-separated (default 1,2,4,8)")
     ap.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
     ap.add_argument("--launch", choices=sorted(_triton_call.LAUNCH_TARGETS) + ["both"], default="legacy")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="write one report of these runs' jax_vs_torch.json "
+                    "(e.g. the grid's two halves) to --out, and stop")
     args = ap.parse_args()
+    launches = sorted(_triton_call.LAUNCH_TARGETS) if args.launch == "both" else [args.launch]
+    if args.merge:
+        return write(args.out, merge(args.merge), launches)
     if args.ns and not args.grid:
         ap.error("--ns selects the --grid's decode_query_len values; without --grid use --cases n:batch")
-    launches = sorted(_triton_call.LAUNCH_TARGETS) if args.launch == "both" else [args.launch]
     cases = cases_of(args)
     t_start = time.time()
     xla_flags = os.environ.get("XLA_FLAGS", "")
@@ -158,25 +170,44 @@ def main():
         _triton_call.LAUNCH_TARGET = _triton_call.LAUNCH_TARGETS["legacy"]
         rows.append(row)
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "jax_vs_torch.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, xla_flags=xla_flags,
-                       jax=jax.__version__,
-                       command="python3 -m " + " ".join(["benchmarks.jax_vs_torch"] + sys.argv[1:]), rows=rows),
-                  f, indent=1)
-    lines = [f"# torch vs JAX launch of the same msa_decode kernels ({torch.cuda.get_device_name()}, "
-             f"copy {bw / 1e12:.2f} TB/s)", "",
-             f"XLA_FLAGS: `{xla_flags or '(none)'}`.", "",
+    write(args.out, dict(gpu=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, xla_flags=xla_flags,
+                         jax=jax.__version__,
+                         command="python3 -m " + " ".join(["benchmarks.jax_vs_torch"] + sys.argv[1:]), rows=rows),
+          launches)
+
+
+def write(out, result, launches):
+    """jax_vs_torch.{json,md} of ``result`` (gpu, copy_tbps, xla_flags, command, rows) in ``out``; prints the md."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "jax_vs_torch.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [f"# torch vs JAX launch of the same msa_decode kernels ({result['gpu']}, "
+             f"copy {result['copy_tbps']:.2f} TB/s)", "",
+             f"Command: `{result['command']}`. XLA_FLAGS: `{result['xla_flags'] or '(none)'}`.", "",
              "Microseconds per step, M3 shapes. Throughput = 50 back-to-back calls / 50 (torch graph: CUDA events "
              "around a replay); blocking = one call (torch graph: one replay) then wait; x8 = eight steps on eight "
              "input sets per call (torch: one CUDA graph replay; JAX: one jitted function, 20 calls back to back).",
              ""]
     for la in launches:
-        lines += summary(rows, la) + [""]
-    lines += table(rows, launches)
-    with open(os.path.join(args.out, "jax_vs_torch.md"), "w") as f:
+        lines += summary(result["rows"], la) + [""]
+    lines += table(result["rows"], launches)
+    with open(os.path.join(out, "jax_vs_torch.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def merge(paths) -> dict:
+    """One result of several ``jax_vs_torch.json`` runs (the grid's halves): their rows in order; copy bandwidth
+    and commands of each run kept."""
+    runs = [json.load(open(p)) for p in paths]
+    if len({r["gpu"] for r in runs}) != 1:
+        raise SystemExit(f"--merge: runs on different GPUs: {sorted({r['gpu'] for r in runs})}")
+    cases = [(row["n"], row["batch"], row["context"]) for r in runs for row in r["rows"]]
+    if len(set(cases)) != len(cases):
+        raise SystemExit("--merge: a case is in more than one run")
+    return dict(gpu=runs[0]["gpu"], copy_tbps=min(r["copy_tbps"] for r in runs),
+                copy_tbps_per_run=[r["copy_tbps"] for r in runs], xla_flags=runs[0]["xla_flags"], jax=runs[0]["jax"],
+                command=" ; ".join(r["command"] for r in runs), rows=[row for r in runs for row in r["rows"]])
 
 
 def table(rows, launches) -> list:

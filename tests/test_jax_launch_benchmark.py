@@ -2,6 +2,8 @@
 
 import zlib
 
+import pytest
+
 from benchmarks import jax_launch
 
 
@@ -89,15 +91,37 @@ def test_jax_vs_torch_cases_and_targets():
 def test_jax_vs_torch_summary_counts_cases_within_the_target():
     from benchmarks import jax_vs_torch
 
-    def row(batch, jit, blocking):
+    def row(batch, jit, blocking, x8):
         return dict(n=1, batch=batch, context=16384, torch_graph_us=10.0, torch_graph_blocking_us=20.0,
-                    legacy_jax_jit_us=jit, legacy_jax_jit_blocking_us=blocking)
+                    torch_graph_8_us=8.0, legacy_jax_jit_us=jit, legacy_jax_jit_blocking_us=blocking,
+                    legacy_jax_jit_8_us=x8)
 
-    rows = [row(1, 12.0, 30.0), row(1, 20.0, 24.0), row(8, 10.4, 21.0)]
+    rows = [row(1, 12.0, 30.0, 16.0), row(1, 20.0, 24.0, 8.0), row(8, 10.4, 21.0, 8.8)]
     text = "\n".join(jax_vs_torch.summary(rows, "legacy"))
-    # batch 1: ratios 1.2 and 2.0 back to back (geomean 1.55, one within 1.25x); 1.5 and 1.2 blocking
-    assert "| legacy | 1 | 2 | 1.25x | 1.55x / 2.00x / 1 of 2 | 1.34x / 1.50x / 1 of 2 |" in text
-    assert "| legacy | 8 | 1 | 1.05x | 1.04x / 1.04x / 1 of 1 | 1.05x / 1.05x / 1 of 1 |" in text
+    # batch 1: x8 ratios 2.0 and 1.0; back to back 1.2 and 2.0 (geomean 1.55, one within 1.25x); blocking 1.5 and 1.2
+    assert "| legacy | 1 | 2 | 1.25x | 1.41x / 2.00x | 1.55x / 2.00x / 1 of 2 | 1.34x / 1.50x / 1 of 2 |" in text
+    assert "| legacy | 8 | 1 | 1.05x | 1.10x / 1.10x | 1.04x / 1.04x / 1 of 1 | 1.05x / 1.05x / 1 of 1 |" in text
+    # all rows, each against its own batch's target
+    assert "| legacy | all | 3 | - | 1.30x / 2.00x | 1.36x / 2.00x / 2 of 3 | 1.24x / 1.50x / 2 of 3 |" in text
+
+
+def test_jax_vs_torch_merge_joins_runs_and_refuses_a_case_twice(tmp_path):
+    import json
+
+    from benchmarks import jax_vs_torch
+
+    def run(name, cases, tbps):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(dict(gpu="NVIDIA H200", copy_tbps=tbps, xla_flags="", jax="0.11.2", command=name,
+                                        rows=[dict(n=n, batch=b, context=c) for n, b, c in cases])))
+        return str(path)
+
+    a, b = run("a", [(1, 1, 1024), (2, 1, 1024)], 4.22), run("b", [(4, 1, 1024)], 4.19)
+    merged = jax_vs_torch.merge([a, b])
+    assert [(r["n"], r["batch"]) for r in merged["rows"]] == [(1, 1), (2, 1), (4, 1)]
+    assert merged["copy_tbps_per_run"] == [4.22, 4.19] and merged["copy_tbps"] == 4.19 and merged["command"] == "a ; b"
+    with pytest.raises(SystemExit, match="more than one run"):
+        jax_vs_torch.merge([a, run("c", [(2, 1, 1024)], 4.2)])
 
 
 def test_jax_vs_torch_table_row():
