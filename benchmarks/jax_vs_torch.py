@@ -194,6 +194,37 @@ def write(out, result, launches):
     with open(os.path.join(out, "jax_vs_torch.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    try:
+        plot(out, result, launches[0])
+    except ImportError as exc:
+        print(f"jax_vs_torch.png not written: {exc} (pip install matplotlib)")
+
+
+def plot(out, result, launch):
+    """jax_vs_torch.png: JAX / torch per case against torch's step time, eight steps a call and one step a call
+    back to back, coloured by batch, with the targets."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for ax, kind, torch_key, title in ((axes[0], "x8", "torch_graph_8_us", "eight steps a call"),
+                                       (axes[1], "b2b", "torch_graph_us", "one step a call, back to back")):
+        ratios = _ratios(rows, launch, kind)
+        for batch in sorted({r["batch"] for r in rows}):
+            pts = [(r[torch_key], x) for r, x in zip(rows, ratios) if r["batch"] == batch]
+            ax.scatter(*zip(*pts), s=18, label=f"batch {batch}")
+        for limit, style in ((1.25, ":"), (1.05, "--")):
+            ax.axhline(limit, color="gray", linestyle=style, linewidth=1, label=f"target {limit}x")
+        ax.set_xscale("log"); ax.set_yscale("log"); ax.grid(alpha=.3, which="both")
+        ax.set_xlabel("torch graph, us a step"); ax.set_title(title)
+    axes[0].set_ylabel("JAX / torch")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"msa_decode, M3 shapes, {len(rows)} cases: JAX ({launch} launch) against the torch graph "
+                 f"({result['gpu']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "jax_vs_torch.png"), dpi=110)
+    plt.close(fig)
 
 
 def merge(paths) -> dict:
