@@ -126,6 +126,7 @@ def paged_attention_kernel(
     LOCAL_BLOCKS: tl.constexpr,       # unused otherwise)
     BLOCKS_PAD: tl.constexpr,
     SELECT_CHUNK: tl.constexpr,
+    ALIGNED: tl.constexpr,            # q's, o's and the ids' row strides are multiples of 16 (common.aligned)
     PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
 ):
     release_next_grid(PDL)
@@ -140,6 +141,10 @@ def paged_attention_kernel(
     k_off, v_off = multiple_of_16(k_off), multiple_of_16(v_off)
     stride_kp, stride_kh, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kh), multiple_of_16(stride_kn)
     stride_vp, stride_vh, stride_vn = multiple_of_16(stride_vp), multiple_of_16(stride_vh), multiple_of_16(stride_vn)
+    if ALIGNED:   # then q / block-id rows load and out rows store as 16-byte vectors under jax-triton too
+        stride_qt, stride_qh = multiple_of_16(stride_qt), multiple_of_16(stride_qh)
+        stride_ot, stride_oh, stride_os = multiple_of_16(stride_ot), multiple_of_16(stride_oh), multiple_of_16(stride_os)
+        stride_ih, stride_it = multiple_of_16(stride_ih), multiple_of_16(stride_it)
 
     # -- the tile's request, tokens and positions
     req, tok0, pos0_minus_len, ntok = tile_row(tile_map_ptr, tile)

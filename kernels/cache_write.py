@@ -24,7 +24,7 @@ before the launch (``validate.check_slot_mapping_values``).
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, release_next_grid, to_e4m3, typed, wait_for_previous_grid
+from .common import PAGE_SIZE, multiple_of_16, release_next_grid, to_e4m3, typed, wait_for_previous_grid
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -55,11 +55,21 @@ def cache_write_kernel(
     BLOCK_T: tl.constexpr,             # tokens per program
     KV_DTYPE: tl.constexpr,            # element type of the K/V caches (float8e4nv: FP8, scaled)
     INDEX_DTYPE: tl.constexpr,         # element type of the index-K cache (float8e4nv: FP8, unscaled)
+    ALIGNED: tl.constexpr,             # row strides, cache offsets and strides are multiples of 16 (common.aligned)
     PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
 ):
     release_next_grid(PDL)
     wait_for_previous_grid(PDL)   # no map of its own: everything it reads may come from earlier kernels
     kv_pool, index_pool = typed(pool_ptr, KV_DTYPE), typed(pool_ptr, INDEX_DTYPE)
+    if ALIGNED:   # then rows load and store as 16-byte vectors under jax-triton too
+        stride_kt, stride_kh = multiple_of_16(stride_kt), multiple_of_16(stride_kh)
+        stride_vt, stride_vh, stride_it = multiple_of_16(stride_vt), multiple_of_16(stride_vh), multiple_of_16(stride_it)
+        k_off, v_off, index_k_off = multiple_of_16(k_off), multiple_of_16(v_off), multiple_of_16(index_k_off)
+        stride_ckp, stride_ckh, stride_ckn = multiple_of_16(stride_ckp), multiple_of_16(stride_ckh), \
+            multiple_of_16(stride_ckn)
+        stride_cvp, stride_cvh, stride_cvn = multiple_of_16(stride_cvp), multiple_of_16(stride_cvh), \
+            multiple_of_16(stride_cvn)
+        stride_cip, stride_cin = multiple_of_16(stride_cip), multiple_of_16(stride_cin)
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_mapping_ptr + offs_t, mask=offs_t < num_tokens, other=-1).to(tl.int64)
     t_ok = slot >= 0

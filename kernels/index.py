@@ -57,6 +57,7 @@ def index_scores_kernel(
     K_DTYPE: tl.constexpr,            # the index-K cache's element type (float8e4nv: FP8, unscaled)
     SKIP_BLOCKS: tl.constexpr,        # > 0: tiles that see at most this many blocks write nothing
     TILES_ON_AXIS_0: tl.constexpr,    # grid (tiles, chunks), else (chunks, tiles)
+    ALIGNED: tl.constexpr,            # q's token and head strides are multiples of 16 (common.aligned)
     PDL: tl.constexpr = False,        # launched as a programmatic dependent (common.release_next_grid)
 ):
     release_next_grid(PDL)
@@ -64,6 +65,8 @@ def index_scores_kernel(
     k_ptr = typed(k_ptr, K_DTYPE)
     k_off = multiple_of_16(k_off)
     stride_kp, stride_kn = multiple_of_16(stride_kp), multiple_of_16(stride_kn)
+    if ALIGNED:   # then q rows load as 16-byte vectors under jax-triton too
+        stride_qt, stride_qh = multiple_of_16(stride_qt), multiple_of_16(stride_qh)
 
     req, tok0, pos0_minus_len, ntok = tile_row(tile_map_ptr, tile)
     wait_for_previous_grid(PDL)   # the tile map is read; everything else may come from earlier kernels

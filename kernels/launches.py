@@ -28,6 +28,7 @@ from typing import Any, Optional
 import triton.language as tl
 
 from . import tuning
+from .common import aligned
 from .maps import RowTile, cdiv, contiguous_strides, next_pow2
 from .validate import check_cache_layout
 
@@ -146,7 +147,8 @@ def index_scores(*, idx_q: Operand, index_k: Operand, block_table: Operand, seq_
     return Launch("index.index_scores_kernel", grid, args, (out,),
                   dict(NUM_HEADS=num_heads, HEADS_PAD=tile.heads_pad, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
                        BLOCK_N=cfg.block_n, STEP_GROUP=tuning.STEP_GROUP, K_DTYPE=index_k.triton_dtype,
-                       SKIP_BLOCKS=int(skip_blocks), TILES_ON_AXIS_0=tiles_on_x),
+                       SKIP_BLOCKS=int(skip_blocks), TILES_ON_AXIS_0=tiles_on_x,
+                       ALIGNED=aligned(*idx_q.strides[:2])),
                   cfg.num_warps, cfg.num_stages)
 
 
@@ -259,6 +261,7 @@ def paged_attention(*, q: Operand, k: Operand, v: Operand, block_ids: Optional[O
     else:
         ids_strides = ids.strides
         outputs += (Output("block_ids", (1,), "int32", (1,), unused=True),)
+    constexprs["ALIGNED"] = aligned(*q.strides[:2], *o_strides[:3], *ids_strides[:2])
     scales = _scales(k, k_scale, v_scale, seq_lens)
     args = (q.ref, k.ref, v.ref, ids.ref, scores.ref, block_table.ref, seq_lens, tile_map, *scales,
             float(sm_scale) * LOG2E, k.offset, v.offset, max_blocks, *q.strides, *k.strides, *v.strides,
@@ -313,5 +316,7 @@ def write_cache(*, k: Operand, v: Operand, index_k: Optional[Operand], slot_mapp
                        INDEX_HEAD_DIM=index_k.shape[1] if index_k is not None else 16,
                        WRITE_K=k_cache is not None, WRITE_V=v_cache is not None,
                        WRITE_INDEX=index_k_cache is not None, BLOCK_T=tokens, KV_DTYPE=kv_cache.triton_dtype,
-                       INDEX_DTYPE=ic.triton_dtype),
+                       INDEX_DTYPE=ic.triton_dtype,
+                       ALIGNED=aligned(*k.strides[:2], *v.strides[:2], *ik.strides[:1], kc.offset, vc.offset,
+                                       ic.offset, *kc.strides[:3], *vc.strides[:3], *ic.strides[:2])),
                   tuning.CACHE_WRITE_NUM_WARPS, 1, aliases=((6, 0),))   # args[6]: pool

@@ -29,7 +29,7 @@ cannot depend on the reduction tree the compiler builds from the register
 layout (torch and jax-triton hand it different divisibility facts, hence
 possibly different layouts); maxima are exact; every other operation is
 elementwise and correctly rounded, with no multiply-add the compiler could
-fuse into an FMA. ``ALIGNED`` (host side: ``aligned``) gives jax-triton's
+fuse into an FMA. ``ALIGNED`` (host side: ``common.aligned``) gives jax-triton's
 build the facts torch's has, for speed. Non-finite rows follow the
 model: a NaN anywhere makes the row's normed values NaN; an infinite square
 (|r| >= 2^64) makes ``inv_rms`` 0 (normed 0, NaN where r is infinite).
@@ -89,7 +89,7 @@ def rms_norm_kernel(
     residual_out_ptr,   # [T, H] out, x's dtype, contiguous (written if HAS_RESIDUAL)
     HIDDEN: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    ALIGNED: tl.constexpr,      # the row strides are multiples of 16 (``aligned``): stated for the compiler
+    ALIGNED: tl.constexpr,      # the row strides are multiples of 16 (``common.aligned``): stated for the compiler
     BLOCK_R: tl.constexpr,      # rows per program (1 on GPUs)
     BLOCK_H: tl.constexpr,      # next power of two >= HIDDEN
     PDL: tl.constexpr = False,
@@ -119,14 +119,6 @@ def rms_norm_kernel(
 
 
 # -- host side, shared by the torch and JAX launchers (shapes and dtypes only) -------------------
-
-def aligned(*values) -> bool:
-    """The ``ALIGNED`` constexpr of a launch: every one of ``values`` (row strides, cache offsets and strides)
-    is a multiple of 16 elements. The kernel then states it (``common.multiple_of_16``): torch's launches
-    tell the compiler so themselves, jax-triton's do not, and without it neither loads nor stores vectorize.
-    Both launchers derive it from the same strides, so they compile the same variant."""
-    return all(int(v) % 16 == 0 for v in values)
-
 
 def block_sizes(rows: int, hidden: int, interpret: bool) -> dict:
     """Launch parameters of ``rms_norm_kernel`` (``grid`` included). They change the speed only, never a

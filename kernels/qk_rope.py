@@ -68,7 +68,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, multiple_of_16, release_next_grid, to_e4m3, typed, wait_for_previous_grid
+from .common import PAGE_SIZE, aligned, multiple_of_16, release_next_grid, to_e4m3, typed, wait_for_previous_grid
 from .norm import inv_rms
 
 
@@ -136,7 +136,7 @@ def qk_norm_rope_kernel(
     KV_DTYPE: tl.constexpr,            # element type of the K/V caches (float8e4nv: FP8, scaled)
     INDEX_DTYPE: tl.constexpr,         # element type of the index-K cache (float8e4nv: FP8, unscaled)
     ALIGNED: tl.constexpr,             # qkv's row stride, the cache offsets and strides but the last are
-                                       # multiples of 16 (``norm.aligned``): stated for the compiler
+                                       # multiples of 16 (``common.aligned``): stated for the compiler
     PDL: tl.constexpr = False,
 ):
     release_next_grid(PDL)
@@ -257,10 +257,8 @@ def launch_config(call: QKRopeCall, kv_cache_dtype: str, index_cache_dtype: str,
 
 
 def aligned_layout(qkv_row_stride, cache_offsets, cache_strides) -> bool:
-    """The ``ALIGNED`` constexpr (``norm.aligned``) of a launch: qkv's row stride, the three cache offsets and
+    """The ``ALIGNED`` constexpr (``common.aligned``) of a launch: qkv's row stride, the three cache offsets and
     every cache stride but the channels' (the last of each cache) are multiples of 16 elements."""
-    from m3_kernels.norm import aligned
-
     k, v, index = cache_strides[:4], cache_strides[4:8], cache_strides[8:]
     return aligned(qkv_row_stride, *cache_offsets, *k[:-1], *v[:-1], *index[:-1])
 

@@ -32,7 +32,7 @@ not the register layout of the loads; compiled for sm_90 as torch and as
 jax-triton build it, the two kernels' floating-point and MMA instructions are
 the same (only integer address arithmetic differs). The choice uses maxima
 and minima (exact), the weights sum in a fixed order. ``ALIGNED``
-(``norm.aligned``) gives jax-triton's build the divisibility facts torch's has,
+(``common.aligned``) gives jax-triton's build the divisibility facts torch's has,
 so both pipeline their loads. ``test_gpu_moe_route_real_shapes`` checks the
 bits on a GPU.
 
@@ -65,7 +65,7 @@ def router_logits_kernel(
     BLOCK_E: tl.constexpr,      # experts per program (>= 16)
     BLOCK_H: tl.constexpr,      # hidden chunk per dot (>= 16)
     CHUNK: tl.constexpr,        # H / SPLITS rounded up to BLOCK_H: one program's range of H (grid axis 2)
-    ALIGNED: tl.constexpr,      # the row strides are multiples of 16 (``norm.aligned``): stated for the compiler
+    ALIGNED: tl.constexpr,      # the row strides are multiples of 16 (``common.aligned``): stated for the compiler
     PDL: tl.constexpr = False,
 ):
     """Grid (token tiles, expert groups, splits): ``partial[s, t, e] = x[t, range s] . router[e, range s]``,

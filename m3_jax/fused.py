@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from m3_kernels import norm as _norm
+from m3_kernels.common import aligned
 from m3_kernels.launches import TRITON_DTYPES
 from m3_kernels import qk_rope as _qk_rope
 from m3_kernels import router as _router
@@ -54,7 +55,7 @@ def _launch_norm(x, residual_in, weight, eps):
     normed, residual_out = triton_call(
         x, residual, weight, rows, eps, hidden, 1, hidden, 1,
         kernel=("norm", "rms_norm_kernel"), out_shape=[out, residual_out], grid=grid, num_warps=num_warps,
-        num_stages=num_stages, HIDDEN=hidden, HAS_RESIDUAL=has_residual, ALIGNED=_norm.aligned(hidden), **config)
+        num_stages=num_stages, HIDDEN=hidden, HAS_RESIDUAL=has_residual, ALIGNED=aligned(hidden), **config)
     return (residual_out if has_residual else None), normed
 
 
@@ -73,7 +74,7 @@ def moe_route(x, router_weight, bias, top_k):
     logits, topk = _router.block_sizes(tokens, hidden, experts, top_k, not on_gpu())
     partial_shape = jax.ShapeDtypeStruct((logits["grid"][2], tokens, logits["EXPERTS_PAD"]), jnp.float32)
     partial = _launch("router_logits_kernel", logits, x, router_weight, tokens, hidden, 1, hidden, 1,
-                      out_shape=partial_shape, HIDDEN=hidden, NUM_EXPERTS=experts, ALIGNED=_norm.aligned(hidden))
+                      out_shape=partial_shape, HIDDEN=hidden, NUM_EXPERTS=experts, ALIGNED=aligned(hidden))
     ids, weights = _launch("router_topk_kernel", topk, partial, bias, tokens, out_shape=out_shape,
                            LOGIT_DTYPE=TRITON_DTYPES[str(x.dtype)], NUM_EXPERTS=experts, TOP_K=top_k)
     return ids, weights

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from m3_kernels import kernel_module, validate
+from m3_kernels.common import aligned
 from m3_kernels.launches import TRITON_DTYPES
 from m3_kernels import norm as _norm
 from m3_kernels import qk_rope as _qk_rope
@@ -55,7 +56,7 @@ def _launch_norm(x, residual_in, weight, eps):
     config = _norm.block_sizes(rows, hidden, x.device.type != "cuda")
     _run("norm", "rms_norm_kernel", config, x, residual, weight.contiguous(), rows, eps, *x.stride(),
          *residual.stride(), normed, residual_out, HIDDEN=hidden, HAS_RESIDUAL=residual_in is not None,
-         ALIGNED=_norm.aligned(x.stride(0), residual.stride(0)))
+         ALIGNED=aligned(x.stride(0), residual.stride(0)))
     return residual_out, normed
 
 
@@ -81,7 +82,7 @@ def moe_route(x, router_weight, bias, top_k):
     logits, topk = _router.block_sizes(tokens, hidden, experts, top_k, device.type != "cuda")
     partial = torch.empty((logits["grid"][2], tokens, logits["EXPERTS_PAD"]), dtype=torch.float32, device=device)
     _run("router", "router_logits_kernel", logits, x, router_weight, tokens, *x.stride(), *router_weight.stride(),
-         partial, HIDDEN=hidden, NUM_EXPERTS=experts, ALIGNED=_norm.aligned(x.stride(0), router_weight.stride(0)))
+         partial, HIDDEN=hidden, NUM_EXPERTS=experts, ALIGNED=aligned(x.stride(0), router_weight.stride(0)))
     _run("router", "router_topk_kernel", topk, partial, bias.contiguous(), tokens, ids, weights,
          LOGIT_DTYPE=TRITON_DTYPES[validate.dtype_name(x)], NUM_EXPERTS=experts, TOP_K=top_k)
     return ids, weights

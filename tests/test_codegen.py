@@ -54,18 +54,23 @@ def operand(*shape, dtype="bfloat16"):
     return Operand(None, 0, shape, maps.contiguous_strides(shape), dtype)
 
 
-def attention_case(sparse, kv_dtype="bfloat16", batch=64, select=False):
+def attention_case(sparse, kv_dtype="bfloat16", batch=64, select=False, tokens=1, max_blocks=141):
     """The launch of M3 decode at batch 64 (or ``batch``), 18k context (141 blocks), as both frameworks build it.
-    ``select``: as the MSA ops launch it, choosing the blocks from the scores itself (batch 64: one split)."""
-    tile = maps.decode_tile(16, 1, sparse, max_blocks=141, topk=16, num_requests=batch, num_kv_heads=4,
+    ``select``: as the MSA ops launch it, choosing the blocks from the scores itself (batch 64: one split).
+    ``tokens``: decode_query_len (8 tokens at batch 32 and 36 blocks: 8-token tiles of 128 rows)."""
+    num_tokens = batch * tokens
+    tile = maps.decode_tile(16, tokens, sparse, max_blocks=max_blocks, topk=16, num_requests=batch, num_kv_heads=4,
                             interpret=False)
-    selection = launches.Selection(operand(4, batch, 141), None, 16, 0, 1, (batch * 16, 16, 1)) if select else None
+    tile_map, _ = maps.decode_maps(batch, tokens, tile.tokens_per_tile)
+    selection = launches.Selection(operand(4, num_tokens, max_blocks), None, 16, 0, 1, (num_tokens * 16, 16, 1)) \
+        if select else None
     launch = launches.paged_attention(
-        q=operand(batch, 64, 128), k=operand(9000, 4, 128, 128, dtype=kv_dtype),
+        q=operand(num_tokens, 64, 128), k=operand(9000, 4, 128, 128, dtype=kv_dtype),
         v=operand(9000, 4, 128, 128, dtype=kv_dtype),
-        block_ids=operand(4, batch, 16) if sparse and not select else None, block_table=operand(batch, 141),
-        seq_lens=None, tile_map=np.zeros((batch, 4), np.int32), tile=tile, sm_scale=1.0, out_dtype="bfloat16",
-        out_strides=(64 * 128, 128, 1), interpret=False, k_scale=1, v_scale=1, select=selection)
+        block_ids=operand(4, num_tokens, 16) if sparse and not select else None,
+        block_table=operand(batch, max_blocks), seq_lens=None, tile_map=tile_map, tile=tile, sm_scale=1.0,
+        out_dtype="bfloat16", out_strides=(64 * 128, 128, 1), interpret=False, k_scale=1, v_scale=1,
+        select=selection)
     assert launch.kernel == "attention.paged_attention_kernel" and launch.constexprs["SELECT"] == select
     consts = dict(launch.constexprs, stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_is=1, stride_bb=1,
                   stride_sb=1)
@@ -96,24 +101,62 @@ def fresh_compile_after_an_interpreted_op(tmp_path_factory):
         yield
 
 
-@pytest.mark.parametrize("case", ["sparse_n1", "sparse_select_n1", "dense_n1", "index", "index_msa", "index_prefill"])
+def write_case():
+    launch = launches.write_cache(k=operand(64, 4, 128), v=operand(64, 4, 128), index_k=operand(64, 128),
+                                  slot_mapping=None, pool=None, pool_shape=(1 << 20,), pool_dtype="bfloat16",
+                                  k_cache=operand(16, 4, 128, 128), v_cache=operand(16, 4, 128, 128),
+                                  index_k_cache=operand(16, 128, 128), interpret=False)
+    consts = dict(launch.constexprs, stride_kd=1, stride_vd=1, stride_id=1, stride_ckd=1, stride_cvd=1, stride_cid=1)
+    return m3_kernels.kernel_module("cache_write", False).cache_write_kernel, consts, launch
+
+
+def global_accesses(ptx: str) -> tuple:
+    """(global loads, global stores, async copies) in ``ptx``: a row loaded or stored element by element
+    instead of in 16-byte vectors shows as more of the first two."""
+    return ptx.count("ld.global"), ptx.count("st.global"), ptx.count("cp.async.cg") + ptx.count("cp.async.ca")
+
+
+@pytest.mark.parametrize("case", ["sparse_n1", "sparse_select_n1", "sparse_split_b1", "sparse_n8_tiles", "dense_n1",
+                                  "index", "index_msa", "index_prefill", "cache_write"])
 def test_loads_pipeline_without_divisibility_facts(case):
-    """index_msa: the scorer variant of the MSA ops, which skips tiles that see at most topk blocks;
-    index_prefill: its 128-row tiles; sparse_select_n1: the attention variant of the MSA ops that
-    selects the blocks itself."""
+    """The same loads and stores under both launchers (``ALIGNED``, ``multiple_of_16``). index_msa: the scorer
+    variant of the MSA ops, which skips tiles that see at most topk blocks; index_prefill: its 128-row tiles;
+    sparse_select_n1: the attention variant of the MSA ops that selects the blocks itself; sparse_split_b1: batch
+    1, split K/V with float32 partials; sparse_n8_tiles: 8-token tiles (MTP steps, batch 32, 4k)."""
     if case.startswith("index"):
         fn, consts, launch = index_case(skip_blocks=16 if case == "index_msa" else 0,
                                         tokens=32 if case == "index_prefill" else 1)
+    elif case == "cache_write":
+        fn, consts, launch = write_case()
+    elif case == "sparse_split_b1":
+        fn, consts, launch = attention_case(True, batch=1)
+        assert launch.constexprs["NUM_SPLITS"] > 1
+    elif case == "sparse_n8_tiles":
+        fn, consts, launch = attention_case(True, batch=32, tokens=8, max_blocks=36)
+        assert launch.constexprs["TOKENS_PER_TILE"] == 8
     else:
         fn, consts, launch = attention_case(case != "dense_n1", select=case == "sparse_select_n1")
+    assert launch.constexprs["ALIGNED"]
     kernels = [compile_for_hopper(fn, consts, launch.num_warps, launch.num_stages, divisible)
                for divisible in (True, False)]
-    as_torch, as_jax = (k.asm["ptx"] for k in kernels)
-    async_copies = [ptx.count("cp.async.cg") + ptx.count("cp.async.ca") for ptx in (as_torch, as_jax)]
-    assert async_copies[0] > 0, "the torch-style build lost its pipelined loads"
-    assert async_copies[1] == async_copies[0], f"jax-triton-style build: {async_copies[1]} async copies, " \
-                                               f"torch-style: {async_copies[0]}"
+    as_torch, as_jax = (global_accesses(k.asm["ptx"]) for k in kernels)
+    assert case == "cache_write" or as_torch[2] > 0, "the torch-style build lost its pipelined loads"
+    assert as_jax == as_torch, f"jax-triton-style build: {as_jax} (loads, stores, async copies), torch-style: {as_torch}"
     assert kernels[0].metadata.shared == kernels[1].metadata.shared
+
+
+def test_aligned_is_false_for_a_view_whose_rows_are_not_multiples_of_16():
+    """A torch view with odd row strides compiles the variant without the restated facts (its launcher
+    tells Triton what holds); a JAX array (contiguous) with head dim 128 always gets them."""
+    fn, consts, launch = attention_case(True)
+    odd = launches.paged_attention(
+        q=Operand(None, 0, (64, 64, 128), (64 * 136, 136, 1), "bfloat16"), k=operand(9000, 4, 128, 128),
+        v=operand(9000, 4, 128, 128), block_ids=operand(4, 64, 16), block_table=operand(64, 141), seq_lens=None,
+        tile_map=np.zeros((64, 4), np.int32), tile=maps.decode_tile(16, 1, True, max_blocks=141, topk=16,
+                                                                     num_requests=64, num_kv_heads=4, interpret=False),
+        sm_scale=1.0, out_dtype="bfloat16", out_strides=(64 * 128, 128, 1), interpret=False, k_scale=1, v_scale=1)
+    assert launch.constexprs["ALIGNED"] and odd.constexprs["ALIGNED"] is False
+    assert m3_kernels.common.aligned(16, 32, 0) and not m3_kernels.common.aligned(16, 8)
 
 
 @pytest.mark.parametrize("max_blocks", [141, 1024])   # one-level and two-level top-k
