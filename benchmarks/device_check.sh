@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool call's worth of GPU checks, run from the repo root on the GPU machine:
-#   bash benchmarks/device_check.sh tests        # pytest -m gpu (kernels, launch layer, model engines), 6 workers
+#   bash benchmarks/device_check.sh tests        # pytest -m gpu (kernels, launch layer, model engines), 8 workers
 #   bash benchmarks/device_check.sh e2e          # benchmarks/e2e.py: model decode step, torch graph vs JAX jit
 #   bash benchmarks/device_check.sh model-step   # benchmarks/model_step.py: the step at M3's layer shapes vs its
 #                                                #   byte floor (MODEL_STEP_ARGS: extra arguments)
@@ -26,9 +26,10 @@ case "${1:-tests}" in
     source benchmarks/device_env.sh
     # pytest-xdist and pytest-timeout are in the machine's image; the thread method ends a test stuck in C.
     # Two OpenMP threads per worker: with torch's default (one per core) in every worker the float64
-    # references of the M3 prefill cases ran past 280 s; with two, the whole suite takes minutes.
-    OMP_NUM_THREADS=2 python3 -m pytest -q -m gpu -p no:cacheprovider -n 6 --timeout 300 --timeout-method thread 2>&1 \
-      | tee "$OUT/gpu-tests.log" | tail -25 ;;
+    # references of the M3 prefill cases ran past 280 s; with two, the whole suite took 442 s on 8 workers
+    # (2026-12-02). The outer timeout leaves the log to come back within a device call's 600 s.
+    OMP_NUM_THREADS=2 timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 --timeout 400 \
+      --timeout-method thread --durations=12 2>&1 | tee "$OUT/gpu-tests.log" | tail -25 ;;
   e2e)
     source benchmarks/device_env.sh
     python3 -m benchmarks.e2e --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;

@@ -134,6 +134,11 @@ def main():
     pool = Pool(cfg, max(b * -(-int(c * 1.1) // 128) for _, b, c in cases) + 64)
     jpool = [jax.dlpack.from_dlpack(t) for t in (pool.k, pool.v, pool.ik)]
     rows = []
+
+    def result(rows):
+        return dict(gpu=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, xla_flags=xla_flags, jax=jax.__version__,
+                    command="python3 -m " + " ".join(["benchmarks.jax_vs_torch"] + sys.argv[1:]), rows=rows)
+
     for n, batch, context in cases:
         if time.time() - t_start > args.budget_s:
             print(f"time budget reached: stopping before n={n} batch={batch} context={context}", flush=True)
@@ -170,17 +175,19 @@ def main():
         _triton_call.LAUNCH_TARGET = _triton_call.LAUNCH_TARGETS["legacy"]
         rows.append(row)
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-    write(args.out, dict(gpu=torch.cuda.get_device_name(), copy_tbps=bw / 1e12, xla_flags=xla_flags,
-                         jax=jax.__version__,
-                         command="python3 -m " + " ".join(["benchmarks.jax_vs_torch"] + sys.argv[1:]), rows=rows),
-          launches)
+        save_json(args.out, result(rows))   # so a run cut short by a time limit keeps its cases
+    write(args.out, result(rows), launches)
+
+
+def save_json(out, result):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "jax_vs_torch.json"), "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def write(out, result, launches):
     """jax_vs_torch.{json,md} of ``result`` (gpu, copy_tbps, xla_flags, command, rows) in ``out``; prints the md."""
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "jax_vs_torch.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    save_json(out, result)
     lines = [f"# torch vs JAX launch of the same msa_decode kernels ({result['gpu']}, "
              f"copy {result['copy_tbps']:.2f} TB/s)", "",
              f"Command: `{result['command']}`. XLA_FLAGS: `{result['xla_flags'] or '(none)'}`.", "",
