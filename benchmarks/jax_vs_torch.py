@@ -235,8 +235,8 @@ def plot(out, result, launch):
 
 
 def merge(paths) -> dict:
-    """One result of several ``jax_vs_torch.json`` runs (the grid's halves): their rows in order; copy bandwidth
-    and commands of each run kept."""
+    """One result of several ``jax_vs_torch.json`` runs (the grid's halves): their rows in the grid's order; copy
+    bandwidth and commands of each run kept (also those of the runs an input had merged itself)."""
     runs = [json.load(open(p)) for p in paths]
     if len({r["gpu"] for r in runs}) != 1:
         raise SystemExit(f"--merge: runs on different GPUs: {sorted({r['gpu'] for r in runs})}")
@@ -244,8 +244,10 @@ def merge(paths) -> dict:
     if len(set(cases)) != len(cases):
         raise SystemExit("--merge: a case is in more than one run")
     return dict(gpu=runs[0]["gpu"], copy_tbps=min(r["copy_tbps"] for r in runs),
-                copy_tbps_per_run=[r["copy_tbps"] for r in runs], xla_flags=runs[0]["xla_flags"], jax=runs[0]["jax"],
-                command=" ; ".join(r["command"] for r in runs), rows=[row for r in runs for row in r["rows"]])
+                copy_tbps_per_run=[bw for r in runs for bw in r.get("copy_tbps_per_run", [r["copy_tbps"]])],
+                xla_flags=runs[0]["xla_flags"], jax=runs[0]["jax"],
+                command=" ; ".join(r["command"] for r in runs),
+                rows=sorted((row for r in runs for row in r["rows"]), key=lambda row: (row["n"], row["batch"], row["context"])))
 
 
 def table(rows, launches) -> list:
