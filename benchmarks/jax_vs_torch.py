@@ -247,7 +247,8 @@ def merge(paths) -> dict:
                 copy_tbps_per_run=[bw for r in runs for bw in r.get("copy_tbps_per_run", [r["copy_tbps"]])],
                 xla_flags=runs[0]["xla_flags"], jax=runs[0]["jax"],
                 command=" ; ".join(r["command"] for r in runs),
-                rows=sorted((row for r in runs for row in r["rows"]), key=lambda row: (row["n"], row["batch"], row["context"])))
+                rows=sorted((row for r in runs for row in r["rows"]),
+                            key=lambda row: (row["n"], row["batch"], row["context"])))
 
 
 def table(rows, launches) -> list:

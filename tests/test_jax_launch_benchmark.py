@@ -122,6 +122,8 @@ def test_jax_vs_torch_merge_joins_runs_and_refuses_a_case_twice(tmp_path):
     assert merged["copy_tbps_per_run"] == [4.22, 4.19] and merged["copy_tbps"] == 4.19 and merged["command"] == "a ; b"
     with pytest.raises(SystemExit, match="more than one run"):
         jax_vs_torch.merge([a, run("c", [(2, 1, 1024)], 4.2)])
+    # rows in the grid's order whatever the runs' order
+    assert [(r["n"], r["batch"]) for r in jax_vs_torch.merge([b, a])["rows"]] == [(1, 1), (2, 1), (4, 1)]
     # a merged result merges again, keeping every run's copy bandwidth
     ab = tmp_path / "ab.json"
     ab.write_text(json.dumps(merged))
