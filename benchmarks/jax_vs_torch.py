@@ -17,7 +17,6 @@ Writes jax_vs_torch.{json,md} to --out.
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -91,7 +90,7 @@ def summary(rows, launch) -> list:
         cells = []
         for kind in ("x8", "b2b", "blocking"):
             ratios = _ratios(sel, launch, kind)
-            geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            geomean = statistics.geometric_mean(ratios)
             met = sum(x <= target(r["batch"]) for x, r in zip(ratios, sel))
             cells.append(f"{geomean:.2f}x / {max(ratios):.2f}x" + ("" if kind == "x8" else f" / {met} of {len(sel)}"))
         limit = f"{target(int(name))}x" if name != "all" else "-"
