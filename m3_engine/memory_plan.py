@@ -54,7 +54,7 @@ __all__ = ["MemoryPlan", "plan_memory", "kv_budget_bytes", "kv_pool_slots", "m3_
 WEIGHT_DTYPES = ("bfloat16", "fp8")
 ACTIVATION_DTYPE = "bfloat16"   # activations and the "auto" caches, whatever the weights
 FP8_BLOCK = 128                 # an FP8 weight has one float32 scale per FP8_BLOCK x FP8_BLOCK block
-RUNTIME_BYTES = 1 << 30         # CUDA context, cuBLAS and NCCL buffers: an allowance, not derived (see below)
+RUNTIME_BYTES = 1 << 30         # CUDA context, cuBLAS and NCCL buffers: an allowance, not derived
 
 # canonical tensor name (layer prefix removed) -> the part of the weights it counts in
 _PARTS = (
@@ -305,12 +305,12 @@ def plan_memory(config: M3TextConfig, *, tensor_parallel_size: int, weight_dtype
 def _weights(tp: TPPlan, weight_dtype: str, *, enable_expert_parallel: bool, vocab_parallel: bool) -> dict:
     """Part -> bytes of the weights one rank holds."""
     c = tp.config
-    for flag, name, value in ((enable_expert_parallel, "num_local_experts", c.num_local_experts),
-                              (vocab_parallel, "vocab_size", c.vocab_size)):
-        if flag and value % tp.size:
-            raise ValueError(f"tensor_parallel_size={tp.size} does not divide {name}={value}: "
-                             f"{'enable_expert_parallel' if name == 'num_local_experts' else 'vocab_parallel'} "
-                             f"gives each rank {name} / tensor_parallel_size of them")
+    if enable_expert_parallel and c.num_local_experts % tp.size:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size={tp.size} does not divide "
+                         f"num_local_experts={c.num_local_experts} (each rank holds E / tp whole experts)")
+    if vocab_parallel and c.vocab_size % tp.size:
+        raise ValueError(f"vocab_parallel: tensor_parallel_size={tp.size} does not divide vocab_size={c.vocab_size} "
+                         f"(each rank holds vocab_size / tp rows of the embedding and lm_head)")
     parts = dict.fromkeys(WEIGHT_PARTS, 0)
     for name, shape in expected_shapes(c).items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -320,7 +320,7 @@ def _weights(tp: TPPlan, weight_dtype: str, *, enable_expert_parallel: bool, voc
             local = (shape[0] // tp.size,) + shape[1:]
         elif part in ("embeddings", "lm_head") and vocab_parallel:
             local = (shape[0] // tp.size,) + shape[1:]
-        else:
+        else:   # the loader's slice; every rank's has rank 0's shape
             local = tp.rank(0).shape(name, shape)
         if weight_dtype == "fp8" and part in _FP8_PARTS:
             _check_fp8_slice(tp, name, shape)
