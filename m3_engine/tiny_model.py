@@ -44,13 +44,97 @@ __all__ = ["write_tiny_checkpoint", "tiny_text_config", "PAD_ID", "BOS_ID", "EOS
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 _SPECIALS = ("<pad>", "<s>", "</s>")
-# A ChatML-like template written with the tiny tokenizer's own special tokens.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] not in ('system', 'user', 'assistant') %}"
-    "{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
-    "{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n"
-    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+# A ChatML-like template written with the tiny tokenizer's own special tokens ("role: content</s>\n"),
+# whose tool and thinking parts are MiniMax-M3's (its chat_template.jinja, which wraps each message in
+# "]~b]role\n" ... "[e~[\n" instead):
+# * tools: listed after the system message's text in M3's words (M3 puts them in its developer
+#   message; "You are a helpful assistant." when the conversation has no system message);
+# * an assistant turn: "<mm:think>reasoning_content</mm:think>", or a bare "</mm:think>" without
+#   reasoning, then its content, then its tool calls as M3 markup (m3_engine.tool_parser); written
+#   right after "assistant:", where generation starts, so the model's own output looks the same;
+# * a run of tool results: one "tool" message of "\n<response>...</response>" each;
+# * the generation prompt: "assistant:" and, by thinking_mode, "<mm:think>" ("enabled") or
+#   "</mm:think>" ("disabled"), nothing otherwise (M3's default, "adaptive").
+# Tool-call arguments must be dicts (transformers' convention; m3_engine.tokenizer parses OpenAI's
+# JSON strings).
+CHAT_TEMPLATE = r"""
+{%- set NS = ']<]minimax[>[' -%}
+{%- macro to_xml(value) -%}
+    {%- if value is mapping -%}
+        {%- for key, item in value.items() if item is not none -%}
+            {{ NS }}<{{ key }}>{{ to_xml(item) }}{{ NS }}</{{ key }}>
+        {%- endfor -%}
+    {%- elif value is string -%}
+        {{ value }}
+    {%- elif value is sequence -%}
+        {%- for item in value -%}
+            {{ NS }}<item>{{ to_xml(item) }}{{ NS }}</item>
+        {%- endfor -%}
+    {%- elif value is boolean -%}
+        {{ 'true' if value else 'false' }}
+    {%- elif value is not none -%}
+        {{ value }}
+    {%- endif -%}
+{%- endmacro -%}
+{%- macro tools_section() -%}
+    {{ '\n\n# Tools\nYou may call one or more tools to assist with the user query.\n'
+       'Here are the tools available in JSONSchema format:\n\n<tools>\n' }}
+    {%- for tool in tools -%}
+        <tool>{{ (tool.function if tool.function is defined else tool) | tojson }}</tool>{{ '\n' }}
+    {%- endfor -%}
+    </tools>{{ '\n\nTo call tools, wrap all invocations in a single ' }}
+    {{- NS }}<tool_call>{{ NS }}</tool_call>{{ ' block. Parameter values containing nested objects or arrays '
+       'are recursively expanded into XML elements. Example:\n\n' }}
+    {{- NS }}<tool_call>{{ '\n' }}
+    {{- NS }}<invoke name="tool-name-1">{{ NS }}<param-1>value-1{{ NS }}</param-1>{{ NS }}<param-2>
+    {{- NS }}<item>{{ NS }}<key-a>val-a{{ NS }}</key-a>{{ NS }}<key-b>val-b{{ NS }}</key-b>{{ NS }}</item>
+    {{- NS }}</param-2>{{ NS }}</invoke>{{ '\n' }}
+    {{- NS }}<invoke name="tool-name-2">{{ NS }}<param-1>value-1{{ NS }}</param-1>{{ NS }}</invoke>{{ '\n' }}
+    {{- NS }}</tool_call>
+{%- endmacro -%}
+{{ bos_token }}
+{%- if tools and messages[0]['role'] != 'system' -%}
+    system: You are a helpful assistant.{{ tools_section() }}{{ eos_token }}{{ '\n' }}
+{%- endif -%}
+{%- for message in messages -%}
+    {%- set content = message['content'] if message['content'] is not none else '' -%}
+    {%- if message['role'] not in ('system', 'user', 'assistant', 'tool') -%}
+        {{ raise_exception('unknown role: ' + message['role']) }}
+    {%- elif message['role'] == 'tool' -%}
+        {%- if loop.first or loop.previtem['role'] != 'tool' -%}tool:{%- endif -%}
+        {{ '\n' }}<response>{{ content }}</response>
+        {%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{ eos_token }}{{ '\n' }}{%- endif -%}
+    {%- elif message['role'] == 'assistant' -%}
+        assistant:{% if message['reasoning_content'] -%}
+            <mm:think>{{ message['reasoning_content'] }}</mm:think>
+        {%- else -%}
+            </mm:think>
+        {%- endif -%}
+        {{ content }}
+        {%- if message['tool_calls'] -%}
+            {{ NS }}<tool_call>{{ '\n' }}
+            {%- for call in message['tool_calls'] -%}
+                {%- set function = call['function'] if call['function'] is defined else call -%}
+                {{ NS }}<invoke name="{{ function['name'] }}">
+                {%- for key, value in function['arguments'].items() if value is not none -%}
+                    {{ NS }}<{{ key }}>{{ to_xml(value) }}{{ NS }}</{{ key }}>
+                {%- endfor -%}
+                {{ NS }}</invoke>{{ '\n' }}
+            {%- endfor -%}
+            {{ NS }}</tool_call>
+        {%- endif -%}
+        {{ eos_token }}{{ '\n' }}
+    {%- else -%}
+        {{ message['role'] }}: {{ content }}
+        {%- if loop.first and message['role'] == 'system' and tools -%}{{ tools_section() }}{%- endif -%}
+        {{ eos_token }}{{ '\n' }}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    assistant:
+    {%- if thinking_mode == 'enabled' -%}<mm:think>{%- elif thinking_mode == 'disabled' -%}</mm:think>{%- endif -%}
+{%- endif -%}
+"""
 _CORPUS = """\
 MiniMax M3 reads long documents with sparse attention: a light indexer scores every block of one hundred
 and twenty eight cached tokens, keeps the best sixteen blocks and the local one, and the main attention

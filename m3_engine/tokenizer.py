@@ -14,7 +14,8 @@ Files read from the model folder (as transformers writes them):
 
 Chat templates render with jinja2's sandboxed environment, as transformers
 renders them (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``,
-``tojson``), with ``messages``, ``add_generation_prompt``, ``tools``,
+``tojson``), with ``messages`` (assistant ``tool_calls`` with dict
+``arguments``, ``"tool"`` messages), ``add_generation_prompt``, ``tools``,
 ``bos_token`` and ``eos_token``; the rendered text is encoded WITHOUT adding
 special tokens (the template writes them).
 """
@@ -84,18 +85,32 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict], *, chat_template: Optional[str] = None,
                             add_generation_prompt: bool = True, tools=None) -> str:
-        """The conversation rendered as the prompt text the model was trained on."""
+        """The conversation rendered as the prompt text the model was trained on.
+
+        ``tools``: OpenAI tools (``[{"type": "function", "function": {...}}]``) for the template to
+        list. Assistant ``tool_calls`` reach the template with their ``arguments`` as dicts (an
+        OpenAI JSON string is parsed), as transformers' templates expect them.
+        """
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
             raise ValueError("chat: the model folder has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja); pass chat_template=...")
         check_messages(messages)
-        return _compile(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         tools=tools, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        if tools is not None and (not isinstance(tools, (list, tuple)) or
+                                  not all(isinstance(t, dict) for t in tools)):
+            raise TypeError(f"tools: expected a list of {{'type': 'function', 'function': {{...}}}} dicts, "
+                            f"got {tools!r:.80}")
+        messages = [_with_argument_dicts(m) for m in messages]
+        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=list(tools) if tools is not None else None,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 
 def check_messages(messages) -> None:
-    """A conversation: a non-empty list of ``{"role": str, "content": str | None, ...}``."""
+    """A conversation: a non-empty list of ``{"role": str, "content": str | None, ...}``; an
+    assistant message may carry ``tool_calls`` (``[{"id", "type": "function", "function":
+    {"name": str, "arguments": dict | JSON object text}}]``) and ``reasoning_content`` (str);
+    a ``"tool"`` message carries a tool's result as its content."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise TypeError(f"messages: expected a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
     for i, m in enumerate(messages):
@@ -103,6 +118,46 @@ def check_messages(messages) -> None:
             raise TypeError(f"messages[{i}]: expected a dict with a string 'role', got {m!r}")
         if not isinstance(m.get("content"), (str, type(None), list)):
             raise TypeError(f"messages[{i}]['content']: expected a string, got {type(m.get('content')).__name__}")
+        if not isinstance(m.get("reasoning_content"), (str, type(None))):
+            raise TypeError(f"messages[{i}]['reasoning_content']: expected a string, "
+                            f"got {type(m['reasoning_content']).__name__}")
+        if m.get("tool_calls") is not None:
+            _check_tool_calls(m, f"messages[{i}]")
+
+
+def _check_tool_calls(message: dict, where: str) -> None:
+    calls = message["tool_calls"]
+    if message["role"] != "assistant":
+        raise ValueError(f"{where}: only an assistant message has tool_calls, got role {message['role']!r}")
+    if not isinstance(calls, (list, tuple)):
+        raise TypeError(f"{where}['tool_calls']: expected a list, got {type(calls).__name__}")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise TypeError(f"{where}['tool_calls'][{j}]: expected {{'type': 'function', 'function': "
+                            f"{{'name': str, 'arguments': ...}}}}, got {call!r:.80}")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as e:
+                raise ValueError(f"{where}['tool_calls'][{j}]['function']['arguments']: not valid JSON ({e})") from None
+        if not isinstance(arguments, dict):
+            raise TypeError(f"{where}['tool_calls'][{j}]['function']['arguments']: expected a JSON object "
+                            f"(a dict or its JSON text), got {function.get('arguments')!r:.80}")
+
+
+def _with_argument_dicts(message: dict) -> dict:
+    """The message with its tool calls' JSON-text arguments parsed (a copy; the caller's is left as is)."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        arguments = call["function"].get("arguments")
+        if isinstance(arguments, str):
+            call = {**call, "function": {**call["function"], "arguments": json.loads(arguments)}}
+        calls.append(call)
+    return {**message, "tool_calls": calls}
 
 
 class IncrementalDetokenizer:

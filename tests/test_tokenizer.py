@@ -364,3 +364,125 @@ def test_generation_defaults_bad_values(tiny_dir, tmp_path):
     (folder / "generation_config.json").write_text('{"top_p": 0.5,\n "top_k": }')
     with pytest.raises(ValueError, match="generation_config.json.*line 2"):
         generation_defaults(folder)
+
+
+# -- tools in the chat template (MiniMax-M3's format) ------------------------------------------------
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "detailed": {"type": "boolean"},
+        "units": {"type": "object", "properties": {"temp": {"type": "string"},
+                                                   "wind": {"type": "array", "items": {"type": "string"}}}}},
+        "required": ["city"]}}}]
+PARIS = {"city": "Paris", "days": 2, "detailed": True, "units": {"temp": "C", "wind": ["kmh", "knots"]}}
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Oslo?"},
+    {"role": "assistant", "content": "Checking.", "reasoning_content": "Two cities: two calls.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": PARIS}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "rain, 9"},
+    {"role": "assistant", "content": "Paris: sunny. Oslo: rain."},
+    {"role": "user", "content": "Thanks"},
+]
+
+
+def _json_arguments(messages):
+    """The conversation with OpenAI's JSON-text tool-call arguments."""
+    def as_text(call):
+        return {**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}
+    return [{**m, "tool_calls": [as_text(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("start", [0, 1], ids=["system", "no_system"])
+def test_chat_template_tools_match_transformers(tiny_dir, tiny, start, add_generation_prompt):
+    messages = TOOL_CONVERSATION[start:]
+    hf = _hf(tiny_dir)
+    expected = hf.apply_chat_template(messages, tools=WEATHER_TOOLS, tokenize=False,
+                                      add_generation_prompt=add_generation_prompt)
+    text = tiny.apply_chat_template(messages, tools=WEATHER_TOOLS, add_generation_prompt=add_generation_prompt)
+    assert text == expected
+    # OpenAI's JSON-text arguments render as the dicts do; the caller's messages are left as they are
+    as_json = _json_arguments(messages)
+    assert tiny.apply_chat_template(as_json, tools=WEATHER_TOOLS, add_generation_prompt=add_generation_prompt) == text
+    assert isinstance(as_json[2 - start]["tool_calls"][0]["function"]["arguments"], str)
+    assert tiny.encode(text, add_special_tokens=False) == _hf_ids(hf, messages, tools=WEATHER_TOOLS,
+                                                                  add_generation_prompt=add_generation_prompt)
+
+
+def test_chat_template_tools_in_m3_format(tiny):
+    from m3_engine.tool_parser import NS
+
+    text = tiny.apply_chat_template(TOOL_CONVERSATION, tools=WEATHER_TOOLS)
+    tool = json.dumps(WEATHER_TOOLS[0]["function"], ensure_ascii=False)
+    assert text.startswith("<s>system: Be brief.\n\n# Tools\nYou may call one or more tools to assist with the user "
+                           f"query.\nHere are the tools available in JSONSchema format:\n\n<tools>\n<tool>{tool}</tool>"
+                           f"\n</tools>\n\nTo call tools, wrap all invocations in a single {NS}<tool_call>{NS}"
+                           "</tool_call> block.")
+    assert (f"assistant:<mm:think>Two cities: two calls.</mm:think>Checking.{NS}<tool_call>\n"
+            f'{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</city>{NS}<days>2{NS}</days>'
+            f"{NS}<detailed>true{NS}</detailed>{NS}<units>{NS}<temp>C{NS}</temp>{NS}<wind>{NS}<item>kmh{NS}</item>"
+            f"{NS}<item>knots{NS}</item>{NS}</wind>{NS}</units>{NS}</invoke>\n"
+            f'{NS}<invoke name="get_weather">{NS}<city>Oslo{NS}</city>{NS}</invoke>\n{NS}</tool_call></s>\n'
+            "tool:\n<response>sunny, 21</response>\n<response>rain, 9</response></s>\n"
+            "assistant:</mm:think>Paris: sunny. Oslo: rain.</s>\nuser: Thanks</s>\nassistant:") in text
+    no_system = tiny.apply_chat_template(TOOL_CONVERSATION[1:], tools=WEATHER_TOOLS)
+    assert no_system.startswith("<s>system: You are a helpful assistant.\n\n# Tools\n")
+    assert "# Tools" not in tiny.apply_chat_template(TOOL_CONVERSATION)
+
+
+@pytest.mark.parametrize("thinking_mode, end", [(None, "assistant:"), ("adaptive", "assistant:"),
+                                                ("enabled", "assistant:<mm:think>"),
+                                                ("disabled", "assistant:</mm:think>")])
+def test_chat_template_thinking_mode(tiny_dir, thinking_mode, end):
+    kwargs = {} if thinking_mode is None else {"thinking_mode": thinking_mode}
+    text = _hf(tiny_dir).apply_chat_template(CONVERSATIONS[0], tokenize=False, add_generation_prompt=True, **kwargs)
+    assert text.endswith(end)
+
+
+def test_rendered_tool_calls_parse_back(tiny):
+    """An assistant turn as the template writes it, read by the reasoning and tool parsers (as if the
+    model had generated it after the prompt's "assistant:"), gives back the message."""
+    from m3_engine.reasoning_parser import ChatOutputParser, MiniMaxM3ReasoningParser
+    from m3_engine.tool_parser import MiniMaxM3ToolParser
+
+    prompt = tiny.apply_chat_template(TOOL_CONVERSATION[:2], tools=WEATHER_TOOLS)
+    full = tiny.apply_chat_template(TOOL_CONVERSATION[:3], tools=WEATHER_TOOLS, add_generation_prompt=False)
+    assert full.startswith(prompt) and full.endswith("</s>\n")
+    generated = full[len(prompt):-len("</s>\n")]
+    parser = ChatOutputParser(MiniMaxM3ReasoningParser(), MiniMaxM3ToolParser(WEATHER_TOOLS))
+    reasoning, content, calls = parser.parse(generated)
+    message = TOOL_CONVERSATION[2]
+    assert (reasoning, content) == (message["reasoning_content"], message["content"])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+
+
+def test_bad_tool_messages(tiny):
+    from m3_engine.tokenizer import check_messages
+
+    check_messages(TOOL_CONVERSATION)
+    check_messages(_json_arguments(TOOL_CONVERSATION))
+    user = {"role": "user", "content": "hi"}
+
+    def with_calls(calls, role="assistant"):
+        return [user, {"role": role, "content": None, "tool_calls": calls}]
+
+    good = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for bad, error, match in [
+        (with_calls({"name": "f"}), TypeError, r"messages\[1\]\['tool_calls'\]: expected a list"),
+        (with_calls([{"function": {"arguments": "{}"}}]), TypeError, r"\['tool_calls'\]\[0\]"),
+        (with_calls([good, {"function": {"name": "f", "arguments": "{not json"}}]), ValueError,
+         r"\['tool_calls'\]\[1\]\['function'\]\['arguments'\]: not valid JSON"),
+        (with_calls([{"function": {"name": "f", "arguments": "[1]"}}]), TypeError, "expected a JSON object"),
+        (with_calls([{"function": {"name": "f"}}]), TypeError, "expected a JSON object"),
+        (with_calls([good], role="user"), ValueError, "only an assistant message has tool_calls"),
+        ([{"role": "assistant", "content": "x", "reasoning_content": 3}], TypeError, "reasoning_content"),
+    ]:
+        with pytest.raises(error, match=match):
+            tiny.apply_chat_template(bad)
+    with pytest.raises(TypeError, match="tools"):
+        tiny.apply_chat_template([user], tools={"name": "f"})
