@@ -1,9 +1,9 @@
 """The JAX side of the launch layer: ``run(launch)`` and the maps as device constants.
 
-``run`` executes an ``m3_kernels.launches.Launch`` (and the launch chained
-after it): through ``jax_triton.triton_call`` on a GPU backend, through the
-same kernel in Triton's interpreter inside ``jax.pure_callback`` on a CPU
-backend (``m3_jax._triton_call``). Outputs are new arrays (an aliased input
+``run`` executes an ``m3_kernels.launches.Launch`` (and the launches chained
+after it), every kernel of the package: through ``jax_triton.triton_call`` on
+a GPU backend, through the same kernel in Triton's interpreter inside
+``jax.pure_callback`` on a CPU backend (``m3_jax._triton_call``). Outputs are new arrays (an aliased input
 is updated in place when donated under ``jax.jit``). Geometry depends on
 shapes only, so new lengths, tables or queries never recompile a jitted step.
 """

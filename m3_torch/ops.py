@@ -1,7 +1,9 @@
 """The torch side of the launch layer: ``run`` and one custom op per kernel.
 
 ``run(launch, outputs)`` executes an ``m3_kernels.launches.Launch`` (and the
-launch chained after it) with the given output tensors. The custom ops
+launches chained after it), every kernel of the package (the model-step ops
+of ``fused.py``, ``moe.py`` and ``sampling.py`` too), writing the given output
+tensors and allocating the others. The custom ops
 ``torch.ops.m3.{index_scores, select_blocks, paged_attention, write_cache}``
 are internal (their signatures may change): each builds its Launch from the
 tensors' shapes and strides and runs it. They take tile/token maps, so the
