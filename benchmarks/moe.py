@@ -14,7 +14,7 @@ touches, and
 - the byte floor: the touched experts' and the shared expert's weights (3 * I * H * 2 bytes each) /
   the copy bandwidth measured in the same run, and the share of it each reaches.
 
-``--tune`` first sweeps the GPU block sizes of ``m3_kernels.moe`` (``_GPU_DECODE`` / ``_GPU_PREFILL``:
+``--tune`` first sweeps the GPU block sizes of ``m3_kernels.tuning`` (``MOE_GPU_DECODE`` / ``MOE_GPU_PREFILL``:
 gate_up and down kernels one at a time, the other at its default) and prints the best per token count.
 """
 
@@ -94,12 +94,12 @@ def fused(x, weights, ids, routing_weights):
 
 def tune(weights, token_counts, reps):
     """Sweep each kernel's (BLOCK_N, BLOCK_K, warps, stages) -> {tokens: {kernel: (best config, us)}}."""
-    from m3_kernels import moe as moe_kernels
+    from m3_kernels import tuning
 
     best = {}
     for tokens in token_counts:
         prefill = tokens * (K + 1) >= 32 * (E + 1)
-        table = moe_kernels._GPU_PREFILL if prefill else moe_kernels._GPU_DECODE
+        table = tuning.MOE_GPU_PREFILL if prefill else tuning.MOE_GPU_DECODE
         default = dict(table)
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
         ids, routing_weights = routing(tokens, tokens)

@@ -5,8 +5,10 @@ passed as the pointer, an element offset, shape and strides), maps and
 options into a :class:`Launch`: the kernel, its grid, its arguments in
 signature order, its outputs, constexprs, warps and stages, and the launch
 that follows it (the split-K merge; after select_blocks, the attention that
-reads its ids). ``m3_torch.ops.run(launch, outputs)`` and
-``m3_jax.ops.run(launch)`` execute a Launch; they add only
+reads its ids). The model-step kernels' builders (norm, router, q/k RoPE,
+fused MoE, sampling) are in ``step_launches.py``, with the same types.
+``m3_torch.ops.run(launch, outputs)`` and ``m3_jax.ops.run(launch)``
+execute every Launch; they add only
 :func:`grid_dependency` (below), so the two frameworks compile the same
 kernel variant with the same arguments, and their results are bit-identical
 by construction.
@@ -104,8 +106,10 @@ class Output:
 
 @dataclasses.dataclass(frozen=True)
 class Prev:
-    """In ``Launch.then.args``: output ``index`` of the launch before."""
+    """In the args of a chained launch (``Launch.then``): output ``index`` of the launch ``back`` launches
+    before it (1: the one before)."""
     index: int
+    back: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +122,7 @@ class Launch:
     num_warps: int
     num_stages: int
     aliases: tuple = ()             # (arg index, output index): one buffer, updated in place
-    then: Optional["Launch"] = None  # the launch that follows (reads this one's outputs via Prev)
+    then: Optional["Launch"] = None  # the launch that follows (reads earlier launches' outputs via Prev)
 
     @property
     def empty(self) -> bool:

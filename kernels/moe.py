@@ -4,7 +4,7 @@
 chosen per token (``ids``, ``w``: the router's), where ``expert_e(x) = down_e(swiglu_oai(gate_up_e(x)))``
 with the canonical weights ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``; the
 optional shared expert has the same form and width (``[2I, H]``, ``[H, I]``) and runs as one more
-expert, id E, weight 1, of every token. Four launches, in the order :func:`plan` gives them:
+expert, id E, weight 1, of every token. Four launches, chained in this order by ``step_launches.fused_moe``:
 
 1. ``align_kernel`` (one program): the (token, expert) pairs ``p = t * S + j`` (``S = k``, or ``k + 1``
    with the shared expert as ``j = k``) grouped by expert, stably, each expert's group padded to a
@@ -29,10 +29,9 @@ step's byte floor). Every result element is computed by one program in a fixed o
 JAX launches give the same bits. Expert ids must lie in [0, E) (the router's output; not checked on
 the device, which would synchronise).
 
-``plan`` and ``check_moe_call`` at the end are the host side both launchers share.
+The host side (shapes and dtypes only) is shared by both launchers:
+``validate.check_moe_call``, ``tuning.moe``, ``step_launches.fused_moe``.
 """
-
-import dataclasses
 
 import triton
 import triton.language as tl
@@ -213,129 +212,3 @@ def sum_kernel(weighted_ptr, scale,
     if SHARED:
         out = (out.to(tl.float32) + tl.load(src + TOP_K * HIDDEN, mask=ok, other=0.0)).to(dtype)
     tl.store(out_ptr + token.to(tl.int64) * HIDDEN + h, out, mask=ok)
-
-
-# -- host side (both launchers) ----------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class KernelLaunch:
-    """One kernel's grid and launch parameters (``constexprs`` by name, beyond the shape ones)."""
-    grid: tuple
-    num_warps: int
-    num_stages: int
-    constexprs: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEPlan:
-    """The four launches of one fused-MoE call, from shapes alone."""
-    num_tokens: int
-    pairs_per_token: int     # k, or k + 1 with the shared expert
-    block_m: int
-    num_blocks: int
-    align: KernelLaunch
-    gate_up: KernelLaunch
-    down: KernelLaunch
-    sum: KernelLaunch
-
-    @property
-    def num_pairs(self) -> int:
-        return self.num_tokens * self.pairs_per_token
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of the sorted (padded) pair order: ``act``'s and ``sorted_pairs``' length."""
-        return self.num_blocks * self.block_m
-
-
-# GPU block sizes (H200-tuned for bf16: python3 -m benchmarks.moe --tune): decode-sized calls stream weights
-# (16-row blocks), prefill-sized ones (>= 32 pairs per expert on average) are compute-bound (64-row blocks);
-# float32 runs them with fewer stages where its tiles would not fit ``_SHARED_MEMORY``
-_GPU_DECODE = dict(block_m=16, gate_up=(32, 128, 4, 4), down=(64, 128, 4, 4))
-_GPU_PREFILL = dict(block_m=64, gate_up=(128, 64, 4, 4), down=(128, 64, 4, 3))
-# shared memory the GEMMs' pipelined tiles may take (an H100 / H200 block has 227 KiB; Triton adds its own)
-_SHARED_MEMORY = 200 << 10
-
-
-def plan(num_tokens: int, num_experts: int, top_k: int, shared: bool, hidden: int, inter: int,
-         itemsize: int, interpret: bool) -> MoEPlan:
-    """The launches of a call with these shapes (``itemsize``: bytes per element of x and the weights).
-    Block sizes and stages change the speed only, never a result."""
-    per_token = top_k + shared
-    pairs, experts = num_tokens * per_token, num_experts + shared
-    if interpret:
-        # the interpreter's cost is per program: whole rows of N and K per program where they are small
-        block_m = 16
-        gate_up = (min(triton.next_power_of_2(inter), 128), min(triton.next_power_of_2(hidden), 256), 1, 1)
-        down = (min(triton.next_power_of_2(hidden), 256), min(triton.next_power_of_2(inter), 256), 1, 1)
-    else:
-        sizes = _GPU_PREFILL if pairs >= 32 * experts else _GPU_DECODE
-        block_m, gate_up, down = sizes["block_m"], sizes["gate_up"], sizes["down"]
-    # each expert with pairs adds at most one block beyond an even split of the pairs
-    num_blocks = triton.cdiv(pairs, block_m) + min(experts, pairs)
-    shape = dict(NUM_EXPERTS=num_experts, TOP_K=top_k, SHARED=shared)
-    sum_block = min(triton.next_power_of_2(hidden), 1024)
-
-    def gemm(n, sizes, weight_tiles):
-        block_n, block_k, warps, stages = sizes
-        # an estimate: each stage holds a [BLOCK_M, BLOCK_K] tile of rows and weight_tiles [BLOCK_N, BLOCK_K]
-        # weight tiles (test_plans_fit_hopper_shared_memory checks what Triton allocates)
-        stage_bytes = (block_m + weight_tiles * block_n) * block_k * itemsize
-        stages = max(1, min(stages, _SHARED_MEMORY // stage_bytes))
-        return KernelLaunch((num_blocks, triton.cdiv(n, block_n)), warps, stages,
-                            dict(shape, HIDDEN=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n,
-                                 BLOCK_K=block_k))
-
-    return MoEPlan(
-        num_tokens=num_tokens, pairs_per_token=per_token, block_m=block_m, num_blocks=num_blocks,
-        align=KernelLaunch((1,), 4, 1, dict(shape, EXPERTS_POW2=triton.next_power_of_2(experts), BLOCK_M=block_m,
-                                            NUM_BLOCKS=num_blocks, CHUNK=256 if interpret else 64)),
-        gate_up=gemm(inter, gate_up, 2), down=gemm(hidden, down, 1),
-        sum=KernelLaunch((num_tokens, triton.cdiv(hidden, sum_block)), 4, 1,
-                         dict(HIDDEN=hidden, TOP_K=top_k, SHARED=shared, BLOCK_H=sum_block)))
-
-
-def check_moe_call(x, w_gate_up, w_down, topk_ids, topk_weights, shared_gate_up, shared_down) -> tuple:
-    """Check ``fused_moe``'s arguments (shapes and dtypes only) -> (T, E, k, H, I)."""
-    # absolute: the interpreted copy of this module shares the one validate
-    from m3_kernels.validate import FLOAT_DTYPES, check_dim, check_dtype, check_rank, dtype_name
-
-    check_rank("x", x, 2, "[T, H]")
-    check_dtype("x", x, FLOAT_DTYPES)
-    tokens, hidden = (int(s) for s in x.shape)
-    check_rank("w_gate_up", w_gate_up, 3, "[E, 2I, H]")
-    check_rank("w_down", w_down, 3, "[E, H, I]")
-    experts, two_inter = int(w_gate_up.shape[0]), int(w_gate_up.shape[1])
-    if two_inter % 2:
-        raise ValueError(f"w_gate_up: expected [E, 2I, H] (gate rows, then up rows), got an odd 2I = {two_inter}")
-    inter = two_inter // 2
-    check_dim("w_gate_up", w_gate_up, 2, hidden, "H (columns of x)")
-    check_dim("w_down", w_down, 0, experts, "E (experts of w_gate_up)")
-    check_dim("w_down", w_down, 1, hidden, "H (columns of x)")
-    check_dim("w_down", w_down, 2, inter, "I (half the rows of w_gate_up)")
-    if (shared_gate_up is None) != (shared_down is None):
-        raise ValueError("shared_gate_up, shared_down: pass both (the shared expert) or neither")
-    weights = [("w_gate_up", w_gate_up), ("w_down", w_down)]
-    if shared_gate_up is not None:
-        check_rank("shared_gate_up", shared_gate_up, 2, "[2I, H]")
-        check_rank("shared_down", shared_down, 2, "[H, I]")
-        check_dim("shared_gate_up", shared_gate_up, 0, two_inter, "2I (the experts' width: a shared expert of "
-                  "another width runs outside fused_moe)")
-        check_dim("shared_gate_up", shared_gate_up, 1, hidden, "H (columns of x)")
-        check_dim("shared_down", shared_down, 0, hidden, "H (columns of x)")
-        check_dim("shared_down", shared_down, 1, inter, "I (the experts' width)")
-        weights += [("shared_gate_up", shared_gate_up), ("shared_down", shared_down)]
-    for name, w in weights:
-        if dtype_name(w) != dtype_name(x):
-            raise TypeError(f"{name}: expected the dtype of x ({dtype_name(x)}), got {dtype_name(w)}")
-    check_rank("topk_ids", topk_ids, 2, "[T, k]")
-    check_dtype("topk_ids", topk_ids, "int32")
-    check_dim("topk_ids", topk_ids, 0, tokens, "T (rows of x)")
-    top_k = int(topk_ids.shape[1])
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"topk_ids: expected k in [1, E = {experts}] experts per token, got k = {top_k}")
-    check_rank("topk_weights", topk_weights, 2, "[T, k]")
-    check_dtype("topk_weights", topk_weights, "float32")
-    check_dim("topk_weights", topk_weights, 0, tokens, "T (rows of x)")
-    check_dim("topk_weights", topk_weights, 1, top_k, "k (columns of topk_ids)")
-    return tokens, experts, top_k, hidden, inter

@@ -34,11 +34,9 @@ build the facts torch's has, for speed. Non-finite rows follow the
 model: a NaN anywhere makes the row's normed values NaN; an infinite square
 (|r| >= 2^64) makes ``inv_rms`` 0 (normed 0, NaN where r is infinite).
 
-``block_sizes`` and ``check_norm_call`` at the end are the host side both
-launchers share (shapes and dtypes only).
+The host side (shapes and dtypes only) is shared by both launchers:
+``validate.check_norm_call``, ``tuning.norm``, ``step_launches.rms_norm``.
 """
-
-import numbers
 
 import triton
 import triton.language as tl
@@ -116,50 +114,3 @@ def rms_norm_kernel(
     inv = inv_rms(r, HIDDEN, eps, 1)
     normed = (r * inv[:, None]) * scale[None, :]
     tl.store(normed_ptr + out_offs, normed.to(normed_ptr.dtype.element_ty), mask=m)
-
-
-# -- host side, shared by the torch and JAX launchers (shapes and dtypes only) -------------------
-
-def block_sizes(rows: int, hidden: int, interpret: bool) -> dict:
-    """Launch parameters of ``rms_norm_kernel`` (``grid`` included). They change the speed only, never a
-    result (each row's sum is exact)."""
-    block_h = triton.next_power_of_2(hidden)
-    if interpret:
-        # the interpreter's cost is per program and operation: up to 2^16 elements per program
-        block_r = max(1, min(triton.next_power_of_2(max(rows, 1)), (1 << 16) // block_h))
-        config = dict(BLOCK_R=block_r, BLOCK_H=block_h, num_warps=1, num_stages=1)
-    else:
-        # one row per program, 8-32 elements per thread (hidden 6144: 8 warps, 32 each)
-        num_warps = 4 if block_h <= 2048 else 8 if block_h <= 8192 else 16
-        config = dict(BLOCK_R=1, BLOCK_H=block_h, num_warps=num_warps, num_stages=1)
-    config["grid"] = (triton.cdiv(rows, config["BLOCK_R"]),)
-    return config
-
-
-def check_norm_call(x, residual_in, weight, eps) -> tuple:
-    """Check ``add_rms_norm`` (``residual_in`` given) / ``rms_norm`` (None) -> (T, H, eps as a float)."""
-    from m3_kernels.validate import FLOAT_DTYPES, check_dim, check_dtype, check_rank, dtype_name
-
-    check_rank("x", x, 2, "[T, H]")
-    check_dtype("x", x, FLOAT_DTYPES)
-    rows, hidden = (int(s) for s in x.shape)
-    if not 1 <= hidden <= MAX_WIDTH:
-        raise ValueError(f"x: expected a hidden size H in [1, {MAX_WIDTH}], got H = {hidden}")
-    if residual_in is not None:
-        check_rank("residual_in", residual_in, 2, "[T, H]")
-        check_dtype("residual_in", residual_in, dtype_name(x))
-        check_dim("residual_in", residual_in, 0, rows, "T (rows of x)")
-        check_dim("residual_in", residual_in, 1, hidden, "H (columns of x)")
-    check_rank("weight", weight, 1, "[H]")
-    check_dtype("weight", weight, FLOAT_DTYPES)
-    check_dim("weight", weight, 0, hidden, "H (columns of x)")
-    return rows, hidden, check_eps(eps)
-
-
-def check_eps(eps) -> float:
-    """``eps``: a real number >= 0 (Python or numpy; a kernel scalar, which JAX bakes into its kernel) -> float."""
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
-    if not eps >= 0:
-        raise ValueError(f"eps: expected a float >= 0, got {eps!r}")
-    return float(eps)

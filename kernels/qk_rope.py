@@ -56,19 +56,17 @@ Same bits from torch and JAX: every operation is elementwise or an exact
 reduction (the norms' integer sums, maxima), so nothing depends on the
 register layout the compiler picks for either framework (compiled for sm_90
 as torch and as jax-triton build it, the two kernels are the same
-instructions). ``ALIGNED`` (``aligned_layout``) gives jax-triton's build the
+instructions). ``ALIGNED`` (``step_launches.qk_rope_aligned``) gives jax-triton's build the
 divisibility facts torch's has, so both vectorize their loads and stores.
 
-``launch_config`` and ``check_qk_rope_call`` at the end are the host side both
-launchers share (shapes and dtypes only).
+The host side (shapes and dtypes only) is shared by both launchers:
+``validate.check_qk_rope_call``, ``tuning.qk_rope``, ``step_launches.qk_norm_rope``.
 """
-
-import dataclasses
 
 import triton
 import triton.language as tl
 
-from .common import PAGE_SIZE, aligned, multiple_of_16, release_next_grid, to_e4m3, typed, wait_for_previous_grid
+from .common import PAGE_SIZE, multiple_of_16, release_next_grid, to_e4m3, typed, wait_for_previous_grid
 from .norm import inv_rms
 
 
@@ -207,120 +205,3 @@ def qk_norm_rope_kernel(
             ik_dst = (typed(pool_ptr, INDEX_DTYPE) + index_k_off + page * stride_cip + row * stride_cin
                       + offs_i * stride_cid)
             tl.store(ik_dst, idx_k.to(INDEX_DTYPE), mask=m_ik)
-
-
-# -- host side, shared by the torch and JAX launchers (shapes and dtypes only) -------------------
-
-@dataclasses.dataclass(frozen=True)
-class QKRopeCall:
-    """What ``check_qk_rope_call`` resolved."""
-    num_tokens: int
-    num_q_heads: int
-    num_kv_heads: int       # also the index-q heads
-    head_dim: int
-    index_head_dim: int     # 0 on a dense layer
-    rotary_dim: int
-    index_rotary_dim: int   # min(rotary_dim, index_head_dim); 0 on a dense layer
-    eps: float
-
-    @property
-    def sparse(self) -> bool:
-        return self.index_head_dim > 0
-
-
-def launch_config(call: QKRopeCall, kv_cache_dtype: str, index_cache_dtype: str, interpret: bool) -> dict:
-    """Grid, warps, stages, constexprs and (GPUs) ``enable_fp_fusion`` of ``qk_norm_rope_kernel`` for ``call``
-    and the caches' dtypes (by name; a dense layer's index dtype is ignored). Block sizes change the speed
-    only, never a result."""
-    from m3_kernels.launches import TRITON_DTYPES
-
-    q_heads_pad = triton.next_power_of_2(call.num_q_heads)
-    if interpret:
-        # the interpreter's cost is per program and operation: all q heads, up to ~2^15 q elements a program
-        q_heads = q_heads_pad
-        block_t = max(1, min(triton.next_power_of_2(max(call.num_tokens, 1)), (1 << 15) // (q_heads * call.head_dim)))
-        config = dict(BLOCK_T=block_t, Q_HEADS=q_heads, num_warps=1, num_stages=1)
-    else:
-        # one token a program, up to 2048 q elements (16 heads of 128) per q program
-        config = dict(BLOCK_T=1, Q_HEADS=min(q_heads_pad, max(1, 2048 // call.head_dim)), num_warps=4, num_stages=1,
-                      enable_fp_fusion=False)   # no FMA contraction (module docstring)
-    config["grid"] = (triton.cdiv(call.num_tokens, config["BLOCK_T"]),
-                      1 + triton.cdiv(call.num_q_heads, config["Q_HEADS"]))
-    # a dense layer: index sizes that compile (never used)
-    config.update(NUM_Q_HEADS=call.num_q_heads, NUM_KV_HEADS=call.num_kv_heads,
-                  KV_HEADS_PAD=triton.next_power_of_2(call.num_kv_heads), HEAD_DIM=call.head_dim,
-                  INDEX_HEAD_DIM=call.index_head_dim or 16, ROTARY_DIM=call.rotary_dim,
-                  INDEX_ROTARY_DIM=call.index_rotary_dim or 16, SPARSE=call.sparse,
-                  KV_DTYPE=TRITON_DTYPES[kv_cache_dtype],
-                  INDEX_DTYPE=TRITON_DTYPES[index_cache_dtype if call.sparse else kv_cache_dtype])
-    return config
-
-
-def aligned_layout(qkv_row_stride, cache_offsets, cache_strides) -> bool:
-    """The ``ALIGNED`` constexpr (``common.aligned``) of a launch: qkv's row stride, the three cache offsets and
-    every cache stride but the channels' (the last of each cache) are multiples of 16 elements."""
-    k, v, index = cache_strides[:4], cache_strides[4:8], cache_strides[8:]
-    return aligned(qkv_row_stride, *cache_offsets, *k[:-1], *v[:-1], *index[:-1])
-
-
-def check_qk_rope_call(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slot_mapping, *, num_q_heads,
-                       eps, index_q_norm, index_k_norm, index_k_cache, k_scale, v_scale) -> QKRopeCall:
-    """Check ``qk_norm_rope``'s arguments (caches: anything with the logical ``.shape``/``.dtype``)."""
-    from m3_kernels.validate import (FLOAT_DTYPES, PAGE_SIZE as PAGE, check_cache_dtype, check_dim, check_dtype,
-                                     check_head_dim, check_int, check_rank, check_scales, dtype_name)
-    from m3_kernels.norm import check_eps
-
-    check_rank("qkv", qkv, 2, "[T, Hq*D + 2*Hk*D (+ Hi*Di + Di)]")
-    check_dtype("qkv", qkv, FLOAT_DTYPES)
-    dtype = dtype_name(qkv)
-    tokens, width = (int(s) for s in qkv.shape)
-    num_q_heads = check_int("num_q_heads", num_q_heads, 1)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_rank(name, cache, 4, "[slots, Hk, 128, D]")
-        check_cache_dtype(name, cache, dtype)
-        check_dim(name, cache, 2, PAGE, "page size")
-    check_dtype("v_cache", v_cache, dtype_name(k_cache))
-    num_kv_heads, head_dim = int(k_cache.shape[1]), int(k_cache.shape[3])
-    check_head_dim("k_cache", head_dim)
-    check_dim("v_cache", v_cache, 1, num_kv_heads, "Hk of k_cache")
-    check_dim("v_cache", v_cache, 3, head_dim, "D of k_cache")
-    check_scales(dtype_name(k_cache), k_scale=k_scale, v_scale=v_scale)
-    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
-        check_rank(name, w, 1, "[D]")
-        check_dtype(name, w, FLOAT_DTYPES)
-        check_dim(name, w, 0, head_dim, "D (head dim of k_cache)")
-    check_rank("inv_freq", inv_freq, 1, "[rotary_dim / 2]")
-    check_dtype("inv_freq", inv_freq, "float32")
-    rotary_dim = 2 * int(inv_freq.shape[0])
-    if not 2 <= rotary_dim <= head_dim:
-        raise ValueError(f"inv_freq: expected rotary_dim / 2 entries with 2 <= rotary_dim <= D = {head_dim}, "
-                         f"got {int(inv_freq.shape[0])}")
-    for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
-        check_rank(name, x, 1, "[T]")
-        check_dtype(name, x, ("int32", "int64"))
-        check_dim(name, x, 0, tokens, "T (rows of qkv)")
-    index = {"index_q_norm": index_q_norm, "index_k_norm": index_k_norm, "index_k_cache": index_k_cache}
-    given = [name for name, x in index.items() if x is not None]
-    if given and len(given) != len(index):
-        missing = [name for name in index if name not in given]
-        raise ValueError(f"{', '.join(missing)}: missing; a sparse layer passes index_q_norm, index_k_norm and "
-                         "index_k_cache together, a dense layer none of them")
-    index_head_dim = index_rotary_dim = 0
-    if given:
-        check_rank("index_k_cache", index_k_cache, 3, "[slots, 128, Di]")
-        check_cache_dtype("index_k_cache", index_k_cache, dtype)
-        check_dim("index_k_cache", index_k_cache, 1, PAGE, "page size")
-        index_head_dim = int(index_k_cache.shape[2])
-        check_head_dim("index_k_cache", index_head_dim)
-        for name in ("index_q_norm", "index_k_norm"):
-            check_rank(name, index[name], 1, "[Di]")
-            check_dtype(name, index[name], FLOAT_DTYPES)
-            check_dim(name, index[name], 0, index_head_dim, "Di (head dim of index_k_cache)")
-        index_rotary_dim = min(rotary_dim, index_head_dim)
-    expected = (num_q_heads + 2 * num_kv_heads) * head_dim + (num_kv_heads + 1) * index_head_dim
-    if width != expected:
-        layout = (f"(Hq + 2*Hk)*D + (Hi + 1)*Di with Hi = Hk, Di = {index_head_dim}" if given else "(Hq + 2*Hk)*D")
-        raise ValueError(f"qkv: expected width {layout}, Hq = {num_q_heads} (num_q_heads), Hk = {num_kv_heads}, "
-                         f"D = {head_dim} (k_cache): {expected}, got {width}")
-    return QKRopeCall(tokens, num_q_heads, num_kv_heads, head_dim, index_head_dim, rotary_dim, index_rotary_dim,
-                      check_eps(eps))

@@ -36,11 +36,9 @@ and minima (exact), the weights sum in a fixed order. ``ALIGNED``
 so both pipeline their loads. ``test_gpu_moe_route_real_shapes`` checks the
 bits on a GPU.
 
-``block_sizes`` and ``check_route_call`` at the end are the host side both
-launchers share (shapes and dtypes only).
+The host side (shapes and dtypes only) is shared by both launchers:
+``validate.check_route_call``, ``tuning.router``, ``step_launches.moe_route``.
 """
-
-import numbers
 
 import triton
 import triton.language as tl
@@ -146,56 +144,3 @@ def router_topk_kernel(
     total = tl.where(m_t, total, 1.0)                     # rows past T: no 0 / 0
     weights = tl.div_rn(chosen_p, total[:, None] + tl.zeros_like(chosen_p))
     tl.store(weights_ptr + tokens[:, None] * TOP_K + slots, weights, mask=m_t[:, None] & (slots < TOP_K))
-
-
-# -- host side, shared by the torch and JAX launchers (shapes and dtypes only) -------------------
-
-def block_sizes(tokens: int, hidden: int, experts: int, top_k: int, interpret: bool) -> tuple[dict, dict]:
-    """Launch parameters of ``router_logits_kernel`` and ``router_topk_kernel`` (``grid`` included). They
-    change the speed only, and both frameworks take them from here: a logit's float32 sum follows
-    BLOCK_H's chunks and SPLITS' ranges, the same for torch and JAX."""
-    experts_pad = max(16, triton.next_power_of_2(experts))
-    if interpret:
-        # the interpreter's cost is per program and operation: many tokens, wide chunks, one split
-        block_t = max(16, min(triton.next_power_of_2(max(tokens, 1)), 128))
-        block_h = max(16, min(triton.next_power_of_2(hidden), 1024))
-        logits = dict(BLOCK_T=block_t, BLOCK_E=experts_pad, BLOCK_H=block_h, SPLITS=1, num_warps=1, num_stages=1)
-    elif tokens <= 64:
-        # decode: the router weight (E = 128, H = 6144: 1.5 MB of bf16) is the traffic; spread it over
-        # E / 16 x 8 programs instead of streaming it through one SM
-        logits = dict(BLOCK_T=16, BLOCK_E=16, BLOCK_H=64, SPLITS=8, num_warps=4, num_stages=3)
-    else:
-        # prefill: every program streams the whole weight from L2 and its tokens' rows once
-        block_t = 16 if tokens <= 2048 else 64
-        logits = dict(BLOCK_T=block_t, BLOCK_E=experts_pad, BLOCK_H=64 if experts_pad <= 128 else 32, SPLITS=1,
-                      num_warps=4, num_stages=3)
-    splits = logits.pop("SPLITS")
-    logits["CHUNK"] = triton.cdiv(triton.cdiv(hidden, splits), logits["BLOCK_H"]) * logits["BLOCK_H"]
-    logits["grid"] = (triton.cdiv(tokens, logits["BLOCK_T"]), experts_pad // logits["BLOCK_E"], splits)
-    topk_t = logits["BLOCK_T"] if interpret else 16
-    topk = dict(BLOCK_T=topk_t, SPLITS=splits, TOP_K_PAD=triton.next_power_of_2(top_k),
-                num_warps=1 if interpret else 4, num_stages=1, grid=(triton.cdiv(tokens, topk_t),))
-    return dict(logits, EXPERTS_PAD=experts_pad), dict(topk, EXPERTS_PAD=experts_pad)
-
-
-def check_route_call(x, router_weight, bias, top_k) -> tuple:
-    """Check ``moe_route``'s arguments -> (T, H, E, top_k)."""
-    from m3_kernels.validate import FLOAT_DTYPES, check_dim, check_dtype, check_rank, dtype_name
-
-    check_rank("x", x, 2, "[T, H]")
-    check_dtype("x", x, FLOAT_DTYPES)
-    tokens, hidden = (int(s) for s in x.shape)
-    check_rank("router_weight", router_weight, 2, "[E, H]")
-    check_dtype("router_weight", router_weight, dtype_name(x))
-    check_dim("router_weight", router_weight, 1, hidden, "H (columns of x)")
-    experts = int(router_weight.shape[0])
-    if not 1 <= experts <= MAX_EXPERTS:
-        raise ValueError(f"router_weight: expected E in [1, {MAX_EXPERTS}] experts, got E = {experts}")
-    check_rank("bias", bias, 1, "[E]")
-    check_dtype("bias", bias, FLOAT_DTYPES)
-    check_dim("bias", bias, 0, experts, "E (rows of router_weight)")
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-        raise TypeError(f"top_k: expected an int, got {type(top_k).__name__}")
-    if not 1 <= top_k <= min(MAX_TOP_K, experts):
-        raise ValueError(f"top_k: expected 1 <= top_k <= min({MAX_TOP_K}, E = {experts}), got {top_k}")
-    return tokens, hidden, experts, int(top_k)

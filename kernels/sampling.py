@@ -28,8 +28,8 @@ are exact (int64; softmax terms as multiples of 2^-40), maxima and argmaxes
 the compiler picks (torch and jax-triton give it different divisibility
 facts, hence different layouts). Divisions round as IEEE (``div_rn``).
 
-``block_sizes`` and ``check_sample_call`` at the end are the host side both
-launchers share (they read shapes and dtypes only).
+The host side (shapes and dtypes only) is shared by both launchers:
+``validate.check_sample_call``, ``tuning.sample``, ``step_launches.sample``.
 """
 
 import triton
@@ -257,56 +257,3 @@ def sample_kernel(
     tl.store(token_ptr + rows, best_id, mask=m_r)
     tl.store(logprob_ptr + rows, token_logit - lse, mask=m_r)
     tl.store(lse_ptr + rows, lse, mask=m_r)
-
-
-# -- host side, shared by m3_torch.sample and m3_jax.sample (shapes and dtypes only) ------------
-
-SEED_DTYPES = ("int64", "int32")
-
-
-def block_sizes(rows: int, vocab: int, interpret: bool) -> dict:
-    """Launch parameters of ``sample_kernel`` for ``rows`` rows of ``vocab`` logits (``grid`` included).
-    They change the speed only, never a result (every row's math is its own and exact where it sums)."""
-    if interpret:
-        # the interpreter's cost is per program and per operation, not per element: many rows and
-        # wide chunks per program, up to ~2^16 elements per [BLOCK_R, BLOCK_V] and 2^20 per search step
-        block_v = max(16, min(triton.next_power_of_2(vocab), 4096))
-        block_r = max(1, min(triton.next_power_of_2(max(rows, 1)), (1 << 16) // block_v))
-        block_s = max(16, min(block_v, (1 << 20) // (block_r * 16)))
-        config = dict(BLOCK_R=block_r, BLOCK_V=block_v, BLOCK_S=block_s, PIVOTS=16, num_warps=1, num_stages=1)
-    else:
-        config = dict(BLOCK_R=1, BLOCK_V=4096, BLOCK_S=512, PIVOTS=16, num_warps=8, num_stages=2)
-    config["grid"] = (triton.cdiv(rows, config["BLOCK_R"]),)
-    return config
-
-
-def check_sample_call(logits, temperature, top_k, top_p, min_p, seeds, counters, penalties: dict,
-                      prompt_ids, output_ids) -> tuple:
-    """Check ``sample``'s arguments -> (L, V, has_penalties). ``penalties``: name -> array or None."""
-    # absolute: the interpreted copy of this module (m3_kernels.interpreted.sampling) shares the one validate
-    from m3_kernels.validate import FLOAT_DTYPES, check_dim, check_dtype, check_rank
-
-    check_rank("logits", logits, 2, "[L, V]")
-    check_dtype("logits", logits, FLOAT_DTYPES)
-    rows, vocab = (int(s) for s in logits.shape)
-    if not 1 <= vocab <= MAX_VOCAB:
-        raise ValueError(f"logits: expected a vocabulary V in [1, {MAX_VOCAB}], got V = {vocab}")
-    per_row = [("temperature", temperature, "float32"), ("top_k", top_k, "int32"), ("top_p", top_p, "float32"),
-               ("min_p", min_p, "float32"), ("seeds", seeds, SEED_DTYPES), ("counters", counters, "int32")]
-    given = {name: p for name, p in penalties.items() if p is not None}
-    ids = {"prompt_ids": prompt_ids, "output_ids": output_ids}
-    given_ids = {name: a for name, a in ids.items() if a is not None}
-    if (given or given_ids) and (len(given) != len(penalties) or len(given_ids) != len(ids)):
-        missing = [n for n in (*penalties, *ids) if n not in given and n not in given_ids]
-        raise ValueError(f"penalties: {', '.join(missing)} missing; pass {', '.join((*penalties, *ids))} "
-                         "together or none of them")
-    per_row += [(name, p, "float32") for name, p in given.items()]
-    for name, x, dtype in per_row:
-        check_rank(name, x, 1, "[L]")
-        check_dtype(name, x, dtype)
-        check_dim(name, x, 0, rows, "L (rows of logits)")
-    for name, x in given_ids.items():
-        check_rank(name, x, 2, f"[L, {'P' if name == 'prompt_ids' else 'O'}] padded with -1")
-        check_dtype(name, x, "int32")
-        check_dim(name, x, 0, rows, "L (rows of logits)")
-    return rows, vocab, bool(given)

@@ -192,3 +192,152 @@ def cutedsl_index_scores(*, head_dim: int) -> CuteIndexConfig:
     ``index_scores``'s, computed in the kernel's host code from the runtime sizes."""
     target = CUTEDSL_TARGET_PROGRAMS if CUTEDSL_TARGET_PROGRAMS is not None else targets(False).target_programs
     return CuteIndexConfig(CUTEDSL_STAGES[head_dim], target)
+
+
+# -- the model-step kernels -----------------------------------------------------------------
+# Their block sizes change the speed only, never a result: every sum they make is exact or runs in the
+# same order whatever the block sizes (the kernel modules' docstrings), except the router's logits, whose
+# float32 sums follow BLOCK_H's chunks and SPLITS' ranges: the same for torch and JAX, as both read them here.
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    block_r: int          # rows per program
+    block_h: int          # next power of two >= H: a row whole in registers
+    num_warps: int
+    num_stages: int
+
+
+def norm(*, rows: int, hidden: int, interpret: bool) -> NormConfig:
+    """``norm.rms_norm_kernel``."""
+    block_h = next_pow2(hidden)
+    if interpret:
+        # the interpreter's cost is per program and operation: up to 2^16 elements per program
+        return NormConfig(max(1, min(next_pow2(max(rows, 1)), (1 << 16) // block_h)), block_h, 1, 1)
+    # one row per program, 8-32 elements per thread (hidden 6144: 8 warps, 32 each)
+    return NormConfig(1, block_h, 4 if block_h <= 2048 else 8 if block_h <= 8192 else 16, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    experts_pad: int      # next power of two >= max(E, 16)
+    # router_logits_kernel
+    block_t: int
+    block_e: int
+    block_h: int
+    splits: int           # ranges of H summed by separate programs (grid axis 2)
+    num_warps: int
+    num_stages: int
+    # router_topk_kernel
+    topk_block_t: int
+    topk_num_warps: int
+
+
+def router(*, tokens: int, hidden: int, experts: int, interpret: bool) -> RouterConfig:
+    """``router.router_logits_kernel`` and ``router.router_topk_kernel``."""
+    experts_pad = max(16, next_pow2(experts))
+    if interpret:
+        # the interpreter's cost is per program and operation: many tokens, wide chunks, one split
+        block_t = max(16, min(next_pow2(max(tokens, 1)), 128))
+        return RouterConfig(experts_pad, block_t, experts_pad, max(16, min(next_pow2(hidden), 1024)), 1, 1, 1,
+                            topk_block_t=block_t, topk_num_warps=1)
+    if tokens <= 64:
+        # decode: the router weight (E = 128, H = 6144: 1.5 MB of bf16) is the traffic; spread it over
+        # E / 16 x 8 programs instead of streaming it through one SM
+        return RouterConfig(experts_pad, 16, 16, 64, 8, 4, 3, topk_block_t=16, topk_num_warps=4)
+    # prefill: every program streams the whole weight from L2 and its tokens' rows once
+    return RouterConfig(experts_pad, 16 if tokens <= 2048 else 64, experts_pad, 64 if experts_pad <= 128 else 32, 1,
+                        4, 3, topk_block_t=16, topk_num_warps=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class QKRopeConfig:
+    block_t: int          # tokens per program
+    q_heads: int          # q heads per program (a power of two)
+    num_warps: int
+    num_stages: int
+    fp_fusion: bool       # GPUs: False, no FMA contraction (qk_rope.py's docstring)
+
+
+def qk_rope(*, num_tokens: int, num_q_heads: int, head_dim: int, interpret: bool) -> QKRopeConfig:
+    """``qk_rope.qk_norm_rope_kernel``."""
+    q_heads_pad = next_pow2(num_q_heads)
+    if interpret:
+        # the interpreter's cost is per program and operation: all q heads, up to ~2^15 q elements a program
+        block_t = max(1, min(next_pow2(max(num_tokens, 1)), (1 << 15) // (q_heads_pad * head_dim)))
+        return QKRopeConfig(block_t, q_heads_pad, 1, 1, fp_fusion=True)
+    # one token a program, up to 2048 q elements (16 heads of 128) per q program
+    return QKRopeConfig(1, min(q_heads_pad, max(1, 2048 // head_dim)), 4, 1, fp_fusion=False)
+
+
+# fused MoE GEMMs, (BLOCK_N, BLOCK_K, warps, stages) per kernel, H200-tuned for bf16
+# (python3 -m benchmarks.moe --tune): decode-sized calls stream weights (16-row blocks), prefill-sized ones
+# (>= 32 pairs per expert on average) are compute-bound (64-row blocks); float32 runs them with fewer stages
+# where its tiles would not fit MOE_SHARED_MEMORY
+MOE_GPU_DECODE = dict(block_m=16, gate_up=(32, 128, 4, 4), down=(64, 128, 4, 4))
+MOE_GPU_PREFILL = dict(block_m=64, gate_up=(128, 64, 4, 4), down=(128, 64, 4, 3))
+# shared memory the GEMMs' pipelined tiles may take (an H100 / H200 block has 227 KiB; Triton adds its own)
+MOE_SHARED_MEMORY = 200 << 10
+MOE_ALIGN_NUM_WARPS = 4
+MOE_SUM_NUM_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    block_m: int          # rows of a GEMM block: pairs of one expert
+    align_chunk: int      # pairs align_kernel reads at a time
+    gate_up: GemmConfig
+    down: GemmConfig
+    sum_block_h: int
+
+
+def moe(*, pairs: int, experts: int, hidden: int, inter: int, itemsize: int, interpret: bool) -> MoEConfig:
+    """``moe.align_kernel``, ``gate_up_kernel``, ``down_kernel``, ``sum_kernel`` of a call with ``pairs``
+    (token, expert) pairs over ``experts`` experts (the shared one included); ``itemsize``: bytes per
+    element of x and the weights."""
+    if interpret:
+        # the interpreter's cost is per program: whole rows of N and K per program where they are small
+        block_m = 16
+        gate_up = (min(next_pow2(inter), 128), min(next_pow2(hidden), 256), 1, 1)
+        down = (min(next_pow2(hidden), 256), min(next_pow2(inter), 256), 1, 1)
+    else:
+        sizes = MOE_GPU_PREFILL if pairs >= 32 * experts else MOE_GPU_DECODE
+        block_m, gate_up, down = sizes["block_m"], sizes["gate_up"], sizes["down"]
+
+    def gemm(sizes, weight_tiles):
+        block_n, block_k, warps, stages = sizes
+        # an estimate: each stage holds a [BLOCK_M, BLOCK_K] tile of rows and weight_tiles [BLOCK_N, BLOCK_K]
+        # weight tiles (test_plans_fit_hopper_shared_memory checks what Triton allocates)
+        stage_bytes = (block_m + weight_tiles * block_n) * block_k * itemsize
+        return GemmConfig(block_n, block_k, warps, max(1, min(stages, MOE_SHARED_MEMORY // stage_bytes)))
+
+    return MoEConfig(block_m, 256 if interpret else 64, gemm(gate_up, 2), gemm(down, 1),
+                     min(next_pow2(hidden), 1024))
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    block_r: int          # rows per program
+    block_v: int          # chunk of the first and the last pass
+    block_s: int          # chunk of the search passes
+    pivots: int           # thresholds tried per search pass
+    num_warps: int
+    num_stages: int
+
+
+def sample(*, rows: int, vocab: int, interpret: bool) -> SampleConfig:
+    """``sampling.sample_kernel`` for ``rows`` rows of ``vocab`` logits."""
+    if interpret:
+        # the interpreter's cost is per program and per operation, not per element: many rows and
+        # wide chunks per program, up to ~2^16 elements per [BLOCK_R, BLOCK_V] and 2^20 per search step
+        block_v = max(16, min(next_pow2(vocab), 4096))
+        block_r = max(1, min(next_pow2(max(rows, 1)), (1 << 16) // block_v))
+        return SampleConfig(block_r, block_v, max(16, min(block_v, (1 << 20) // (block_r * 16))), 16, 1, 1)
+    return SampleConfig(1, 4096, 512, 16, 8, 2)

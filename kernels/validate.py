@@ -18,6 +18,9 @@ import os
 import numpy as np
 
 from .maps import PAGE_SIZE
+from .norm import MAX_WIDTH
+from .router import MAX_EXPERTS, MAX_TOP_K
+from .sampling import MAX_VOCAB
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 FP8 = "float8_e4m3fn"   # the one FP8 cache format (SPEC.md, "FP8 caches")
@@ -362,6 +365,207 @@ def check_cache_write(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mappi
         check_dim("index_k_cache", index_k_cache, 1, PAGE_SIZE, "page size")
         check_dim("index_k_cache", index_k_cache, 2, int(index_k.shape[1]), "Di of index_k")
     return num_tokens
+
+
+# -- the model-step ops ------------------------------------------------------------------
+
+def check_norm_call(x, residual_in, weight, eps) -> tuple:
+    """Check ``add_rms_norm`` (``residual_in`` given) / ``rms_norm`` (None) -> (T, H, eps as a float)."""
+    check_rank("x", x, 2, "[T, H]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    rows, hidden = (int(s) for s in x.shape)
+    if not 1 <= hidden <= MAX_WIDTH:
+        raise ValueError(f"x: expected a hidden size H in [1, {MAX_WIDTH}], got H = {hidden}")
+    if residual_in is not None:
+        check_rank("residual_in", residual_in, 2, "[T, H]")
+        check_dtype("residual_in", residual_in, dtype_name(x))
+        check_dim("residual_in", residual_in, 0, rows, "T (rows of x)")
+        check_dim("residual_in", residual_in, 1, hidden, "H (columns of x)")
+    check_rank("weight", weight, 1, "[H]")
+    check_dtype("weight", weight, FLOAT_DTYPES)
+    check_dim("weight", weight, 0, hidden, "H (columns of x)")
+    return rows, hidden, check_eps(eps)
+
+
+def check_eps(eps) -> float:
+    """``eps``: a real number >= 0 (Python or numpy; a kernel scalar, which JAX bakes into its kernel) -> float."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
+    if not eps >= 0:
+        raise ValueError(f"eps: expected a float >= 0, got {eps!r}")
+    return float(eps)
+
+
+def check_route_call(x, router_weight, bias, top_k) -> tuple:
+    """Check ``moe_route``'s arguments -> (T, H, E, top_k)."""
+    check_rank("x", x, 2, "[T, H]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    tokens, hidden = (int(s) for s in x.shape)
+    check_rank("router_weight", router_weight, 2, "[E, H]")
+    check_dtype("router_weight", router_weight, dtype_name(x))
+    check_dim("router_weight", router_weight, 1, hidden, "H (columns of x)")
+    experts = int(router_weight.shape[0])
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"router_weight: expected E in [1, {MAX_EXPERTS}] experts, got E = {experts}")
+    check_rank("bias", bias, 1, "[E]")
+    check_dtype("bias", bias, FLOAT_DTYPES)
+    check_dim("bias", bias, 0, experts, "E (rows of router_weight)")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+        raise TypeError(f"top_k: expected an int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= min(MAX_TOP_K, experts):
+        raise ValueError(f"top_k: expected 1 <= top_k <= min({MAX_TOP_K}, E = {experts}), got {top_k}")
+    return tokens, hidden, experts, int(top_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class QKRopeCall:
+    """What ``check_qk_rope_call`` resolved."""
+    num_tokens: int
+    num_q_heads: int
+    num_kv_heads: int       # also the index-q heads
+    head_dim: int
+    index_head_dim: int     # 0 on a dense layer
+    rotary_dim: int
+    index_rotary_dim: int   # min(rotary_dim, index_head_dim); 0 on a dense layer
+    eps: float
+
+    @property
+    def sparse(self) -> bool:
+        return self.index_head_dim > 0
+
+
+def check_qk_rope_call(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slot_mapping, *, num_q_heads,
+                       eps, index_q_norm, index_k_norm, index_k_cache, k_scale, v_scale) -> QKRopeCall:
+    """Check ``qk_norm_rope``'s arguments (caches: anything with the logical ``.shape``/``.dtype``)."""
+    check_rank("qkv", qkv, 2, "[T, Hq*D + 2*Hk*D (+ Hi*Di + Di)]")
+    check_dtype("qkv", qkv, FLOAT_DTYPES)
+    dtype = dtype_name(qkv)
+    tokens, width = (int(s) for s in qkv.shape)
+    num_q_heads = check_int("num_q_heads", num_q_heads, 1)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_rank(name, cache, 4, "[slots, Hk, 128, D]")
+        check_cache_dtype(name, cache, dtype)
+        check_dim(name, cache, 2, PAGE_SIZE, "page size")
+    check_dtype("v_cache", v_cache, dtype_name(k_cache))
+    num_kv_heads, head_dim = int(k_cache.shape[1]), int(k_cache.shape[3])
+    check_head_dim("k_cache", head_dim)
+    check_dim("v_cache", v_cache, 1, num_kv_heads, "Hk of k_cache")
+    check_dim("v_cache", v_cache, 3, head_dim, "D of k_cache")
+    check_scales(dtype_name(k_cache), k_scale=k_scale, v_scale=v_scale)
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        check_rank(name, w, 1, "[D]")
+        check_dtype(name, w, FLOAT_DTYPES)
+        check_dim(name, w, 0, head_dim, "D (head dim of k_cache)")
+    check_rank("inv_freq", inv_freq, 1, "[rotary_dim / 2]")
+    check_dtype("inv_freq", inv_freq, "float32")
+    rotary_dim = 2 * int(inv_freq.shape[0])
+    if not 2 <= rotary_dim <= head_dim:
+        raise ValueError(f"inv_freq: expected rotary_dim / 2 entries with 2 <= rotary_dim <= D = {head_dim}, "
+                         f"got {int(inv_freq.shape[0])}")
+    for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
+        check_rank(name, x, 1, "[T]")
+        check_dtype(name, x, ("int32", "int64"))
+        check_dim(name, x, 0, tokens, "T (rows of qkv)")
+    index = {"index_q_norm": index_q_norm, "index_k_norm": index_k_norm, "index_k_cache": index_k_cache}
+    given = [name for name, x in index.items() if x is not None]
+    if given and len(given) != len(index):
+        missing = [name for name in index if name not in given]
+        raise ValueError(f"{', '.join(missing)}: missing; a sparse layer passes index_q_norm, index_k_norm and "
+                         "index_k_cache together, a dense layer none of them")
+    index_head_dim = index_rotary_dim = 0
+    if given:
+        check_rank("index_k_cache", index_k_cache, 3, "[slots, 128, Di]")
+        check_cache_dtype("index_k_cache", index_k_cache, dtype)
+        check_dim("index_k_cache", index_k_cache, 1, PAGE_SIZE, "page size")
+        index_head_dim = int(index_k_cache.shape[2])
+        check_head_dim("index_k_cache", index_head_dim)
+        for name in ("index_q_norm", "index_k_norm"):
+            check_rank(name, index[name], 1, "[Di]")
+            check_dtype(name, index[name], FLOAT_DTYPES)
+            check_dim(name, index[name], 0, index_head_dim, "Di (head dim of index_k_cache)")
+        index_rotary_dim = min(rotary_dim, index_head_dim)
+    expected = (num_q_heads + 2 * num_kv_heads) * head_dim + (num_kv_heads + 1) * index_head_dim
+    if width != expected:
+        layout = (f"(Hq + 2*Hk)*D + (Hi + 1)*Di with Hi = Hk, Di = {index_head_dim}" if given else "(Hq + 2*Hk)*D")
+        raise ValueError(f"qkv: expected width {layout}, Hq = {num_q_heads} (num_q_heads), Hk = {num_kv_heads}, "
+                         f"D = {head_dim} (k_cache): {expected}, got {width}")
+    return QKRopeCall(tokens, num_q_heads, num_kv_heads, head_dim, index_head_dim, rotary_dim, index_rotary_dim,
+                      check_eps(eps))
+
+
+def check_moe_call(x, w_gate_up, w_down, topk_ids, topk_weights, shared_gate_up, shared_down) -> tuple:
+    """Check ``fused_moe``'s arguments (shapes and dtypes only) -> (T, E, k, H, I)."""
+    check_rank("x", x, 2, "[T, H]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    tokens, hidden = (int(s) for s in x.shape)
+    check_rank("w_gate_up", w_gate_up, 3, "[E, 2I, H]")
+    check_rank("w_down", w_down, 3, "[E, H, I]")
+    experts, two_inter = int(w_gate_up.shape[0]), int(w_gate_up.shape[1])
+    if two_inter % 2:
+        raise ValueError(f"w_gate_up: expected [E, 2I, H] (gate rows, then up rows), got an odd 2I = {two_inter}")
+    inter = two_inter // 2
+    check_dim("w_gate_up", w_gate_up, 2, hidden, "H (columns of x)")
+    check_dim("w_down", w_down, 0, experts, "E (experts of w_gate_up)")
+    check_dim("w_down", w_down, 1, hidden, "H (columns of x)")
+    check_dim("w_down", w_down, 2, inter, "I (half the rows of w_gate_up)")
+    if (shared_gate_up is None) != (shared_down is None):
+        raise ValueError("shared_gate_up, shared_down: pass both (the shared expert) or neither")
+    weights = [("w_gate_up", w_gate_up), ("w_down", w_down)]
+    if shared_gate_up is not None:
+        check_rank("shared_gate_up", shared_gate_up, 2, "[2I, H]")
+        check_rank("shared_down", shared_down, 2, "[H, I]")
+        check_dim("shared_gate_up", shared_gate_up, 0, two_inter, "2I (the experts' width: a shared expert of "
+                  "another width runs outside fused_moe)")
+        check_dim("shared_gate_up", shared_gate_up, 1, hidden, "H (columns of x)")
+        check_dim("shared_down", shared_down, 0, hidden, "H (columns of x)")
+        check_dim("shared_down", shared_down, 1, inter, "I (the experts' width)")
+        weights += [("shared_gate_up", shared_gate_up), ("shared_down", shared_down)]
+    for name, w in weights:
+        if dtype_name(w) != dtype_name(x):
+            raise TypeError(f"{name}: expected the dtype of x ({dtype_name(x)}), got {dtype_name(w)}")
+    check_rank("topk_ids", topk_ids, 2, "[T, k]")
+    check_dtype("topk_ids", topk_ids, "int32")
+    check_dim("topk_ids", topk_ids, 0, tokens, "T (rows of x)")
+    top_k = int(topk_ids.shape[1])
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"topk_ids: expected k in [1, E = {experts}] experts per token, got k = {top_k}")
+    check_rank("topk_weights", topk_weights, 2, "[T, k]")
+    check_dtype("topk_weights", topk_weights, "float32")
+    check_dim("topk_weights", topk_weights, 0, tokens, "T (rows of x)")
+    check_dim("topk_weights", topk_weights, 1, top_k, "k (columns of topk_ids)")
+    return tokens, experts, top_k, hidden, inter
+
+
+SEED_DTYPES = ("int64", "int32")
+
+
+def check_sample_call(logits, temperature, top_k, top_p, min_p, seeds, counters, penalties: dict,
+                      prompt_ids, output_ids) -> tuple:
+    """Check ``sample``'s arguments -> (L, V, has_penalties). ``penalties``: name -> array or None."""
+    check_rank("logits", logits, 2, "[L, V]")
+    check_dtype("logits", logits, FLOAT_DTYPES)
+    rows, vocab = (int(s) for s in logits.shape)
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"logits: expected a vocabulary V in [1, {MAX_VOCAB}], got V = {vocab}")
+    per_row = [("temperature", temperature, "float32"), ("top_k", top_k, "int32"), ("top_p", top_p, "float32"),
+               ("min_p", min_p, "float32"), ("seeds", seeds, SEED_DTYPES), ("counters", counters, "int32")]
+    given = {name: p for name, p in penalties.items() if p is not None}
+    ids = {"prompt_ids": prompt_ids, "output_ids": output_ids}
+    given_ids = {name: a for name, a in ids.items() if a is not None}
+    if (given or given_ids) and (len(given) != len(penalties) or len(given_ids) != len(ids)):
+        missing = [n for n in (*penalties, *ids) if n not in given and n not in given_ids]
+        raise ValueError(f"penalties: {', '.join(missing)} missing; pass {', '.join((*penalties, *ids))} "
+                         "together or none of them")
+    per_row += [(name, p, "float32") for name, p in given.items()]
+    for name, x, dtype in per_row:
+        check_rank(name, x, 1, "[L]")
+        check_dtype(name, x, dtype)
+        check_dim(name, x, 0, rows, "L (rows of logits)")
+    for name, x in given_ids.items():
+        check_rank(name, x, 2, f"[L, {'P' if name == 'prompt_ids' else 'O'}] padded with -1")
+        check_dtype(name, x, "int32")
+        check_dim(name, x, 0, rows, "L (rows of logits)")
+    return rows, vocab, bool(given)
 
 
 # -- opt-in value checks (M3_VALIDATE=1) -----------------------------------------------------

@@ -39,7 +39,7 @@ import numpy as np
 import m3_kernels
 from m3_kernels import launches as _launches
 
-__all__ = ["triton_call", "on_gpu"]
+__all__ = ["triton_call", "on_gpu", "gpu_call", "cpu_call"]
 
 _SCALAR_TYPES = (bool, int, float, np.number)
 
@@ -91,7 +91,7 @@ def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, input_out
             raise ValueError(f"input_output_aliases: argument {i} and output {o} differ in shape or dtype")
     grid = tuple(int(g) for g in grid)
     module_name, fn_name = kernel
-    launch = _gpu_call if on_gpu() else _cpu_call
+    launch = gpu_call if on_gpu() else cpu_call
     outs = launch(list(args), module_name, fn_name, out_shapes, grid, int(num_warps), int(num_stages), aliases,
                   constexprs)
     return outs[0] if single else list(outs)
@@ -210,7 +210,9 @@ def _ffi_primitive():
     return prim
 
 
-def _gpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stages, aliases, constexprs):
+def gpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stages, aliases, constexprs):
+    """Launch ``m3_kernels.<module_name>.<fn_name>`` through jax-triton -> its outputs (``triton_call``'s
+    arguments, checked; ``aliases``: {index into args: index into the outputs})."""
     jt, legacy = _jax_triton()
     fn = getattr(m3_kernels.kernel_module(module_name, interpret=False), fn_name)
     constexprs = dict(constexprs)
@@ -272,7 +274,9 @@ def _python_scalar(x):
 
 # -- CPU: the interpreted kernel in a pure_callback ---------------------------------------
 
-def _cpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stages, aliases, constexprs):
+def cpu_call(args, module_name, fn_name, out_shapes, grid, num_warps, num_stages, aliases, constexprs):
+    """Run the interpreted ``m3_kernels.<module_name>.<fn_name>`` in a ``jax.pure_callback`` -> its outputs
+    (arguments as :func:`gpu_call`'s)."""
     array_pos = [i for i, a in enumerate(args) if not isinstance(a, _SCALAR_TYPES)]
     arrays = [args[i] for i in array_pos]
     try:

@@ -101,14 +101,6 @@ def _kv(k_cache, v_cache, kv_layout):
     return as_kv_view(k_cache, kv_layout, "k_cache"), as_kv_view(v_cache, kv_layout, "v_cache")
 
 
-def _kv_scales(k_cache, k_scale, v_scale):
-    """(k_scale, v_scale) as the kernels read them: float32 arrays for an FP8 K/V cache
-    (None is 1.0), (None, None) for any other."""
-    if validate.dtype_name(k_cache) != validate.FP8:
-        return None, None
-    return tuple(jnp.ones((), jnp.float32) if s is None else jnp.asarray(s, jnp.float32) for s in (k_scale, v_scale))
-
-
 # -- decode ---------------------------------------------------------------------------------
 
 def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_len, backend=None):
@@ -156,7 +148,7 @@ def _decode_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens,
                              num_kv_heads=call.num_kv_heads, interpret=not ops.on_gpu())
     tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
     return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
-                      _kv_scales(k, k_scale, v_scale))  # the launch
+                      ops.kv_scales(k, k_scale, v_scale))  # the launch
 
 
 def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, decode_query_len, sm_scale=None,
@@ -206,7 +198,7 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
                              interpret=not ops.on_gpu())
     tile_map, _ = ops.decode_maps(call.num_requests, n, tile.tokens_per_tile)
     return _select_and_attend(q, k, v, scores, block_table, seq_lens, token_map, tile, tile_map, call.sm_scale,
-                              _kv_scales(k, k_scale, v_scale), topk, int(init_blocks), int(local_blocks))
+                              ops.kv_scales(k, k_scale, v_scale), topk, int(init_blocks), int(local_blocks))
 
 
 # -- prefill --------------------------------------------------------------------------------
@@ -261,7 +253,7 @@ def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens
     tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(sparse, call.max_blocks,
                                                                     block_ids.shape[2] if sparse else 0))
     return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
-                      _kv_scales(k, k_scale, v_scale))  # the launch
+                      ops.kv_scales(k, k_scale, v_scale))  # the launch
 
 
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None,
@@ -304,7 +296,7 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, int(topk))
     tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(True, call.max_blocks, int(topk)))
     return _select_and_attend(q, k, v, scores, block_table, seq_lens, maps_.token_map, tile, tile_map, call.sm_scale,
-                              _kv_scales(k, k_scale, v_scale), int(topk), int(init_blocks), int(local_blocks))
+                              ops.kv_scales(k, k_scale, v_scale), int(topk), int(init_blocks), int(local_blocks))
 
 
 # -- mixed step -----------------------------------------------------------------------------
@@ -390,7 +382,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
         spans.append((slice(spec.context_rows, spec.num_rows), slice(spec.context_tokens, spec.num_tokens), bound,
                       (index_tile, *ops.decode_maps(rows, n, index_tile.tokens_per_tile)),
                       (attention_tile, ops.decode_maps(rows, n, attention_tile.tokens_per_tile)[0])))
-    scales = _kv_scales(k, k_scale, v_scale)
+    scales = ops.kv_scales(k, k_scale, v_scale)
     outs, ids = [], []
     for rows, toks, bound, index_maps, attention_maps in spans:
         table, lens = block_table[rows, :bound], seq_lens[rows]

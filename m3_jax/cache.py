@@ -29,8 +29,7 @@ from m3_kernels.pool import PoolLayout, SubPageView
 
 from . import guards
 from ._triton_call import on_gpu
-from .api import _kv_scales
-from .ops import operand, run
+from .ops import kv_scales, operand, run
 from .views import PagedView, as_index_k_view, as_kv_view
 
 __all__ = ["LayerViews", "allocate_pool", "check_pool", "sub_page_view", "layer_views", "write_cache",
@@ -113,7 +112,7 @@ def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, *,
                 break
         else:
             groups.append((view.buffer, {name: view}))
-    scales = _kv_scales(views["k"], k_scale, v_scale)
+    scales = kv_scales(views["k"], k_scale, v_scale)
     new = {}
     for buffer, members in groups:
         out = _launch(k, v, index_k, slot_mapping, buffer, members, scales)

@@ -8,18 +8,13 @@ works under ``jax.jit``. Identical inputs give torch's bits.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from m3_kernels import norm as _norm
-from m3_kernels.common import aligned
-from m3_kernels.launches import TRITON_DTYPES
-from m3_kernels import qk_rope as _qk_rope
-from m3_kernels import router as _router
+from m3_kernels import step_launches, validate
 
 from . import guards
-from ._triton_call import on_gpu, triton_call
-from .api import _kv_scales
+from ._triton_call import on_gpu
+from .ops import kv_scales, operand, run
 from .views import PagedView
 
 __all__ = ["add_rms_norm", "rms_norm", "moe_route", "qk_norm_rope"]
@@ -42,21 +37,14 @@ def rms_norm(x, weight, eps):
 
 
 def _launch_norm(x, residual_in, weight, eps):
-    rows, hidden, eps = _norm.check_norm_call(x, residual_in, weight, eps)
-    out = jax.ShapeDtypeStruct((rows, hidden), x.dtype)
+    rows, hidden, eps = validate.check_norm_call(x, residual_in, weight, eps)
     has_residual = residual_in is not None
     if rows == 0:
-        return jnp.zeros(out.shape, out.dtype) if has_residual else None, jnp.zeros(out.shape, out.dtype)
-    # without a residual: x stands in for it and a one-element dummy for residual_out (neither is touched)
-    residual = residual_in if has_residual else x
-    residual_out = out if has_residual else jax.ShapeDtypeStruct((1,), x.dtype)
-    config = _norm.block_sizes(rows, hidden, not on_gpu())
-    grid, num_warps, num_stages = config.pop("grid"), config.pop("num_warps"), config.pop("num_stages")
-    normed, residual_out = triton_call(
-        x, residual, weight, rows, eps, hidden, 1, hidden, 1,
-        kernel=("norm", "rms_norm_kernel"), out_shape=[out, residual_out], grid=grid, num_warps=num_warps,
-        num_stages=num_stages, HIDDEN=hidden, HAS_RESIDUAL=has_residual, ALIGNED=aligned(hidden), **config)
-    return (residual_out if has_residual else None), normed
+        zeros = jnp.zeros((rows, hidden), x.dtype)
+        return (zeros if has_residual else None), zeros
+    out = run(step_launches.rms_norm(x=operand(x), residual=operand(residual_in) if has_residual else None,
+                                     weight=weight, eps=eps, interpret=not on_gpu()))
+    return out.get("residual_out"), out["normed"]
 
 
 def moe_route(x, router_weight, bias, top_k):
@@ -67,26 +55,12 @@ def moe_route(x, router_weight, bias, top_k):
     int in [1, min(8, E)], static under ``jax.jit``): ids best first, weights renormalised, no
     ``routed_scaling_factor``.
     """
-    tokens, hidden, experts, top_k = _router.check_route_call(x, router_weight, bias, top_k)
-    out_shape = [jax.ShapeDtypeStruct((tokens, top_k), jnp.int32), jax.ShapeDtypeStruct((tokens, top_k), jnp.float32)]
+    tokens, hidden, experts, top_k = validate.check_route_call(x, router_weight, bias, top_k)
     if tokens == 0:
-        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
-    logits, topk = _router.block_sizes(tokens, hidden, experts, top_k, not on_gpu())
-    partial_shape = jax.ShapeDtypeStruct((logits["grid"][2], tokens, logits["EXPERTS_PAD"]), jnp.float32)
-    partial = _launch("router_logits_kernel", logits, x, router_weight, tokens, hidden, 1, hidden, 1,
-                      out_shape=partial_shape, HIDDEN=hidden, NUM_EXPERTS=experts, ALIGNED=aligned(hidden))
-    ids, weights = _launch("router_topk_kernel", topk, partial, bias, tokens, out_shape=out_shape,
-                           LOGIT_DTYPE=TRITON_DTYPES[str(x.dtype)], NUM_EXPERTS=experts, TOP_K=top_k)
-    return ids, weights
-
-
-def _launch(fn, config, *args, out_shape, **constexprs):
-    """``triton_call`` of ``m3_kernels.router.<fn>`` with ``config`` (``block_sizes``': grid, warps, stages,
-    block constexprs)."""
-    config = dict(config)
-    grid, num_warps, num_stages = config.pop("grid"), config.pop("num_warps"), config.pop("num_stages")
-    return triton_call(*args, kernel=("router", fn), out_shape=out_shape, grid=grid, num_warps=num_warps,
-                       num_stages=num_stages, **config, **constexprs)
+        return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
+    out = run(step_launches.moe_route(x=operand(x), router_weight=operand(router_weight), bias=bias, top_k=top_k,
+                                      interpret=not on_gpu()))
+    return out["ids"], out["weights"]
 
 
 def qk_norm_rope(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slot_mapping, *, num_q_heads, eps,
@@ -102,7 +76,7 @@ def qk_norm_rope(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slo
         if cache is not None and not isinstance(cache, PagedView):
             raise TypeError(f"{name}: expected a PagedView of the pool (m3_jax.layer_views), got "
                             f"{type(cache).__name__}")
-    call = _qk_rope.check_qk_rope_call(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slot_mapping,
+    call = validate.check_qk_rope_call(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slot_mapping,
                                        num_q_heads=num_q_heads, eps=eps, index_q_norm=index_q_norm,
                                        index_k_norm=index_k_norm, index_k_cache=index_k_cache, k_scale=k_scale,
                                        v_scale=v_scale)
@@ -114,27 +88,16 @@ def qk_norm_rope(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slo
     if any(c.buffer is not buffer for c in caches.values()):
         raise ValueError(f"{', '.join(caches)}: expected views of one buffer (a layer of the pool: "
                          "m3_jax.layer_views), got separate buffers")
-    dtype = qkv.dtype
-    index_shape = (call.num_tokens, call.num_kv_heads, call.index_head_dim) if call.sparse else (1,)
-    out_shape = [jax.ShapeDtypeStruct((call.num_tokens, call.num_q_heads, call.head_dim), dtype),
-                 jax.ShapeDtypeStruct(index_shape, dtype), jax.ShapeDtypeStruct(buffer.shape, buffer.dtype)]
     if call.num_tokens == 0:
-        q, idx_q = (jnp.zeros(s.shape, s.dtype) for s in out_shape[:2])
-        return q, idx_q if call.sparse else None, k_cache, v_cache, index_k_cache
-    scales = tuple(slot_mapping if s is None else s for s in _kv_scales(k_cache, k_scale, v_scale))
-    index_cache = index_k_cache if call.sparse else k_cache   # never touched on a dense layer
-    index_norms = (index_q_norm, index_k_norm) if call.sparse else (q_norm, k_norm)
-    config = _qk_rope.launch_config(call, k_cache.dtype.name, index_cache.dtype.name, not on_gpu())
-    grid, num_warps, num_stages = config.pop("grid"), config.pop("num_warps"), config.pop("num_stages")
-    arrays = (qkv, positions, inv_freq, q_norm, k_norm, *index_norms, slot_mapping, *scales, buffer)
-    offsets = (k_cache.offset, v_cache.offset, index_cache.offset if call.sparse else 0)
-    strides = (*k_cache.strides, *v_cache.strides, *(index_cache.strides if call.sparse else (0, 0, 0)))
-    width = int(qkv.shape[1])
-    q, idx_q, buffer = triton_call(*arrays, *offsets, *strides, width, 1, call.num_tokens, call.eps,
-                                   kernel=("qk_rope", "qk_norm_rope_kernel"), out_shape=out_shape, grid=grid,
-                                   num_warps=num_warps, num_stages=num_stages,
-                                   input_output_aliases={len(arrays) - 1: 2},   # the pool, in place
-                                   ALIGNED=_qk_rope.aligned_layout(width, offsets, strides), **config)
-    new = [None if c is None else PagedView(buffer, c.offset, c.shape, c.strides, c.dtype)
+        q = jnp.zeros((0, call.num_q_heads, call.head_dim), qkv.dtype)
+        idx_q = jnp.zeros((0, call.num_kv_heads, call.index_head_dim), qkv.dtype) if call.sparse else None
+        return q, idx_q, k_cache, v_cache, index_k_cache
+    k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
+    out = run(step_launches.qk_norm_rope(
+        call=call, qkv=operand(qkv), positions=positions, inv_freq=inv_freq, q_norm=q_norm, k_norm=k_norm,
+        index_q_norm=index_q_norm, index_k_norm=index_k_norm, slot_mapping=slot_mapping, k_cache=operand(k_cache),
+        v_cache=operand(v_cache), index_k_cache=None if index_k_cache is None else operand(index_k_cache),
+        pool=operand(buffer), interpret=not on_gpu(), k_scale=k_scale, v_scale=v_scale))
+    new = [None if c is None else PagedView(out["pool"], c.offset, c.shape, c.strides, c.dtype)
            for c in (k_cache, v_cache, index_k_cache)]
-    return (q, idx_q if call.sparse else None, *new)
+    return (out["q"], out.get("idx_q"), *new)

@@ -1,9 +1,9 @@
 """The JAX side of the launch layer: ``run(launch)`` and the maps as device constants.
 
-``run`` executes an ``m3_kernels.launches.Launch`` (and the launch chained
-after it): through ``jax_triton.triton_call`` on a GPU backend, through the
-same kernel in Triton's interpreter inside ``jax.pure_callback`` on a CPU
-backend (``m3_jax._triton_call``). Outputs are new arrays (an aliased input
+``run`` executes an ``m3_kernels.launches.Launch`` (and the launches chained
+after it), every kernel of the package: through ``jax_triton.triton_call`` on
+a GPU backend, through the same kernel in Triton's interpreter inside
+``jax.pure_callback`` on a CPU backend (``m3_jax._triton_call``). Outputs are new arrays (an aliased input
 is updated in place when donated under ``jax.jit``). Geometry depends on
 shapes only, so new lengths, tables or queries never recompile a jitted step.
 """
@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3_kernels import launches, maps, planner
+from m3_kernels import launches, maps, planner, validate
 from m3_kernels.launches import Operand, Prev
 
-from ._triton_call import _cpu_call, _gpu_call, on_gpu
+from ._triton_call import cpu_call, gpu_call, on_gpu
 from .views import PagedView
 
 
@@ -35,13 +35,21 @@ def strides(shape) -> tuple:
     return maps.contiguous_strides(shape)
 
 
+def kv_scales(k_cache, k_scale, v_scale):
+    """(k_scale, v_scale) as the kernels read them: float32 arrays for an FP8 K/V cache
+    (None is 1.0), (None, None) for any other."""
+    if validate.dtype_name(k_cache) != validate.FP8:
+        return None, None
+    return tuple(jnp.ones((), jnp.float32) if s is None else jnp.asarray(s, jnp.float32) for s in (k_scale, v_scale))
+
+
 def run(launch: launches.Launch) -> dict:
     """-> ``{output name: array}`` of ``launch`` and the launches chained after it (unused outputs omitted)."""
-    results, prev = {}, ()
-    call = _gpu_call if on_gpu() else _cpu_call
+    results, done = {}, []   # done: each earlier launch's outputs, for Prev
+    call = gpu_call if on_gpu() else cpu_call
     while launch is not None:
         shapes = [jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs]
-        args = [prev[a.index] if isinstance(a, Prev) else a for a in launch.args]
+        args = [done[-a.back][a.index] if isinstance(a, Prev) else a for a in launch.args]
         if launch.empty:
             outs = [jnp.zeros(s.shape, s.dtype) for s in shapes]
         else:
@@ -49,7 +57,8 @@ def run(launch: launches.Launch) -> dict:
             outs = call(args, module, fn, shapes, launch.grid, launch.num_warps, launch.num_stages,
                         dict(launch.aliases), launch.constexprs)
         results.update((o.name, x) for o, x in zip(launch.outputs, outs) if not o.unused)
-        prev, launch = outs, launch.then
+        done.append(outs)
+        launch = launch.then
     return results
 
 

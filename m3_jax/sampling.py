@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3_kernels import sampling as _sampling
+from m3_kernels import step_launches, validate
 
-from ._triton_call import on_gpu, triton_call
+from ._triton_call import on_gpu
+from .ops import operand, run
 
 __all__ = ["sample"]
 
@@ -36,9 +37,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *, repetit
     if words and (seeds.shape[1] != 2 or str(seeds.dtype) != "int32"):
         raise TypeError(f"seeds: expected [L] int64/int32 or [L, 2] int32 (low, high words), got "
                         f"{seeds.dtype}{list(seeds.shape)}")
-    rows, vocab, has_penalties = _sampling.check_sample_call(logits, temperature, top_k, top_p, min_p,
-                                                             seeds[:, 0] if words else seeds, counters, penalties,
-                                                             prompt_ids, output_ids)
+    rows, vocab, has_penalties = validate.check_sample_call(logits, temperature, top_k, top_p, min_p,
+                                                            seeds[:, 0] if words else seeds, counters, penalties,
+                                                            prompt_ids, output_ids)
     if str(seeds.dtype) == "int64" and not jax.config.jax_enable_x64:   # numpy seeds JAX would narrow
         raise TypeError("seeds: int64 seeds need jax_enable_x64 (JAX would narrow them); pass int32 seeds "
                         "(the same value draws the same token)")
@@ -52,22 +53,16 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *, repetit
 def _sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *penalties, interpret):
     """The checked call (``penalties``: the five penalty arrays or none), one jitted function: eager callers
     compile it once per shape instead of dispatching its pieces one by one."""
-    rows, vocab = logits.shape
+    vocab = logits.shape[1]
     if penalties:
         *pen, prompt_ids, output_ids = penalties
-        seen = seen_tokens(prompt_ids, output_ids, vocab)
+        pen, seen = tuple(pen), operand(seen_tokens(prompt_ids, output_ids, vocab))
     else:
-        seen, pen = counters, [temperature] * 3   # never read
-    config = _sampling.block_sizes(rows, vocab, interpret)
-    grid, num_warps, num_stages = config.pop("grid"), config.pop("num_warps"), config.pop("num_stages")
-    out_shape = [jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32),
-                 jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows, vocab), jnp.float32)]
-    tokens, logprobs, lse, _ = triton_call(
-        logits, temperature, top_k, top_p, min_p, _seed_words(seeds), counters, *pen, seen,
-        rows, vocab, vocab, int(seen.shape[-1]) if penalties else 0,
-        kernel=("sampling", "sample_kernel"), out_shape=out_shape, grid=grid, num_warps=num_warps,
-        num_stages=num_stages, HAS_PENALTIES=bool(penalties), **config)
-    return tokens, logprobs, lse
+        pen = seen = None
+    out = run(step_launches.sample(logits=operand(logits), temperature=temperature, top_k=top_k, top_p=top_p,
+                                   min_p=min_p, seed_words=_seed_words(seeds), counters=counters, penalties=pen,
+                                   seen=seen, interpret=interpret))
+    return out["tokens"], out["logprobs"], out["lse"]
 
 
 def seed_words(seeds: np.ndarray) -> np.ndarray:

@@ -31,15 +31,6 @@ __all__ = ["index_scores", "select_blocks", "sparse_decode", "dense_decode", "ms
            "prefill_plan"]
 
 
-def _check_devices(**tensors) -> torch.device:
-    devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
-    first = next(iter(devices.values()))
-    for name, device in devices.items():
-        if device != first:
-            raise ValueError(f"{name}: expected device {first} (as {next(iter(devices))}), got {device}")
-    return first
-
-
 def _empty(shape, dtype, device, out):
     return out if out is not None else torch.empty(shape, dtype=dtype, device=device)
 
@@ -55,14 +46,6 @@ def _scorer(backend, idx_q, index_k_cache, skip_blocks: int = 0):
         cache_dtype=validate.dtype_name(index_k_cache), device=device.type,
         capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     return functools.partial(ops.index_scores, skip_blocks=skip_blocks) if name == "triton" else cute_ops.index_scores
-
-
-def _kv_scales(k_cache, k_scale, v_scale, device):
-    """(k_scale, v_scale) as the kernels read them: float32 tensors for an FP8 K/V cache
-    (``ops.as_scale``), (None, None) for any other."""
-    if k_cache.dtype != torch.float8_e4m3fn:
-        return None, None
-    return ops.as_scale(k_scale, device), ops.as_scale(v_scale, device)
 
 
 def prefill_plan(cu_seqlens_q=None, plan=None) -> planner.PrefillPlan:
@@ -88,8 +71,8 @@ def index_scores(idx_q, index_k_cache, block_table, seq_lens, *, decode_query_le
                                      out=out)
     guards.check_call("index_scores", idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table,
                       seq_lens=seq_lens)
-    device = _check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
-                            out=out)
+    device = guards.check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
+                                  out=out)
     scorer = _scorer(backend, idx_q, index_k_cache)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
     tile = maps.index_tile(call.num_index_heads, int(decode_query_len))
@@ -107,7 +90,7 @@ def select_blocks(scores, seq_lens, *, decode_query_len, topk=16, init_blocks=0,
     call = validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks,
                                       local_blocks=local_blocks, decode_query_len=decode_query_len, out=out)
     guards.check_call("select_blocks", scores=scores, seq_lens=seq_lens)
-    device = _check_devices(scores=scores, seq_lens=seq_lens, out=out)
+    device = guards.check_devices(scores=scores, seq_lens=seq_lens, out=out)
     out = _empty((call.num_index_heads, call.num_tokens, int(topk)), torch.int32, device, out)
     _, token_map = ops.decode_maps(device, call.num_requests, int(decode_query_len), 1)
     ops.select_blocks(scores, seq_lens, token_map, out, int(topk), int(init_blocks), int(local_blocks))
@@ -122,15 +105,15 @@ def _decode_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens,
                                          k_scale=k_scale, v_scale=v_scale)
     guards.check_call(op, q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
                       seq_lens=seq_lens)
-    device = _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
-                            seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
+    device = guards.check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
+                                  seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     out = _empty(q.shape, q.dtype, device, out)
     n = int(decode_query_len)
     tile = maps.decode_tile(call.group, n, block_ids is not None, max_blocks=call.max_blocks,
                             topk=0 if block_ids is None else block_ids.shape[2], num_requests=call.num_requests,
                             num_kv_heads=call.num_kv_heads, interpret=device.type != "cuda")
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
-    return out, tile_map, tile.tokens_per_tile, call.sm_scale, _kv_scales(k_cache, k_scale, v_scale, device)
+    return out, tile_map, tile.tokens_per_tile, call.sm_scale, ops.kv_scales(k_cache, k_scale, v_scale, device)
 
 
 def sparse_decode(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, decode_query_len, sm_scale=None,
@@ -174,8 +157,8 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
                                    decode_query_len=decode_query_len, out=out, k_scale=k_scale, v_scale=v_scale)
     guards.check_call("msa_decode", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                       block_table=block_table, seq_lens=seq_lens)
-    device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
-                            block_table=block_table, seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
+    device = guards.check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
+                                  block_table=block_table, seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     scorer = _scorer(backend, idx_q, index_k_cache, skip_blocks=int(topk))
     n, topk = int(decode_query_len), int(topk)
     out = _empty(q.shape, q.dtype, device, out)
@@ -190,7 +173,7 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
     # selection and sparse attention: selecting inside the attention kernel or before it (launches.Selection)
     ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None,
-                        tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device), scores,
+                        tile.tokens_per_tile, call.sm_scale, *ops.kv_scales(k_cache, k_scale, v_scale, device), scores,
                         token_map, [topk, int(init_blocks), int(local_blocks)], block_ids)
     return out, block_ids
 
@@ -209,8 +192,8 @@ def index_scores_prefill(idx_q, index_k_cache, block_table, seq_lens, *, cu_seql
                                      cu_seqlens_q=cu_seqlens_q, out=out)
     guards.check_call("index_scores_prefill", idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table,
                       seq_lens=seq_lens)
-    device = _check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
-                            out=out)
+    device = guards.check_devices(idx_q=idx_q, index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens,
+                                  out=out)
     scorer = _scorer(backend, idx_q, index_k_cache)
     out = _empty((call.num_index_heads, call.num_tokens, call.max_blocks), torch.float32, device, out)
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.num_index_heads, "index")
@@ -225,7 +208,7 @@ def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q, topk=16, init_block
     call = validate.check_select_call(scores, seq_lens, topk=topk, init_blocks=init_blocks,
                                       local_blocks=local_blocks, prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out)
     guards.check_call("select_blocks_prefill", scores=scores, seq_lens=seq_lens)
-    device = _check_devices(scores=scores, seq_lens=seq_lens, out=out)
+    device = guards.check_devices(scores=scores, seq_lens=seq_lens, out=out)
     out = _empty((call.num_index_heads, call.num_tokens, int(topk)), torch.int32, device, out)
     token_map = ops.prefill_token_map(plan, device)
     ops.select_blocks(scores, seq_lens, token_map, out, int(topk), int(init_blocks), int(local_blocks))
@@ -241,13 +224,13 @@ def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens
                                          k_scale=k_scale, v_scale=v_scale)
     guards.check_call(op, q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
                       seq_lens=seq_lens)
-    device = _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
-                            seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
+    device = guards.check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
+                                  seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     out = _empty(q.shape, q.dtype, device, out)
     sparse = block_ids is not None
     kind = maps.prefill_tile_kind(sparse, call.max_blocks, block_ids.shape[2] if sparse else 0)
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.group, kind)
-    return out, tile_map, tile.tokens_per_tile, call.sm_scale, _kv_scales(k_cache, k_scale, v_scale, device)
+    return out, tile_map, tile.tokens_per_tile, call.sm_scale, ops.kv_scales(k_cache, k_scale, v_scale, device)
 
 
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None,
@@ -291,8 +274,8 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
                                    v_scale=v_scale)
     guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                       block_table=block_table, seq_lens=seq_lens)
-    device = _check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
-                            block_table=block_table, seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
+    device = guards.check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
+                                  block_table=block_table, seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     scorer = _scorer(backend, idx_q, index_k_cache, skip_blocks=int(topk))
     topk = int(topk)
     out = _empty(q.shape, q.dtype, device, out)
@@ -302,7 +285,7 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.group, maps.prefill_tile_kind(True, call.max_blocks, topk))
     ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None,
-                        tile.tokens_per_tile, call.sm_scale, *_kv_scales(k_cache, k_scale, v_scale, device), scores,
+                        tile.tokens_per_tile, call.sm_scale, *ops.kv_scales(k_cache, k_scale, v_scale, device), scores,
                         token_map, [topk, int(init_blocks), int(local_blocks)], block_ids)
     return out, block_ids
 
@@ -339,12 +322,12 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                     sm_scale=sm_scale, out=out, k_scale=k_scale, v_scale=v_scale)
     guards.check_call("msa_attention_step", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache,
                       index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens)
-    device = _check_devices(q=q, idx_q=idx_q if sparse else None, k_cache=k_cache, v_cache=v_cache,
-                            index_k_cache=index_k_cache if sparse else None, block_table=block_table,
-                            seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
+    device = guards.check_devices(q=q, idx_q=idx_q if sparse else None, k_cache=k_cache, v_cache=v_cache,
+                                  index_k_cache=index_k_cache if sparse else None, block_table=block_table,
+                                  seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     scorer = _scorer(backend, idx_q, index_k_cache, skip_blocks=cfg.topk) if sparse else None
     out = _empty(q.shape, q.dtype, device, out)
-    kv_scales = _kv_scales(k_cache, k_scale, v_scale, device)
+    kv_scales = ops.kv_scales(k_cache, k_scale, v_scale, device)
     arena = arena if arena is not None else ops.step_arena(plan.layout, device)
     partials = (arena.region("partial_out"), arena.region("partial_lse"))
     block_ids = arena.region("block_ids", (cfg.num_kv_heads, plan.num_tokens, cfg.topk)) if sparse else None

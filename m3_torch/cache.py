@@ -19,7 +19,6 @@ from m3_kernels import validate
 from m3_kernels.pool import PoolLayout, SubPageView
 
 from . import guards, ops
-from .api import _check_devices, _kv_scales
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}
@@ -61,7 +60,7 @@ def layer_caches(pool: torch.Tensor, layout: PoolLayout, layer: int) -> LayerCac
 
 # -- write_cache ---------------------------------------------------------------------
 
-def _storage_bytes(cache: torch.Tensor) -> torch.Tensor:
+def storage_bytes(cache: torch.Tensor) -> torch.Tensor:
     """The whole storage under ``cache`` as a 1-D byte tensor (the kernel reads each cache as its own dtype)."""
     storage = cache.untyped_storage()
     return cache.as_strided((storage.nbytes() // cache.element_size(),), (1,), 0).view(torch.uint8)
@@ -84,11 +83,12 @@ def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, *,
                                             k_scale, v_scale)
     guards.check_call("write_cache", k=k, v=v, index_k=index_k, k_cache=k_cache, v_cache=v_cache,
                       index_k_cache=index_k_cache, slot_mapping=slot_mapping)
-    device = _check_devices(k=k, v=v, index_k=index_k, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
-                            slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    device = guards.check_devices(k=k, v=v, index_k=index_k, k_cache=k_cache, v_cache=v_cache,
+                                  index_k_cache=index_k_cache, slot_mapping=slot_mapping, k_scale=k_scale,
+                                  v_scale=v_scale)
     if num_tokens == 0:
         return
-    scales = _kv_scales(k_cache, k_scale, v_scale, device)
+    scales = ops.kv_scales(k_cache, k_scale, v_scale, device)
     dtypes = (k_cache.dtype, k.dtype if index_k_cache is None else index_k_cache.dtype)
     caches = {"k": k_cache, "v": v_cache, "index": index_k_cache}
     buffers: dict = {}   # storage address -> names of the caches in that storage
@@ -99,5 +99,5 @@ def write_cache(k, v, index_k, k_cache, v_cache, index_k_cache, slot_mapping, *,
         on = {name: name in names for name in caches}
         offsets = [caches[name].storage_offset() if on[name] else 0 for name in caches]
         strides = [list(caches[name].stride()) if on[name] else [] for name in caches]
-        ops.write_cache(k, v, index_k, slot_mapping, _storage_bytes(caches[names[0]]), offsets, *strides, *dtypes,
+        ops.write_cache(k, v, index_k, slot_mapping, storage_bytes(caches[names[0]]), offsets, *strides, *dtypes,
                         *scales)

@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from m3_kernels import kernel_module, validate
-from m3_kernels.common import aligned
-from m3_kernels.launches import TRITON_DTYPES
-from m3_kernels import norm as _norm
-from m3_kernels import qk_rope as _qk_rope
-from m3_kernels import router as _router
+from m3_kernels import step_launches, validate
+from m3_kernels.launches import Operand
 
 from . import guards, ops
-from .api import _kv_scales
-from .cache import _storage_bytes
+from .cache import storage_bytes
+from .ops import operand, run
 
 __all__ = ["add_rms_norm", "rms_norm", "moe_route", "qk_norm_rope"]
 
@@ -46,17 +42,16 @@ def rms_norm(x, weight, eps):
 
 
 def _launch_norm(x, residual_in, weight, eps):
-    rows, hidden, eps = _norm.check_norm_call(x, residual_in, weight, eps)
-    _check_devices(x=x, residual_in=residual_in, weight=weight)
+    rows, hidden, eps = validate.check_norm_call(x, residual_in, weight, eps)
+    guards.check_devices(x=x, residual_in=residual_in, weight=weight)
     normed = _new_output((rows, hidden), x.dtype, x.device)
     residual_out = normed if residual_in is None else _new_output((rows, hidden), x.dtype, x.device)
     if rows == 0:
         return residual_out, normed
-    residual = x if residual_in is None else residual_in   # never read without a residual
-    config = _norm.block_sizes(rows, hidden, x.device.type != "cuda")
-    _run("norm", "rms_norm_kernel", config, x, residual, weight.contiguous(), rows, eps, *x.stride(),
-         *residual.stride(), normed, residual_out, HIDDEN=hidden, HAS_RESIDUAL=residual_in is not None,
-         ALIGNED=aligned(x.stride(0), residual.stride(0)))
+    outputs = {"normed": normed} if residual_in is None else {"normed": normed, "residual_out": residual_out}
+    run(step_launches.rms_norm(x=operand(x), residual=None if residual_in is None else operand(residual_in),
+                               weight=weight.contiguous(), eps=eps, interpret=x.device.type != "cuda"),
+        outputs)
     return residual_out, normed
 
 
@@ -73,18 +68,15 @@ def moe_route(x, router_weight, bias, top_k):
     to the lowest id, NaN scores last; ``weights``: their ``probs`` over the sum of them (without
     ``routed_scaling_factor``). See ``m3_kernels.router``.
     """
-    tokens, hidden, experts, top_k = _router.check_route_call(x, router_weight, bias, top_k)
-    device = _check_devices(x=x, router_weight=router_weight, bias=bias)
+    tokens, hidden, experts, top_k = validate.check_route_call(x, router_weight, bias, top_k)
+    device = guards.check_devices(x=x, router_weight=router_weight, bias=bias)
     ids = _new_output((tokens, top_k), torch.int32, device)
     weights = _new_output((tokens, top_k), torch.float32, device)
     if tokens == 0:
         return ids, weights
-    logits, topk = _router.block_sizes(tokens, hidden, experts, top_k, device.type != "cuda")
-    partial = torch.empty((logits["grid"][2], tokens, logits["EXPERTS_PAD"]), dtype=torch.float32, device=device)
-    _run("router", "router_logits_kernel", logits, x, router_weight, tokens, *x.stride(), *router_weight.stride(),
-         partial, HIDDEN=hidden, NUM_EXPERTS=experts, ALIGNED=aligned(x.stride(0), router_weight.stride(0)))
-    _run("router", "router_topk_kernel", topk, partial, bias.contiguous(), tokens, ids, weights,
-         LOGIT_DTYPE=TRITON_DTYPES[validate.dtype_name(x)], NUM_EXPERTS=experts, TOP_K=top_k)
+    run(step_launches.moe_route(x=operand(x), router_weight=operand(router_weight), bias=bias.contiguous(),
+                                top_k=top_k, interpret=device.type != "cuda"),
+        {"ids": ids, "weights": weights})
     return ids, weights
 
 
@@ -109,15 +101,16 @@ def qk_norm_rope(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slo
     idx_k the same with the index norms on the first ``min(rotary_dim, Di)`` channels; v as it is. Rounded
     as the unfused model except where ``m3_kernels.qk_rope`` says. The caches are updated in place.
     """
-    call = _qk_rope.check_qk_rope_call(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slot_mapping,
+    call = validate.check_qk_rope_call(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slot_mapping,
                                        num_q_heads=num_q_heads, eps=eps, index_q_norm=index_q_norm,
                                        index_k_norm=index_k_norm, index_k_cache=index_k_cache, k_scale=k_scale,
                                        v_scale=v_scale)
     guards.check_call("qk_norm_rope", qkv=qkv, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                       slot_mapping=slot_mapping)
-    device = _check_devices(qkv=qkv, positions=positions, inv_freq=inv_freq, q_norm=q_norm, k_norm=k_norm,
-                            k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, index_q_norm=index_q_norm,
-                            index_k_norm=index_k_norm, index_k_cache=index_k_cache, k_scale=k_scale, v_scale=v_scale)
+    device = guards.check_devices(qkv=qkv, positions=positions, inv_freq=inv_freq, q_norm=q_norm, k_norm=k_norm,
+                                  k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+                                  index_q_norm=index_q_norm, index_k_norm=index_k_norm, index_k_cache=index_k_cache,
+                                  k_scale=k_scale, v_scale=v_scale)
     caches = {"k_cache": k_cache, "v_cache": v_cache, "index_k_cache": index_k_cache}
     caches = {name: c for name, c in caches.items() if c is not None}
     if len({c.untyped_storage().data_ptr() for c in caches.values()}) != 1:
@@ -129,20 +122,22 @@ def qk_norm_rope(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slo
         idx_q = _new_output((call.num_tokens, call.num_kv_heads, call.index_head_dim), qkv.dtype, device)
     if call.num_tokens == 0:
         return q, idx_q
-    k_scale, v_scale = _kv_scales(k_cache, k_scale, v_scale, device)
-    pool = _storage_bytes(k_cache)
-    index_cache = index_k_cache if call.sparse else k_cache   # never touched on a dense layer
-    index_norms = (index_q_norm, index_k_norm) if call.sparse else (q_norm, k_norm)
-    config = _qk_rope.launch_config(call, validate.dtype_name(k_cache), validate.dtype_name(index_cache),
-                                    device.type != "cuda")
-    offsets = (k_cache.storage_offset(), v_cache.storage_offset(), index_cache.storage_offset() if call.sparse else 0)
-    strides = (*k_cache.stride(), *v_cache.stride(), *(index_cache.stride() if call.sparse else (0, 0, 0)))
-    _run("qk_rope", "qk_norm_rope_kernel", config,
-         qkv, positions.contiguous(), inv_freq.contiguous(), q_norm.contiguous(), k_norm.contiguous(),
-         *(w.contiguous() for w in index_norms), slot_mapping.contiguous(),
-         slot_mapping if k_scale is None else k_scale, slot_mapping if v_scale is None else v_scale, pool,
-         *offsets, *strides, *qkv.stride(), call.num_tokens, call.eps, q, q if idx_q is None else idx_q, pool,
-         ALIGNED=_qk_rope.aligned_layout(qkv.stride(0), offsets, strides))
+    k_scale, v_scale = ops.kv_scales(k_cache, k_scale, v_scale, device)
+    pool = storage_bytes(k_cache)
+
+    def view(cache):   # a cache as the kernel reads it: its offset and strides in its own elements
+        return None if cache is None else Operand(pool, cache.storage_offset(), tuple(cache.shape), cache.stride(),
+                                                  validate.dtype_name(cache))
+
+    launch = step_launches.qk_norm_rope(
+        call=call, qkv=operand(qkv), positions=positions.contiguous(), inv_freq=inv_freq.contiguous(),
+        q_norm=q_norm.contiguous(), k_norm=k_norm.contiguous(),
+        index_q_norm=None if index_q_norm is None else index_q_norm.contiguous(),
+        index_k_norm=None if index_k_norm is None else index_k_norm.contiguous(),
+        slot_mapping=slot_mapping.contiguous(), k_cache=view(k_cache), v_cache=view(v_cache),
+        index_k_cache=view(index_k_cache), pool=operand(pool), interpret=device.type != "cuda", k_scale=k_scale,
+        v_scale=v_scale)
+    run(launch, {"q": q} if idx_q is None else {"q": q, "idx_q": idx_q})
     return q, idx_q
 
 
@@ -151,26 +146,3 @@ def qk_norm_rope(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slo
 def _new_output(shape, dtype, device) -> torch.Tensor:
     """A new output tensor (the kernels write every element; the tests poison these with NaN)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _check_devices(**tensors) -> torch.device:
-    """All given tensors on the device of the first -> that device."""
-    given = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
-    first_name, first = next(iter(given.items()))
-    for name, t in given.items():
-        if t.device != first.device:
-            raise ValueError(f"{name}: expected a tensor on {first.device} (the device of {first_name}), "
-                             f"got {t.device}")
-    return first.device
-
-
-def _run(module: str, fn: str, config: dict, *args, **constexprs):
-    """Launch ``m3_kernels.<module>.<fn>`` with ``config`` (``block_sizes``: grid, warps, stages, block
-    constexprs) on the device of the first tensor argument."""
-    config = dict(config)
-    grid, num_warps, num_stages = config.pop("grid"), config.pop("num_warps"), config.pop("num_stages")
-    device = next(a for a in args if isinstance(a, torch.Tensor)).device
-    pdl = ops._grid_dependency(device)
-    kernel = getattr(kernel_module(module, device.type != "cuda"), fn)
-    kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl["PDL"], **config, **constexprs,
-                 **pdl)

@@ -16,7 +16,7 @@ import torch
 
 from m3_kernels import validate
 
-__all__ = ["check_call"]
+__all__ = ["check_call", "check_devices"]
 
 
 def check_call(op: str, **tensors) -> None:
@@ -34,6 +34,16 @@ def check_call(op: str, **tensors) -> None:
                                    f"{name}.detach()")
     if validate.values_enabled():
         _check_values(op, given)
+
+
+def check_devices(**tensors) -> torch.device:
+    """All given tensors (None and non-tensors skipped) on the device of the first -> that device."""
+    devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    first = next(iter(devices.values()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(f"{name}: expected device {first} (as {next(iter(devices))}), got {device}")
+    return first
 
 
 def _check_values(op, tensors):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from m3_kernels import kernel_module
-from m3_kernels import moe as _moe
+from m3_kernels import step_launches, validate
 
-from . import ops
+from . import guards
+from .ops import operand, run
 
 __all__ = ["fused_moe"]
 
@@ -33,41 +33,22 @@ def fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, *, swiglu_alpha: flo
     output to x's dtype, SwiGLU-OAI in float32 then rounded, the weighted sum over j in float32, then
     ``* scale`` and ``+ shared`` each rounded): ``m3_kernels.moe``.
     """
-    tokens, experts, top_k, hidden, inter = _moe.check_moe_call(x, w_gate_up, w_down, topk_ids, topk_weights,
-                                                                shared_gate_up, shared_down)
-    device = x.device
-    shared = shared_gate_up is not None
+    tokens, experts, top_k, hidden, inter = validate.check_moe_call(x, w_gate_up, w_down, topk_ids, topk_weights,
+                                                                    shared_gate_up, shared_down)
     weights = {"w_gate_up": w_gate_up, "w_down": w_down, "shared_gate_up": shared_gate_up,
                "shared_down": shared_down}
-    for name, t in (*weights.items(), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        if t is not None and t.device != device:
-            raise ValueError(f"{name}: expected a tensor on {device} (the device of x), got {t.device}")
+    device = guards.check_devices(x=x, **weights, topk_ids=topk_ids, topk_weights=topk_weights)
     for name, w in weights.items():
         if w is not None and not w.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(w.stride())}")
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=device)
     if tokens == 0:
         return out
-    interpret = device.type != "cuda"
-    plan = _moe.plan(tokens, experts, top_k, shared, hidden, inter, x.element_size(), interpret)
-    kernels = kernel_module("moe", interpret)
-    pdl = ops._grid_dependency(device)
-    x, ids, routing_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
-    sorted_pairs = torch.empty(plan.num_rows, dtype=torch.int32, device=device)
-    block_expert = torch.empty(plan.num_blocks, dtype=torch.int32, device=device)
-    block_rows = torch.empty(plan.num_blocks, dtype=torch.int32, device=device)
-    act = torch.empty((plan.num_rows, inter), dtype=x.dtype, device=device)
-    weighted = torch.empty((plan.num_pairs, hidden), dtype=torch.float32, device=device)
-    routing = (sorted_pairs, block_expert, block_rows)
-
-    def launch(kernel, step, *args):
-        kernel[step.grid](*args, num_warps=step.num_warps, num_stages=step.num_stages, launch_pdl=pdl["PDL"],
-                          **step.constexprs, **pdl)
-
-    launch(kernels.align_kernel, plan.align, ids, tokens, *routing)
-    launch(kernels.gate_up_kernel, plan.gate_up, x, w_gate_up, shared_gate_up if shared else w_gate_up, *routing,
-           float(swiglu_alpha), float(swiglu_limit), act)
-    launch(kernels.down_kernel, plan.down, act, w_down, shared_down if shared else w_down, *routing, routing_weights,
-           weighted)
-    launch(kernels.sum_kernel, plan.sum, weighted, float(routed_scaling_factor), out)
+    shared = {name: None if w is None else operand(w) for name, w in weights.items() if name.startswith("shared")}
+    launch = step_launches.fused_moe(
+        x=operand(x.contiguous()), w_gate_up=operand(w_gate_up), w_down=operand(w_down),
+        topk_ids=operand(topk_ids.contiguous()), topk_weights=topk_weights.contiguous(), **shared,
+        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, routed_scaling_factor=routed_scaling_factor,
+        interpret=device.type != "cuda")
+    run(launch, {"out": out})
     return out

@@ -1,7 +1,9 @@
 """The torch side of the launch layer: ``run`` and one custom op per kernel.
 
 ``run(launch, outputs)`` executes an ``m3_kernels.launches.Launch`` (and the
-launch chained after it) with the given output tensors. The custom ops
+launches chained after it), every kernel of the package (the model-step ops
+of ``fused.py``, ``moe.py`` and ``sampling.py`` too), writing the given output
+tensors and allocating the others. The custom ops
 ``torch.ops.m3.{index_scores, select_blocks, paged_attention, write_cache}``
 are internal (their signatures may change): each builds its Launch from the
 tensors' shapes and strides and runs it. They take tile/token maps, so the
@@ -53,24 +55,42 @@ def as_scale(scale, device) -> torch.Tensor:
     return torch.full((), float(scale), dtype=torch.float32, device=device)
 
 
-def run(launch: launches.Launch, outputs: dict) -> None:
-    """Launch ``launch`` (then its ``then``) writing the named ``outputs`` tensors.
+def kv_scales(k_cache: torch.Tensor, k_scale, v_scale, device):
+    """(k_scale, v_scale) as the kernels read them: float32 tensors for an FP8 K/V cache
+    (:func:`as_scale`), (None, None) for any other."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return None, None
+    return as_scale(k_scale, device), as_scale(v_scale, device)
 
-    Scratch outputs are flat float32 buffers (viewed to the launch's shape) or,
-    when absent, the device's persistent workspace; an unused output gets any tensor.
+
+def run(launch: launches.Launch, outputs: Optional[dict] = None) -> dict:
+    """Launch ``launch`` (then the launches chained after it) -> ``{output name: tensor}`` (unused ones
+    omitted).
+
+    ``outputs``: tensors for some of the named outputs, written in place. Every other output is an
+    aliased input (``Launch.aliases``: updated in place), a scratch one (the device's persistent
+    workspace; a given scratch tensor is a flat float32 buffer, viewed to the launch's shape), or a new
+    tensor. An unused output gets any tensor: the given one, else the first given output, else the
+    launch's first. Everything runs on the device of the first given output, else of the first tensor
+    argument.
     """
-    device = next(iter(outputs.values())).device
+    outputs = outputs or {}
+    device = next(t for t in (*outputs.values(), *launch.args) if isinstance(t, torch.Tensor)).device
     interpret = device.type != "cuda"
     pdl = _grid_dependency(device)
-    prev = ()
-    while launch is not None and not launch.empty:
-        outs = [_output(o, outputs, device) for o in launch.outputs]
-        args = [prev[a.index] if isinstance(a, Prev) else a for a in launch.args]
-        module, fn = launch.kernel.split(".")
-        kernel = getattr(kernel_module(module, interpret), fn)
-        kernel[launch.grid](*args, *outs, num_warps=launch.num_warps, num_stages=launch.num_stages,
-                            launch_pdl=pdl["PDL"], **launch.constexprs, **pdl)
-        prev, launch = outs, launch.then
+    results, done = {}, []   # done: each earlier launch's output tensors, for Prev
+    while launch is not None:
+        args = [done[-a.back][a.index] if isinstance(a, Prev) else a for a in launch.args]
+        outs = _outputs(launch, args, outputs, device)
+        if not launch.empty:
+            module, fn = launch.kernel.split(".")
+            kernel = getattr(kernel_module(module, interpret), fn)
+            kernel[launch.grid](*args, *outs, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                                launch_pdl=pdl["PDL"], **launch.constexprs, **pdl)
+        results.update((o.name, t) for o, t in zip(launch.outputs, outs) if not o.unused)
+        done.append(outs)
+        launch = launch.then
+    return results
 
 
 def _grid_dependency(device) -> dict:
@@ -83,14 +103,25 @@ def _grid_dependency(device) -> dict:
     return found
 
 
-def _output(o: launches.Output, outputs: dict, device) -> torch.Tensor:
-    t = outputs.get(o.name)
-    if o.unused:
-        return t if t is not None else next(iter(outputs.values()))
-    if o.scratch:
-        t = t if t is not None else workspace(device, o.name, (o.numel,))
-        return t[:o.numel].view(o.shape)
-    return t
+def _outputs(launch: launches.Launch, args: list, given: dict, device) -> list:
+    """The output tensors of one launch (``run``)."""
+    aliased = {o: i for i, o in launch.aliases}
+    outs = []
+    for k, o in enumerate(launch.outputs):
+        t = given.get(o.name)
+        if o.unused:
+            pass
+        elif o.scratch:
+            t = (t if t is not None else workspace(device, o.name, (o.numel,)))[:o.numel].view(o.shape)
+        elif t is None and k in aliased:
+            t = args[aliased[k]]
+        elif t is None:
+            t = torch.empty(o.shape, dtype=getattr(torch, o.dtype), device=device)
+        outs.append(t)
+    stand_in = next(iter(given.values()), None)
+    if stand_in is None:
+        stand_in = next(t for t in outs if t is not None)
+    return [stand_in if t is None else t for t in outs]
 
 
 def workspace(device, tag: str, shape, dtype=torch.float32) -> torch.Tensor:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from m3_kernels import kernel_module
-from m3_kernels import sampling as _sampling
+from m3_kernels import step_launches, validate
 
-from . import ops
+from . import guards
+from .ops import operand, run
 
 __all__ = ["sample"]
 
@@ -38,40 +38,26 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *, repetit
     """
     penalties = {"repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
                  "frequency_penalty": frequency_penalty}
-    rows, vocab, has_penalties = _sampling.check_sample_call(logits, temperature, top_k, top_p, min_p, seeds,
-                                                             counters, penalties, prompt_ids, output_ids)
-    device = logits.device
+    rows, vocab, has_penalties = validate.check_sample_call(logits, temperature, top_k, top_p, min_p, seeds,
+                                                            counters, penalties, prompt_ids, output_ids)
+    device = guards.check_devices(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                  seeds=seeds, counters=counters, prompt_ids=prompt_ids, output_ids=output_ids,
+                                  **penalties)
     if rows > 0 and vocab > 1 and logits.stride(1) != 1:
         raise ValueError(f"logits: expected a unit column stride, got strides {tuple(logits.stride())}")
-    for name, x in [("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
-                    ("seeds", seeds), ("counters", counters), ("prompt_ids", prompt_ids),
-                    ("output_ids", output_ids), *penalties.items()]:
-        if x is not None and x.device != device:
-            raise ValueError(f"{name}: expected a tensor on {device} (the device of logits), got {x.device}")
     tokens = torch.empty(rows, dtype=torch.int32, device=device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=device)
     lse = torch.empty(rows, dtype=torch.float32, device=device)
     if rows == 0:
         return tokens, logprobs, lse
     seed_words = seeds.to(torch.int64).contiguous().view(torch.int32)   # [2 L]: low, high word per row
-    if has_penalties:
-        seen = seen_tokens(prompt_ids, output_ids, vocab)
-        pen = [p.contiguous() for p in penalties.values()]
-    else:
-        seen, pen = tokens, [temperature] * 3   # never read
-    interpret = device.type != "cuda"
-    config = _sampling.block_sizes(rows, vocab, interpret)
-    grid, num_warps, num_stages = config.pop("grid"), config.pop("num_warps"), config.pop("num_stages")
-    pdl = ops._grid_dependency(device)
-    work = ops.workspace(device, "sample_logits", (rows, vocab))
-    kernel = kernel_module("sampling", interpret).sample_kernel
-    kernel[grid](
-        logits, temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous(), seed_words,
-        counters.contiguous(), *pen, seen,
-        rows, vocab, logits.stride(0), seen.stride(0) if has_penalties else 0,
-        tokens, logprobs, lse, work,
-        HAS_PENALTIES=has_penalties, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl["PDL"],
-        **config, **pdl)
+    launch = step_launches.sample(
+        logits=operand(logits), temperature=temperature.contiguous(), top_k=top_k.contiguous(),
+        top_p=top_p.contiguous(), min_p=min_p.contiguous(), seed_words=seed_words, counters=counters.contiguous(),
+        penalties=tuple(p.contiguous() for p in penalties.values()) if has_penalties else None,
+        seen=operand(seen_tokens(prompt_ids, output_ids, vocab)) if has_penalties else None,
+        interpret=device.type != "cuda")
+    run(launch, {"tokens": tokens, "logprobs": logprobs, "lse": lse})
     return tokens, logprobs, lse
 
 

@@ -22,9 +22,7 @@ import torch
 import m3_jax
 import m3_kernels
 import m3_torch
-from m3_kernels import norm as norm_kernels
-from m3_kernels import qk_rope as qk_kernels
-from m3_kernels import router as router_kernels
+from m3_kernels import step_launches, tuning, validate
 from m3_kernels.pool import PoolLayout
 from m3_torch import model as torch_model
 
@@ -232,10 +230,12 @@ def grid_route_inputs(seed, tokens, hidden, experts, dtype):
 def test_moe_route_split_logits(monkeypatch):
     """The GPU's decode launch (the logits' partial sums over 8 ranges of H, 16 experts a program) in the
     interpreter: the same choice and weights as the reference (the logits are exact in any order)."""
-    original = router_kernels.block_sizes
-    monkeypatch.setattr(router_kernels, "block_sizes", lambda *a: original(*a[:-1], False))
+    original = tuning.router
+    monkeypatch.setattr(tuning, "router", lambda **kw: original(**dict(kw, interpret=False)))
     x, router_weight, bias = grid_route_inputs(5, 5, 200, 40, "bfloat16")
-    assert original(5, 200, 40, 4, False)[0]["grid"] == (1, 4, 8)
+    launch = step_launches.moe_route(x=m3_torch.ops.operand(x), router_weight=m3_torch.ops.operand(router_weight),
+                                     bias=bias, top_k=4, interpret=True)
+    assert launch.grid == (1, 4, 8)
     ids, weights = m3_torch.moe_route(x, router_weight, bias, 4)
     want_ids, want_weights, _ = route_reference(x, router_weight, bias, 4)
     assert torch.equal(ids, want_ids)
@@ -606,28 +606,34 @@ GPU_KERNELS = {"norm": "rms_norm_kernel", "router": "router_logits_kernel", "qk_
 def hopper_build(kernel: str):
     """The compiled GPU variant of ``kernel`` at the real model's shapes, built as jax-triton builds it
     (integer arguments without divisibility facts; ``test_codegen.compile_for_hopper``)."""
-    from test_codegen import compile_for_hopper
+    from test_codegen import compile_for_hopper, operand
 
     bf16 = "*bf16"
     if kernel == "norm":
-        config = norm_kernels.block_sizes(4096, 6144, interpret=False)
-        constexprs = dict(HIDDEN=6144, HAS_RESIDUAL=True, stride_xh=1, stride_rh=1)
+        launch = step_launches.rms_norm(x=operand(4096, 6144), residual=operand(4096, 6144), weight=None, eps=EPS,
+                                        interpret=False)
+        constexprs = dict(stride_xh=1, stride_rh=1)
         pointers = dict(x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, normed_ptr=bf16, residual_out_ptr=bf16)
     elif kernel == "router":
-        config, _ = router_kernels.block_sizes(8, 6144, 128, 4, interpret=False)   # the decode split
-        constexprs = dict(HIDDEN=6144, NUM_EXPERTS=128, stride_xh=1, stride_rh=1)
+        launch = step_launches.moe_route(x=operand(8, 6144), router_weight=operand(128, 6144), bias=None, top_k=4,
+                                         interpret=False)   # the decode split
+        constexprs = dict(stride_xh=1, stride_rh=1)
         pointers = dict(x_ptr=bf16, router_ptr=bf16, partial_ptr="*fp32")
     else:
-        call = qk_kernels.QKRopeCall(300, 64, 4, 128, 128, 64, 64, EPS)
-        config = qk_kernels.launch_config(call, "float8_e4m3fn", "bfloat16", interpret=False)
+        call = validate.QKRopeCall(300, 64, 4, 128, 128, 64, 64, EPS)
+        fp8 = "float8_e4m3fn"
+        launch = step_launches.qk_norm_rope(
+            call=call, qkv=operand(300, 9856), positions=None, inv_freq=None, q_norm=None, k_norm=None,
+            index_q_norm=None, index_k_norm=None, slot_mapping=None, k_cache=operand(3, 4, 128, 128, dtype=fp8),
+            v_cache=operand(3, 4, 128, 128, dtype=fp8), index_k_cache=operand(3, 128, 128), pool=operand(1, dtype="uint8"),
+            interpret=False, k_scale="k_scale", v_scale="v_scale")
         constexprs = dict(stride_xc=1, stride_ckd=1, stride_cvd=1, stride_cid=1)
         pointers = dict(qkv_ptr=bf16, inv_freq_ptr="*fp32", q_norm_ptr=bf16, k_norm_ptr=bf16, index_q_norm_ptr=bf16,
                         index_k_norm_ptr=bf16, k_scale_ptr="*fp32", v_scale_ptr="*fp32", pool_in_ptr="*u8",
                         pool_ptr="*u8", q_ptr=bf16, index_q_ptr=bf16)
-    config = dict(config, ALIGNED=True, **constexprs)
-    config.pop("grid")
+    config = dict(launch.constexprs, ALIGNED=True, **constexprs)
     fn = getattr(m3_kernels.kernel_module(kernel, False), GPU_KERNELS[kernel])
-    return compile_for_hopper(fn, config, config.pop("num_warps"), config.pop("num_stages"), False, pointers)
+    return compile_for_hopper(fn, config, launch.num_warps, launch.num_stages, False, pointers)
 
 
 @pytest.mark.parametrize("kernel", ("norm", "router", "qk_rope"))

@@ -48,7 +48,7 @@ def record(monkeypatch):
         return [np.zeros(s.shape, s.dtype) for s in shapes]
 
     monkeypatch.setattr(m3_torch.ops, "kernel_module", lambda module, interpret: FakeModule())
-    monkeypatch.setattr(m3_jax.ops, "_cpu_call", fake_jax_call)
+    monkeypatch.setattr(m3_jax.ops, "cpu_call", fake_jax_call)
     for name in dir(validate):
         if name.startswith("check_") and (name.endswith("_call") or name == "check_cache_write"):
             original = getattr(validate, name)

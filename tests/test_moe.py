@@ -16,7 +16,7 @@ import torch
 
 import m3_jax
 import m3_torch
-from m3_kernels import moe as moe_kernels
+from m3_kernels import step_launches
 from m3_torch.model import swiglu_oai
 from jax_helpers import _jax_device  # noqa: F401  (autouse: CPU tests run on JAX's CPU device)
 
@@ -116,6 +116,18 @@ def test_bfloat16_rounds_like_the_model():
     assert torch.equal(run_jax(inputs), out.float())
 
 
+def moe_launch(tokens, experts, top_k, shared, hidden, inter, dtype, interpret):
+    """The chained launches of a fused_moe call with these shapes (align_kernel's first), from shapes alone."""
+    from test_codegen import operand
+
+    return step_launches.fused_moe(
+        x=operand(tokens, hidden, dtype=dtype), w_gate_up=operand(experts, 2 * inter, hidden, dtype=dtype),
+        w_down=operand(experts, hidden, inter, dtype=dtype), topk_ids=operand(tokens, top_k, dtype="int32"),
+        topk_weights=None, shared_gate_up=operand(2 * inter, hidden, dtype=dtype) if shared else None,
+        shared_down=operand(hidden, inter, dtype=dtype) if shared else None, swiglu_alpha=ALPHA,
+        swiglu_limit=LIMIT, routed_scaling_factor=1.0, interpret=interpret)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_block_structure(shared):
     """The align kernel's grouping: every pair once, grouped by expert in pair order, groups padded to
@@ -127,16 +139,17 @@ def test_block_structure(shared):
     ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(t))[:top_k]
                        for t in range(tokens)]).int()
     ids[:20] = torch.tensor([5, 2], dtype=torch.int32)    # expert 5 and 2: more than one block
-    plan = moe_kernels.plan(tokens, experts, top_k, shared, 64, 32, 4, interpret=True)
-    sorted_pairs = torch.full((plan.num_rows,), -7, dtype=torch.int32)
-    block_expert = torch.full((plan.num_blocks,), -7, dtype=torch.int32)
-    block_rows = torch.full((plan.num_blocks,), -7, dtype=torch.int32)
-    kernel_module("moe", True).align_kernel[plan.align.grid](ids, tokens, sorted_pairs, block_expert, block_rows,
-                                                             **plan.align.constexprs)
+    align = moe_launch(tokens, experts, top_k, shared, 64, 32, "float32", interpret=True)
+    num_rows, num_blocks = align.outputs[0].shape[0], align.outputs[1].shape[0]
+    sorted_pairs = torch.full((num_rows,), -7, dtype=torch.int32)
+    block_expert = torch.full((num_blocks,), -7, dtype=torch.int32)
+    block_rows = torch.full((num_blocks,), -7, dtype=torch.int32)
+    kernel_module("moe", True).align_kernel[align.grid](ids, tokens, sorted_pairs, block_expert, block_rows,
+                                                        **align.constexprs)
     flat = torch.cat([ids, torch.full((tokens, 1), experts, dtype=torch.int32)], 1) if shared else ids
-    flat, seen, bm = flat.reshape(-1).tolist(), [], plan.block_m
-    assert plan.num_pairs == len(flat)
-    for b in range(plan.num_blocks):
+    flat, seen, bm = flat.reshape(-1).tolist(), [], align.constexprs["BLOCK_M"]
+    assert align.then.then.outputs[0].shape[0] == len(flat)   # down_kernel's weighted [pairs, H]
+    for b in range(num_blocks):
         e, n = int(block_expert[b]), int(block_rows[b])
         if e < 0:
             assert n == 0
@@ -224,19 +237,19 @@ def test_gpu_float32(tokens):
     torch.testing.assert_close(out.double().cpu(), reference(**inputs, scale=2.0), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,itemsize", (("bf16", 2), ("fp32", 4)))
+@pytest.mark.parametrize("dtype,name", (("bf16", "bfloat16"), ("fp32", "float32")))
 @pytest.mark.parametrize("tokens", (8, 4096))
-def test_plans_fit_hopper_shared_memory(dtype, itemsize, tokens):
+def test_plans_fit_hopper_shared_memory(dtype, name, tokens):
     """The GPU plans' GEMMs at M3's shapes (decode- and prefill-sized calls), compiled for Hopper on the CPU:
     their pipeline stages fit one block's shared memory (227 KiB on an H100 / H200) in both dtypes."""
     from test_codegen import compile_for_hopper
     from m3_kernels import kernel_module
 
-    plan = moe_kernels.plan(tokens, 128, 4, True, 6144, 3072, itemsize, interpret=False)
+    align = moe_launch(tokens, 128, 4, True, 6144, 3072, name, interpret=False)
     kernels = kernel_module("moe", False)
-    for name, step in (("gate_up_kernel", plan.gate_up), ("down_kernel", plan.down)):
+    for step in (align.then, align.then.then):   # gate_up_kernel, down_kernel
         pointers = {p: f"*{dtype}" for p in ("x_ptr", "w_ptr", "shared_w_ptr", "act_ptr")}
         pointers.update(weights_ptr="*fp32", weighted_ptr="*fp32")
-        compiled = compile_for_hopper(getattr(kernels, name), dict(step.constexprs), step.num_warps,
-                                      step.num_stages, True, pointers)
-        assert compiled.metadata.shared <= 227 << 10, (name, step.num_stages, compiled.metadata.shared)
+        compiled = compile_for_hopper(getattr(kernels, step.kernel.split(".")[1]), dict(step.constexprs),
+                                      step.num_warps, step.num_stages, True, pointers)
+        assert compiled.metadata.shared <= 227 << 10, (step.kernel, step.num_stages, compiled.metadata.shared)
