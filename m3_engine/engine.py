@@ -10,7 +10,10 @@ runs the model and the shared sampling kernel on them (``m3_engine.runner``),
 the scheduler takes the new tokens (end-of-sequence, stop tokens, length),
 then each request's detokenizer turns them into text and stop strings are
 looked for; with an EAGLE-3 draft model, the runner then runs the draft
-(``runner.propose``) for the drafts the next step verifies. A request that
+(``runner.propose``) for the drafts the next step verifies. A request with
+``structured_outputs`` gets its rows' token bitmask filled before the step
+(``SamplingBatch.token_bitmask``) and its matcher advanced by its new tokens
+after it (``m3_engine.structured_outputs``). A request that
 finishes frees its cache pages at once. The engine is not thread-safe: one
 thread drives it (the server runs it in one loop).
 """
@@ -28,6 +31,7 @@ from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .runner import Runner, SampleResult, SamplingBatch
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Scheduler, Step
+from .structured_outputs import Grammar, StructuredOutputsBackend, fill_bitmask
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -39,9 +43,11 @@ class _Request:
     """The engine's view of one request (the scheduler keeps its own: ids, slots, cache)."""
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list, params: SamplingParams,
-                 seed: int, scheduler_id: int, detokenizer: Optional[IncrementalDetokenizer], arrival: float):
+                 seed: int, scheduler_id: int, detokenizer: Optional[IncrementalDetokenizer], arrival: float,
+                 grammar: Optional[Grammar] = None):
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
         self.seed, self.scheduler_id, self.detokenizer = seed, scheduler_id, detokenizer
+        self.grammar = grammar             # structured outputs: the request's matcher (None: unconstrained)
         self.token_ids: list = []
         self.text = ""                     # the text handed out (stop strings cut)
         self.logprobs: Optional[list] = [] if params.logprobs is not None else None
@@ -86,6 +92,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}       # request id -> unfinished request
         self._by_scheduler_id: dict[int, _Request] = {}
         self._arrivals = itertools.count()
+        self._structured: Optional[StructuredOutputsBackend] = None   # built by the first constrained request
         self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
 
     # -- requests ----------------------------------------------------------------------------------
@@ -104,6 +111,7 @@ class LLMEngine:
             raise TypeError(f"request_id: expected a string, got {type(request_id).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        grammar = self._grammar(params)   # compiles the constraint: a bad one raises before anything is queued
         scheduler_id = self.scheduler.add_request(ids, params.max_tokens, stop_token_ids=params.stop_token_ids,
                                                   ignore_eos=params.ignore_eos)
         number = next(self._arrivals)   # only accepted requests count: they key the unseeded requests' seeds
@@ -116,10 +124,22 @@ class LLMEngine:
         detokenizer = None if self.tokenizer is None else \
             IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         request = _Request(request_id, text, ids, params, seed, scheduler_id, detokenizer,
-                           time.time() if arrival_time is None else arrival_time)
+                           time.time() if arrival_time is None else arrival_time, grammar)
         self._requests[request_id] = request
         self._by_scheduler_id[scheduler_id] = request
         return request_id
+
+    def _grammar(self, params: SamplingParams) -> Optional[Grammar]:
+        """A constrained request's matcher (the backend is built on the first one); None without
+        ``structured_outputs``."""
+        if params.structured_outputs is None:
+            return None
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: needs the model folder's tokenizer (tokenizer.json)")
+            self._structured = StructuredOutputsBackend(self.tokenizer, vocab_size=self.scheduler.vocab_size)
+        return self._structured.grammar(params.structured_outputs,
+                                        stop_token_ids=[*self.scheduler.eos_token_ids, *params.stop_token_ids])
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple:
         """A prompt -> ``(text or None, token ids)``; the ids are checked by the scheduler."""
@@ -237,8 +257,15 @@ class LLMEngine:
             if request.logprobs is not None:
                 request.logprobs.append(self._logprobs(result, i, token, request.params.logprobs))
                 request.cumulative_logprob += float(result.logprobs[i])
+            if request.grammar is not None:
+                request.grammar.accept(token)
             if last and finished:
                 reason, stop_reason = r.finish_reason, r.stop_reason
+            if request.grammar is not None and request.grammar.is_terminated and reason != "stop":
+                # the grammar ended on a stop token the scheduler let through (ignore_eos), or on the last
+                # token max_tokens allowed: the output is complete
+                self.scheduler.finish_request(r.id, "stop")   # no-op when the scheduler finished it already
+                reason = "stop"
             if request.detokenizer is not None:
                 start = len(request.text)
                 request.text += request.detokenizer.add([token])
@@ -250,6 +277,8 @@ class LLMEngine:
                         self.scheduler.finish_request(r.id, "stop")
                     reason, stop_reason = "stop", hit
                     break
+            if reason is not None:
+                break
         if reason is not None:
             self._finish(request, reason, stop_reason)
 
@@ -276,7 +305,15 @@ class LLMEngine:
             frequency_penalty=np.array([p.frequency_penalty for p in params], np.float32) if penalties else None,
             prompt_ids=ids([r.prompt_ids for r in rows]) if penalties else None,
             output_ids=ids(self._outputs_so_far(step)) if penalties else None,
-            num_logprobs=max(asked) if asked else None)
+            num_logprobs=max(asked) if asked else None,
+            token_bitmask=self._token_bitmask(step, rows))
+
+    def _token_bitmask(self, step: Step, rows: list) -> Optional[np.ndarray]:
+        """Structured outputs: the step's token bitmask, None when no row is constrained."""
+        if all(r.grammar is None for r in rows):
+            return None
+        grammars = [self._by_scheduler_id[r.id].grammar for r, _ in step.rows]
+        return fill_bitmask(list(zip(grammars, step.num_logits.tolist(), step.drafts)), self.scheduler.vocab_size)
 
     def _outputs_so_far(self, step: Step) -> list:
         """Per logits row, the output its penalties count: a verify row's position ``j`` counts the

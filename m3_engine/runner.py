@@ -46,6 +46,9 @@ class SamplingBatch:
     [L] float32 and the rows' prompt and output ids, [L, P] / [L, O] int32 padded with -1.
     num_logprobs: the largest top-N asked by a row, 0 when a row asks only for the sampled
     token's logprob, None when no row asks for logprobs.
+    token_bitmask: structured outputs, only when a row is constrained (else None): [L, ceil(V / 32)]
+    int32, V the logits width; bit ``t % 32`` of word ``t // 32`` set = token ``t`` may be sampled
+    (``m3_engine.structured_outputs``); unconstrained rows are all ones (-1).
     """
     temperature: np.ndarray
     top_k: np.ndarray
@@ -59,6 +62,7 @@ class SamplingBatch:
     prompt_ids: Optional[np.ndarray] = None
     output_ids: Optional[np.ndarray] = None
     num_logprobs: Optional[int] = None
+    token_bitmask: Optional[np.ndarray] = None
 
     @classmethod
     def greedy(cls, rows: int) -> "SamplingBatch":

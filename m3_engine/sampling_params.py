@@ -22,7 +22,9 @@ import functools
 import math
 from typing import Optional, Sequence, Union
 
-__all__ = ["SamplingParams", "MAX_LOGPROBS", "MAX_SEED"]
+from .structured_outputs import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams", "MAX_LOGPROBS", "MAX_SEED"]
 
 MAX_LOGPROBS = 20          # top-N logprobs per token, as OpenAI's API allows
 MAX_SEED = (1 << 63) - 1   # seeds are int64 on the device
@@ -55,6 +57,10 @@ class SamplingParams:
     presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the
                   logits of generated tokens once / per occurrence; 0 is off.
     skip_special_tokens: leave special tokens out of the text (not the ids).
+    structured_outputs: a :class:`m3_engine.structured_outputs.StructuredOutputsParams`
+                  (a JSON schema, regex, choice, grammar or any JSON): only tokens that keep
+                  the output inside it are sampled, and the request ends (``finish_reason
+                  "stop"``) when it is complete and a stop token follows.
     """
     max_tokens: int = 16
     temperature: float = 1.0
@@ -71,6 +77,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
         self.max_tokens = _int("max_tokens", self.max_tokens, low=1)
@@ -115,6 +122,9 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name}: expected a number in [-2, 2], got {value}")
             setattr(self, name, value)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs: expected a StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

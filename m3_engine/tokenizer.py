@@ -65,6 +65,12 @@ class Tokenizer:
         self.byte_token_ids = frozenset(i for t, i in self._tok.get_vocab(with_added_tokens=False).items()
                                         if _BYTE_TOKEN.fullmatch(t))
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` underneath (its vocabulary and decoder: what structured
+        outputs build their token masks from)."""
+        return self._tok
+
     # -- encode / decode -----------------------------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list:
