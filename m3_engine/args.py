@@ -86,14 +86,15 @@ class EngineArgs:
                      "bfloat16", "float16"/"half", "float32"/"float", or a dtype object.
     device:          None (a GPU when there is one, else the CPU), "cpu", "cuda[:N]"/"gpu[:N]",
                      or the framework's device object; with tensor parallelism, the first one.
-    max_batch:       requests per step.
-    max_context:     KV tokens per request, prompt + generated (default min(8192, the model's
+    max_num_seqs:    requests per step.
+    max_model_len:   KV tokens per request, prompt + generated (default min(8192, the model's
                      max_position_embeddings)).
-    max_cache_pages: pool pages of 128 tokens (default: max_batch requests of max_context).
-    max_num_tokens:  query tokens per step (default max(2048, max_batch)).
-    prefill_chunk:   prompt tokens per request per step (default max_num_tokens).
+    num_gpu_blocks_override: pool pages of 128 tokens (default: max_num_seqs requests of
+                     max_model_len).
+    max_num_batched_tokens: query tokens per step (default max(2048, max_num_seqs)).
+    prefill_chunk:   prompt tokens per request per step (default max_num_batched_tokens).
     graph_batch_sizes: decode batch sizes replayed from CUDA graphs (torch) or compiled (JAX);
-                     default 1, 2, 4, 8, then multiples of 16 up to max_batch.
+                     default 1, 2, 4, 8, then multiples of 16 up to max_num_seqs.
     tensor_parallel_size: ranks the model is split over.
     kv_cache_dtype, index_cache_dtype: "auto" (the model's dtype) or "fp8" (float8_e4m3fn).
     seed:            the engine's seed, from which requests without their own seed draw.
@@ -112,10 +113,10 @@ class EngineArgs:
     model: Any
     dtype: Any = None
     device: Any = None
-    max_batch: int = 8
-    max_context: Optional[int] = None
-    max_cache_pages: Optional[int] = None
-    max_num_tokens: Optional[int] = None
+    max_num_seqs: int = 8
+    max_model_len: Optional[int] = None
+    num_gpu_blocks_override: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
     prefill_chunk: Optional[int] = None
     graph_batch_sizes: Optional[Sequence[int]] = None
     tensor_parallel_size: int = 1
@@ -150,8 +151,9 @@ class EngineArgs:
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
         draft = _draft_config(speculative, config, tp) if speculative is not None else None
         scheduler = SchedulerConfig.from_engine_args(
-            config, max_batch=self.max_batch, max_context=self.max_context, max_cache_pages=self.max_cache_pages,
-            max_num_tokens=self.max_num_tokens, prefill_chunk=self.prefill_chunk,
+            config, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk=self.prefill_chunk,
             graph_batch_sizes=self.graph_batch_sizes, enable_prefix_caching=self.enable_prefix_caching)
         return CheckedArgs(model_dir=model_dir, config=config, tp=tp, dtype=dtype, platform=platform,
                            device_index=index, device_object=device_object, device=self.device,

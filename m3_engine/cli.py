@@ -35,7 +35,7 @@ cumulative_logprob). A progress bar (tqdm) goes to stderr when it is a terminal.
 Everything is checked before a framework is imported: the options (by
 ``m3_engine.args.EngineArgs`` and ``SamplingParams``, whose messages name the
 option), the prompts (read, tokenized, rendered, checked against the
-vocabulary and ``--max-context``). A user error -- a bad option, a missing
+vocabulary and ``--max-model-len``). A user error -- a bad option, a missing
 model folder, a bad prompt, a framework that cannot be imported, an engine
 ``ValueError``/``TypeError``/``FileNotFoundError`` -- is one ``error: ...``
 line on stderr and exit status 2; another failure is one line and status 1
@@ -76,7 +76,7 @@ DISTRIBUTION = "m3-msa-kernels"
 
 # the leading name of an engine / SamplingParams message -> the option that sets it
 _OPTION_OF = {"model": "--model", "model_dir": "--model", "dtype": "--dtype", "device": "--device",
-              "max_batch": "--max-batch", "max_context": "--max-context",
+              "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len",
               "tensor_parallel_size": "--tensor-parallel-size", "kv_cache_dtype": "--kv-cache-dtype",
               "index_cache_dtype": "--index-cache-dtype", "load_format": "--load-format",
               "speculative_config": "--speculative-config",
@@ -162,10 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations (default: auto = the checkpoint's)")
     g.add_argument("--device", default=None, help="cpu, cuda[:N] or gpu[:N] (default: a GPU when there is one, "
                    "else the CPU); with tensor parallelism the first one")
-    g.add_argument("--max-batch", type=int, metavar="N", help="requests per step (default: 8)")
-    g.add_argument("--max-context", type=int, metavar="N", help="KV tokens per request, prompt + generated "
+    g.add_argument("--max-num-seqs", type=int, metavar="N", help="requests per step (default: 8)")
+    g.add_argument("--max-model-len", type=int, metavar="N", help="KV tokens per request, prompt + generated "
                    "(default: min(8192, the model's max_position_embeddings))")
-    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (torch: N processes, jax: a mesh of N devices; on a CPU "
                         "the CLI makes N fake JAX CPU devices); default: 1")
     for cache in ("kv", "index"):
@@ -283,7 +283,7 @@ class _Encoded:
     messages: Optional[list] = None
 
 
-def _encode(prompts: list, tokenizer, *, vocab_size: int, max_context: int, chat: bool) -> list:
+def _encode(prompts: list, tokenizer, *, vocab_size: int, max_model_len: int, chat: bool) -> list:
     """Tokenize (and render chats) here, before any framework is imported; check every prompt."""
     from .tokenizer import check_messages
 
@@ -315,8 +315,8 @@ def _encode(prompts: list, tokenizer, *, vocab_size: int, max_context: int, chat
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise UsageError(f"{p.where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        if len(ids) > max_context:
-            raise UsageError(f"{p.where}: {len(ids)} tokens, longer than --max-context {max_context} (the KV "
+        if len(ids) > max_model_len:
+            raise UsageError(f"{p.where}: {len(ids)} tokens, longer than --max-model-len {max_model_len} (the KV "
                              f"tokens per request, prompt + generated)")
         request = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
         encoded.append(_Encoded(request, label, messages))
@@ -408,8 +408,8 @@ _USER_ERRORS = (ValueError, TypeError, FileNotFoundError, KeyError)
 def _run(args) -> int:
     # 1. everything checked, nothing framework-specific imported
     options = {name: value for name, value in (
-        ("dtype", args.dtype), ("device", args.device), ("max_batch", args.max_batch),
-        ("max_context", args.max_context), ("tensor_parallel_size", args.tensor_parallel_size),
+        ("dtype", args.dtype), ("device", args.device), ("max_num_seqs", args.max_num_seqs),
+        ("max_model_len", args.max_model_len), ("tensor_parallel_size", args.tensor_parallel_size),
         ("kv_cache_dtype", args.kv_cache_dtype), ("index_cache_dtype", args.index_cache_dtype),
         ("enable_prefix_caching", args.enable_prefix_caching), ("load_format", args.load_format),
         ("speculative_config", args.speculative_config))
@@ -443,7 +443,7 @@ def _run(args) -> int:
     except _USER_ERRORS as e:
         raise _user_error(e) from e
     encoded = _encode(prompts, tokenizer, vocab_size=checked.config.vocab_size,
-                      max_context=checked.scheduler.max_context, chat=args.chat)
+                      max_model_len=checked.scheduler.max_context, chat=args.chat)
 
     # 2. the engine
     prepare_jax_cpu_devices(args.framework, args.tensor_parallel_size, args.device)

@@ -1,7 +1,7 @@
 """``LLM``: generate with a MiniMax-M3 checkpoint, vLLM's way, in torch or JAX.
 
     from m3_torch import LLM, SamplingParams         # or: from m3_jax import LLM, SamplingParams
-    llm = LLM("path/to/model", dtype="bfloat16", max_batch=8, max_context=32768)
+    llm = LLM("path/to/model", dtype="bfloat16", max_num_seqs=8, max_model_len=32768)
     outputs = llm.generate(["Hello, my name is", "The capital of France is"],
                            SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32))
     print(outputs[0].outputs[0].text)
@@ -47,7 +47,7 @@ def generation_defaults(model_dir) -> dict:
 
 class LLM:
     """A MiniMax-M3 text model, ready to generate. Options: :class:`m3_engine.args.EngineArgs`
-    (model, dtype, device, max_batch, max_context, max_cache_pages, max_num_tokens,
+    (model, dtype, device, max_num_seqs, max_model_len, num_gpu_blocks_override, max_num_batched_tokens,
     prefill_chunk, graph_batch_sizes, tensor_parallel_size, kv_cache_dtype,
     index_cache_dtype, seed, enforce_eager, enable_prefix_caching, load_format,
     speculative_config)."""

@@ -1,6 +1,6 @@
 """``m3-serve``: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
 
-    m3-serve MODEL_DIR --framework torch --port 8000 --max-batch 32 --max-context 8192
+    m3-serve MODEL_DIR --framework torch --port 8000 --max-num-seqs 32 --max-model-len 8192
     python -m m3_engine.serve MODEL_DIR --framework jax --api-key secret --served-model-name m3
 
     from openai import OpenAI
@@ -51,11 +51,11 @@ are a 400.
 
 Semantics worth knowing:
 
-* ``max_tokens`` left out = what is left of the context (``max_context`` minus
+* ``max_tokens`` left out = what is left of the context (``max_model_len`` minus
   the prompt), for completions and chat alike (vLLM's default, not OpenAI's 16
   for completions). A request may ask for more than is left: it then ends with
   ``finish_reason="length"`` at the end of the context.
-* A prompt longer than ``max_context`` is a 400 (``code="context_length_exceeded"``).
+* A prompt longer than ``max_model_len`` is a 400 (``code="context_length_exceeded"``).
 * ``usage.prompt_tokens_details.cached_tokens``: the prompt tokens the prefix
   cache served (``--enable-prefix-caching``; else 0).
 * ``echo`` (completions) puts the prompt text before the completion; with
@@ -625,7 +625,7 @@ class _Server:
         return self.llm.tokenizer
 
     @property
-    def max_context(self) -> int:
+    def max_model_len(self) -> int:
         return self.llm.scheduler_config.max_context
 
     @property
@@ -650,9 +650,9 @@ class _Server:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise _bad(f"{param}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param)
-        if len(ids) > self.max_context:
+        if len(ids) > self.max_model_len:
             raise _bad(f"{param}: the prompt has {len(ids)} tokens, more than this server's context of "
-                       f"{self.max_context} tokens (--max-context)", param, code="context_length_exceeded")
+                       f"{self.max_model_len} tokens (--max-model-len)", param, code="context_length_exceeded")
         return ids
 
     def encode(self, text: str, param: str, *, add_special_tokens: bool = True) -> list:
@@ -696,7 +696,7 @@ def _default_max_tokens(server: _Server, requested: Optional[int], prompt_len: i
     ``generation_config.json`` ``max_new_tokens``)."""
     if requested is not None:
         return requested
-    left = max(server.max_context - prompt_len, 1)
+    left = max(server.max_model_len - prompt_len, 1)
     return min(left, server.llm.engine.generation_defaults.get("max_tokens", left))
 
 
@@ -876,7 +876,7 @@ def create_app(llm, *, served_model_name=None, api_key: Optional[str] = None,
             _, ids = _chat_prompt(server, body.messages, body.add_generation_prompt)
         else:
             ids = server.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
-        out = {"count": len(ids), "max_model_len": server.max_context, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = [server.token_text(t) for t in ids]
         return out
@@ -1123,7 +1123,7 @@ def _completion_prompts(server: _Server, prompt) -> list:
 
 def _model_card(server: _Server, name: str) -> dict:
     return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "m3",
-            "root": str(server.llm.args.model_dir), "parent": None, "max_model_len": server.max_context,
+            "root": str(server.llm.args.model_dir), "parent": None, "max_model_len": server.max_model_len,
             "vocab_size": server.vocab_size,
             "framework": getattr(server.llm, "framework", None)}
 
@@ -1230,7 +1230,7 @@ def _int_list(text: str) -> list:
 
 # EngineArgs fields with their own flags below; any other field (an option a later issue adds)
 # gets a generic --field-name flag from its default (see _engine_flags).
-_ENGINE_FLAGS = ("dtype", "device", "max_batch", "max_context", "max_cache_pages", "max_num_tokens", "prefill_chunk",
+_ENGINE_FLAGS = ("dtype", "device", "max_num_seqs", "max_model_len", "num_gpu_blocks_override", "max_num_batched_tokens", "prefill_chunk",
                  "graph_batch_sizes", "tensor_parallel_size", "kv_cache_dtype", "index_cache_dtype", "seed",
                  "enforce_eager", "enable_prefix_caching", "speculative_config")
 
@@ -1261,17 +1261,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="auto",
                         help="weights and activations (default auto: the checkpoint's)")
     engine.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: a GPU when there is one)")
-    engine.add_argument("--max-batch", type=_positive_int, default=8, help="requests per step (default 8)")
-    engine.add_argument("--max-context", type=_positive_int, default=None,
+    engine.add_argument("--max-num-seqs", type=_positive_int, default=8, help="requests per step (default 8)")
+    engine.add_argument("--max-model-len", type=_positive_int, default=None,
                         help="KV tokens per request, prompt + generated (default min(8192, the model's))")
-    engine.add_argument("--max-cache-pages", type=_positive_int, default=None,
-                        help="KV pool pages of 128 tokens (default: max-batch requests of max-context)")
-    engine.add_argument("--max-num-tokens", type=_positive_int, default=None, help="query tokens per step")
+    engine.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None,
+                        help="KV pool pages of 128 tokens (default: max-num-seqs requests of max-model-len)")
+    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="query tokens per step")
     engine.add_argument("--prefill-chunk", type=_positive_int, default=None,
                         help="prompt tokens per request per step")
     engine.add_argument("--graph-batch-sizes", type=_int_list, default=None, metavar="B1,B2,...",
                         help="decode batch sizes for CUDA graphs / jitted steps")
-    engine.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=1, metavar="N",
+    engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
                         help="split the model over N ranks (default 1)")
     engine.add_argument("--kv-cache-dtype", choices=_cache_dtypes(CACHE_DTYPES), default="auto")
     engine.add_argument("--index-cache-dtype", choices=_cache_dtypes(CACHE_DTYPES), default="auto")
@@ -1412,7 +1412,7 @@ def main(argv=None) -> int:
         server = _UvicornServer(config, engine_loop=app.state.m3.engine_loop, grace=args.shutdown_timeout)
         host, port = sock.getsockname()[:2]
         sc = llm.scheduler_config
-        print(f"m3-serve: {args.framework} engine over {args.model} (max_batch {sc.max_batch}, max_context "
+        print(f"m3-serve: {args.framework} engine over {args.model} (max_num_seqs {sc.max_batch}, max_model_len "
               f"{sc.max_context}, {sc.num_slots} KV pages); listening on http://{host}:{port}", flush=True)
         server.run(sockets=[sock])
         if server.started is False and not server.should_exit:

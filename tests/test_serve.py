@@ -1,7 +1,7 @@
 """m3-serve (m3_engine.serve): the official ``openai`` client against a server subprocess, both frameworks.
 
 One server per framework for the module (``running_server``: ``python -m m3_engine.serve`` on a
-free port of 127.0.0.1, the tiny model, max_context 256, max_batch 8), reused by every test; after
+free port of 127.0.0.1, the tiny model, max_model_len 256, max_num_seqs 8), reused by every test; after
 each test the server must be idle (no request running or waiting, no KV page reserved, no HTTP
 request open: ``/metrics``), and at the end SIGTERM must stop it with exit status 0 while a stream
 is still open. Model steps are slow in Triton's interpreter (about 0.7 s of CPU per row of a
@@ -138,8 +138,8 @@ class Server:
         if port is not None:
             return
         cmd = [sys.executable, "-m", "m3_engine.serve", str(model_dir), "--framework", framework,
-               "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--max-batch", "8",
-               "--max-context", str(MAX_CONTEXT), "--api-key", KEY, "--served-model-name", MODEL,
+               "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--max-num-seqs", "8",
+               "--max-model-len", str(MAX_CONTEXT), "--api-key", KEY, "--served-model-name", MODEL,
                "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "1", "--no-access-log", *extra]
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
@@ -283,7 +283,7 @@ def generate_reference(framework, model_dir, tok) -> dict:
     """``LLM.generate`` of the same framework in this process: the seeded prompts, the chat prompt
     as ``LLM.chat`` makes it (template, then ids without special tokens) and the stop tests' prompt,
     greedy; with the stop string and stop token chosen from that greedy answer."""
-    llm = engine_class(framework)(model_dir, max_batch=8, max_context=MAX_CONTEXT, device="cpu")
+    llm = engine_class(framework)(model_dir, max_num_seqs=8, max_model_len=MAX_CONTEXT, device="cpu")
     text = tok.apply_chat_template(MESSAGES)
     chat_prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
     try:
@@ -688,7 +688,7 @@ def fake_server(model_dir):
         def _runner_class(cls):
             return FakeRunner
 
-    llm = FakeLLM(model_dir, max_batch=4, max_context=256, enable_prefix_caching=True)
+    llm = FakeLLM(model_dir, max_num_seqs=4, max_model_len=256, enable_prefix_caching=True)
     app = create_app(llm, served_model_name=MODEL, api_key=KEY, max_queue=8)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -807,13 +807,13 @@ def test_cli_flags():
 
     args = build_parser().parse_args([
         "DIR", "--framework", "jax", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k",
-        "--served-model-name", "a", "b", "--max-batch", "4", "--max-context", "1024", "--dtype", "bfloat16",
+        "--served-model-name", "a", "b", "--max-num-seqs", "4", "--max-model-len", "1024", "--dtype", "bfloat16",
         "--kv-cache-dtype", "fp8", "--index-cache-dtype", "fp8", "--tensor-parallel-size", "2", "--max-queue", "7",
         "--enable-prefix-caching"])
     assert (args.framework, args.host, args.port, args.api_key, args.served_model_name, args.max_queue) == \
         ("jax", "0.0.0.0", 9000, "k", ["a", "b"], 7)
     options = engine_options(args)
-    assert options["max_batch"] == 4 and options["max_context"] == 1024 and options["dtype"] == "bfloat16"
+    assert options["max_num_seqs"] == 4 and options["max_model_len"] == 1024 and options["dtype"] == "bfloat16"
     assert options["kv_cache_dtype"] == options["index_cache_dtype"] == "fp8"
     assert options["tensor_parallel_size"] == 2 and options["enable_prefix_caching"] is True
     from m3_engine.args import EngineArgs
