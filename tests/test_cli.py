@@ -6,6 +6,7 @@ framework (``real`` below hands the same LLM to every CLI run with the same opti
 only where the process matters: stdin through a pipe, the exit status, which modules load.
 """
 
+import dataclasses
 import importlib.metadata
 import io
 import json
@@ -19,6 +20,7 @@ import pytest
 
 import m3_engine
 from m3_engine import cli
+from m3_engine.args import EngineArgs
 from m3_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from m3_engine.sampling_params import SamplingParams
 from m3_engine.tiny_model import BOS_ID, write_tiny_checkpoint
@@ -101,15 +103,15 @@ def no_engine(monkeypatch):
 
 def test_options_reach_the_engine_and_sampling_params(model_dir, tok, fake, capsys):
     rc, out, err = run(capsys, "--framework", "jax", "--model", model_dir, "--prompt", "The fox", "--max-tokens", 3,
-                       "--temperature", 0.5, "--top-p", 0.9, "--top-k", 7, "--min-p", 0.05, "--seed", 11,
+                       "--temperature", 0.5, "--top-p", 0.9, "--top-k", 7, "--min-p", 0.05, "--sampling-seed", 11,
                        "--stop", "ab", "--stop", "\n", "--logprobs", 2, "--dtype", "bfloat16", "--device", "cpu",
                        "--max-num-seqs", 4, "--max-model-len", 300, "--kv-cache-dtype", "fp8")
     assert rc == 0, err
     assert fake == ["jax"]
     [llm] = FakeLLM.instances
-    assert llm.options == {"dtype": "bfloat16", "device": "cpu", "max_num_seqs": 4, "max_model_len": 300,
-                           "tensor_parallel_size": 1, "kv_cache_dtype": "fp8", "index_cache_dtype": "auto",
-                           "enable_prefix_caching": False}
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs) if f.name != "model"}
+    assert llm.options == {**defaults, "dtype": "bfloat16", "device": "cpu", "max_num_seqs": 4, "max_model_len": 300,
+                           "kv_cache_dtype": "fp8"}   # every engine option, EngineArgs' defaults where not given
     [(prompts, params, use_tqdm)] = llm.calls
     assert prompts == [{"prompt": "The fox", "prompt_token_ids": tok.encode("The fox")}] and use_tqdm
     assert params == SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9, top_k=7, min_p=0.05, seed=11,
@@ -390,7 +392,8 @@ def test_chat_stop_and_logprobs(model_dir, tok, real, capsys):
 def test_seed_makes_sampling_repeat(model_dir, real, capsys):
     def sample(seed, copies=1):
         rc, out, err = run(capsys, "--model", model_dir, *CTX, *["--prompt", "The fox"] * copies,
-                           "--max-tokens", 2, "--temperature", 1.0, "--seed", seed, "--json")
+                           "--max-tokens", 2, "--temperature", 1.0, "--sampling-seed", seed,
+                           "--json")
         assert rc == 0, err
         return [r["token_ids"] for r in json_lines(out)]
     first, second = sample(7, copies=2)
