@@ -7,7 +7,7 @@
     python3 -m benchmarks.serve --tiny                      # CPU smoke run: the tiny test model, a few requests
 
 Without ``--url`` the server is started here as a subprocess (``python -m
-m3_engine.serve MODEL --port 0`` with ``--framework``, ``--max-num-seqs``,
+m3_engine.server MODEL --port 0`` with ``--framework``, ``--max-num-seqs``,
 ``--max-model-len``, ``--dtype``, ``--kv-cache-dtype``, ``--tensor-parallel-size``
 and anything in ``--server-args``), waited for (``/health``), warmed up, and
 stopped with SIGTERM at the end (its exit status is checked). ``--e2e-model``
@@ -138,7 +138,7 @@ def parse_metrics(text: str) -> dict:
     (the server's tests read it too)."""
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^(\w+)(?:\{([^}]*)\})? (\S+)$", line)
+        m = re.match(r"^([\w:]+)(?:\{([^}]*)\})? (\S+)$", line)
         if m:
             labels = ",".join(x for x in (m.group(2) or "").split(",") if x and not x.startswith("model_name="))
             out[m.group(1) + (f"{{{labels}}}" if labels else "")] = float(m.group(3))
@@ -262,7 +262,7 @@ async def wait_idle(ep: Endpoint, timeout: float = 60.0) -> bool:
 # -- the server subprocess ------------------------------------------------------------------------------
 
 def start_server(args, log_path: Path):
-    cmd = [sys.executable, "-m", "m3_engine.serve", str(args.model), "--host", "127.0.0.1", "--port", "0",
+    cmd = [sys.executable, "-m", "m3_engine.server", str(args.model), "--host", "127.0.0.1", "--port", "0",
            "--framework", args.framework, "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench",
            "--no-access-log", "--max-queue", str(max(args.num_requests, 1024))]
     for flag, value in (("--max-model-len", args.max_model_len), ("--dtype", args.dtype),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -32,8 +33,9 @@ from .scheduler import SchedulerConfig
 from .speculative import SpeculativeConfig
 from .tp import TPPlan
 
-__all__ = ["EngineArgs", "DTYPE_NAMES", "SUPPORTED_QUANTIZATION", "RENAMED_OPTIONS", "check_option_names", "parse_dtype", "parse_device", "check_gpu_device",
-           "add_engine_flags", "engine_options", "flag_of", "kv_cache_pages", "ArgumentParser", "UsageError"]
+__all__ = ["EngineArgs", "DTYPE_NAMES", "SUPPORTED_QUANTIZATION", "RENAMED_OPTIONS", "check_option_names",
+           "parse_dtype", "parse_device", "check_gpu_device", "add_engine_flags", "engine_options", "engine_flags",
+           "flag_of", "flag_message", "kv_cache_pages", "ArgumentParser", "UsageError"]
 
 # vLLM's dtype names -> ours ("auto": the checkpoint's dtype)
 DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -278,6 +280,22 @@ class ArgumentParser(argparse.ArgumentParser):
 def flag_of(name: str) -> str:
     """The command-line flag of an :class:`EngineArgs` field: ``max_num_seqs`` -> ``--max-num-seqs``."""
     return "--" + name.replace("_", "-")
+
+
+def engine_flags() -> dict:
+    """Every :class:`EngineArgs` field but ``model`` -> its flag."""
+    return {field.name: flag_of(field.name) for field in dataclasses.fields(EngineArgs) if field.name != "model"}
+
+
+def flag_message(message: str, flags: dict) -> str:
+    """An error message that starts with a name of ``flags`` (``"max_num_seqs: expected ..."`` or
+    ``"tensor_parallel_size=3 does not ..."``) -> the same naming the flag (``"--max-num-seqs:
+    expected ..."``, ``"--tensor-parallel-size: tensor_parallel_size=3 does not ..."``)."""
+    m = re.match(r"([a-z_]+)(:|=)", message)
+    if not m or m.group(1) not in flags:
+        return message
+    flag = flags[m.group(1)]
+    return flag + message[m.end(1):] if m.group(2) == ":" else f"{flag}: {message}"
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

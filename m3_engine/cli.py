@@ -64,7 +64,6 @@ import dataclasses
 import glob
 import json
 import os
-import re
 import sys
 import time
 import traceback
@@ -72,7 +71,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import engine_class
-from .args import ArgumentParser, EngineArgs, UsageError, add_engine_flags, engine_options, flag_of
+from .args import ArgumentParser, EngineArgs, UsageError, add_engine_flags, engine_flags, engine_options, flag_message
 from .sampling_params import SamplingParams
 
 __all__ = ["main", "build_parser", "version"]
@@ -80,13 +79,11 @@ __all__ = ["main", "build_parser", "version"]
 FRAMEWORKS = ("torch", "jax")
 DISTRIBUTION = "m3-msa-kernels"
 
-# the leading name of a SamplingParams message -> the option that sets it (an engine message's name
-# is an EngineArgs field: its flag is args.flag_of(name))
+# the leading name of a SamplingParams / an engine message -> the option that sets it
 _SAMPLING_OPTION_OF = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
                        "top_k": "--top-k", "min_p": "--min-p", "seed": "--sampling-seed", "stop": "--stop",
                        "logprobs": "--logprobs"}
-_ENGINE_OPTION_OF = {"model": "--model", "model_dir": "--model",
-                     **{f.name: flag_of(f.name) for f in dataclasses.fields(EngineArgs) if f.name != "model"}}
+_ENGINE_OPTION_OF = {"model": "--model", "model_dir": "--model", **engine_flags()}
 
 
 def version() -> str:
@@ -361,12 +358,7 @@ def _message(e: BaseException) -> str:
 def _user_error(e: BaseException, option_of: dict = _ENGINE_OPTION_OF) -> UsageError:
     """An engine (or, with ``_SAMPLING_OPTION_OF``, a SamplingParams) error -> a UsageError naming
     the CLI option."""
-    message = _message(e)
-    m = re.match(r"([a-z_]+)(:|=)", message)
-    if m and m.group(1) in option_of:
-        option = option_of[m.group(1)]
-        message = option + message[m.end(1):] if m.group(2) == ":" else f"{option}: {message}"
-    return UsageError(message)
+    return UsageError(flag_message(_message(e), option_of))
 
 
 _USER_ERRORS = (ValueError, TypeError, FileNotFoundError, KeyError)

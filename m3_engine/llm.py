@@ -103,6 +103,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        """KV tokens per request, prompt and generated together (the ``max_model_len`` option, or its default)."""
+        return self.scheduler_config.max_context
+
     # -- generation ------------------------------------------------------------------------------
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],

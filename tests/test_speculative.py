@@ -519,13 +519,15 @@ def test_gpu_speculation(model_dir, framework):
 
 
 def test_command_line_and_server_flags():
+    pytest.importorskip("fastapi")
+    from m3_engine.args import UsageError, engine_options
     from m3_engine.cli import build_parser as cli_parser
-    from m3_engine.serve import build_parser as serve_parser, engine_options
+    from m3_engine.server.cli import build_parser as serve_parser
     flag = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
     assert cli_parser().parse_args(["--model", "m"] + flag).speculative_config == {
         "method": "ngram", "num_speculative_tokens": 2}
     assert engine_options(serve_parser().parse_args(["m"] + flag))["speculative_config"]["num_speculative_tokens"] == 2
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--speculative-config: expected JSON"):
         serve_parser().parse_args(["m", "--speculative-config", "{ngram"])
 
 
