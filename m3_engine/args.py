@@ -217,7 +217,7 @@ class EngineArgs:
                            scheduler=scheduler, kv_cache_dtype=self.kv_cache_dtype,
                            index_cache_dtype=self.index_cache_dtype, seed=self.seed,
                            enforce_eager=self.enforce_eager, load_format=load_format, speculative=speculative,
-                           draft=draft)
+                           draft=draft, gpu_memory_utilization=float(utilization))
 
 
 def _draft_config(speculative: SpeculativeConfig, config: M3TextConfig, tp: TPPlan) -> Optional[Eagle3Config]:
@@ -253,6 +253,7 @@ class CheckedArgs:
     load_format: str = "auto"     # "auto" | "dummy"
     speculative: Optional[SpeculativeConfig] = None
     draft: Optional[Eagle3Config] = None   # speculative method "eagle3": the draft head's config
+    gpu_memory_utilization: float = 0.9   # a GPU runner's memory budget (kv_cache_pages); unused on a CPU
 
     def step_config(self) -> StepConfig:
         """The step planner's config of the engine: one rank's heads, the scheduler's limits."""
