@@ -76,7 +76,7 @@ def main():
 
     results = {}
     for framework in ("torch", "jax"):
-        with engine_class(framework)(model_dir, max_batch=4, max_context=4096) as llm:
+        with engine_class(framework)(model_dir, max_num_seqs=4, max_model_len=4096) as llm:
             if gpu:  # compile / capture first, then time
                 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
             start = time.perf_counter()

@@ -4,8 +4,8 @@ A random bf16 model with MiniMax-M3's real attention shapes (hidden 6144, 64
 query / 4 KV heads of 128, 4 index heads of 128, top-16 blocks, RoPE on 64
 channels; layer 0 dense attention + dense MLP, layers 1-3 MSA + a small MoE;
 a 32k vocabulary) is written to a temporary directory, then for each
-context (4k, 32k, 128k) each engine is built once (``max_context`` = the
-context, ``max_batch`` 64, a pool for 64 requests of that context) and, for
+context (4k, 32k, 128k) each engine is built once (``max_model_len`` = the
+context, ``max_num_seqs`` 64, a pool for 64 requests of that context) and, for
 each batch (1, 8, 32, 64), one decode step with every request at that context
 (random block tables of distinct slots, random caches) is timed:
 
@@ -145,8 +145,8 @@ def attention_us(llm, step: Step, reps: int) -> float:
 
 def run_torch(model_dir, context, batches, reps, device) -> dict:
     blocks = -(-context // PAGE_SIZE)
-    llm = m3_torch.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max(batches), max_context=context,
-                       max_cache_pages=max(batches) * blocks)
+    llm = m3_torch.LLM(model_dir, dtype="bfloat16", device=device, max_num_seqs=max(batches), max_model_len=context,
+                       num_gpu_blocks_override=max(batches) * blocks)
     llm.runner.pool.normal_(generator=torch.Generator(device=llm.runner.device).manual_seed(0))
     out = {}
     for batch in batches:
@@ -176,8 +176,8 @@ def run_jax(model_dir, context, batches, reps, device, launch="legacy") -> dict:
     _triton_call.LAUNCH_TARGET = _triton_call.LAUNCH_TARGETS[launch]   # this process's kernels' custom call
 
     blocks = -(-context // PAGE_SIZE)
-    llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max(batches), max_context=context,
-                     max_cache_pages=max(batches) * blocks)
+    llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=device, max_num_seqs=max(batches), max_model_len=context,
+                     num_gpu_blocks_override=max(batches) * blocks)
     planner = llm.planner   # the engine's graph batch sizes
     out = {}
     with jax.default_device(llm.runner.device):   # the kernels trace their GPU or CPU path from it
@@ -211,8 +211,8 @@ def run_torch_tp(model_dir, tp: int, context: int, batches, reps: int, device) -
 
     blocks = -(-context // PAGE_SIZE)
     out = {}
-    with m3_torch.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max(batches), max_context=context,
-                      max_cache_pages=max(batches) * blocks, tensor_parallel_size=tp) as llm:
+    with m3_torch.LLM(model_dir, dtype="bfloat16", device=device, max_num_seqs=max(batches), max_model_len=context,
+                      num_gpu_blocks_override=max(batches) * blocks, tensor_parallel_size=tp) as llm:
         llm.runner.collective_rpc(e2e_ranks.fill_pool)
         for batch in batches:
             step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
@@ -245,7 +245,7 @@ def run_jax_tp(model_dir, tp: int, context: int, batches, reps: int, device) -> 
     blocks = -(-context // PAGE_SIZE)
     platform = "gpu" if device == "cuda" else "cpu"
     llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=platform if tp > 1 else jax.devices(platform)[0],
-                     max_batch=max(batches), max_context=context, max_cache_pages=max(batches) * blocks,
+                     max_num_seqs=max(batches), max_model_len=context, num_gpu_blocks_override=max(batches) * blocks,
                      tensor_parallel_size=tp)
     c = llm.config
     out = {}

@@ -27,8 +27,8 @@ def scheduler_us(batch: int, context: int, steps: int = 50) -> tuple[float, floa
     text = tiny_text_config()
     text["max_position_embeddings"] = 131072
     config = M3TextConfig.from_dict(text)
-    sc = SchedulerConfig.from_engine_args(config, max_batch=64, max_context=131072,
-                                          max_cache_pages=64 * 1024 + 64)
+    sc = SchedulerConfig.from_engine_args(config, max_num_seqs=64, max_model_len=131072,
+                                          num_gpu_blocks_override=64 * 1024 + 64)
     s = Scheduler(sc, config)
     rng = np.random.default_rng(0)
     s.add_requests([rng.integers(3, 200, context).tolist() for _ in range(batch)], max_new_tokens=10_000)
@@ -57,7 +57,7 @@ def tp_round_trip_us(calls: int = 100) -> float:
     payload = np.zeros((64, 256), np.int32)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(tmp, seed=0)
-        with m3_torch.LLM(model_dir, tensor_parallel_size=2, device="cpu", max_batch=4, max_context=512) as llm:
+        with m3_torch.LLM(model_dir, tensor_parallel_size=2, device="cpu", max_num_seqs=4, max_model_len=512) as llm:
             return wall_us(lambda: llm.runner.collective_rpc(_rank, payload), calls)
 
 

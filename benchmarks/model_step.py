@@ -355,8 +355,8 @@ def torch_context(model_dir, context: int, batches, reps: int, device: str, piec
     import m3_torch
 
     blocks = -(-context // PAGE_SIZE)
-    llm = m3_torch.LLM(model_dir, dtype="bfloat16", device=device, load_format="dummy", max_batch=max(batches),
-                       max_context=context, max_cache_pages=max(batches) * blocks)
+    llm = m3_torch.LLM(model_dir, dtype="bfloat16", device=device, load_format="dummy", max_num_seqs=max(batches),
+                       max_model_len=context, num_gpu_blocks_override=max(batches) * blocks)
     try:
         runner = llm.runner.rank0
         runner.pool.normal_(generator=torch.Generator(device=runner.device).manual_seed(0))   # random K/V/index-K
@@ -500,8 +500,8 @@ def jax_context(model_dir, context: int, batches, reps: int, device: str) -> dic
 
     blocks = -(-context // PAGE_SIZE)
     platform = jax.devices("gpu" if device == "cuda" else "cpu")[0]
-    llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=platform, load_format="dummy", max_batch=max(batches),
-                     max_context=context, max_cache_pages=max(batches) * blocks)
+    llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=platform, load_format="dummy", max_num_seqs=max(batches),
+                     max_model_len=context, num_gpu_blocks_override=max(batches) * blocks)
     rows = {}
     try:
         with jax.default_device(platform):   # the kernels trace their GPU or CPU path from it

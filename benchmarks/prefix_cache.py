@@ -44,13 +44,13 @@ import numpy as np
 from m3_engine import SamplingParams
 
 
-def _engine(framework: str, model_dir, *, caching: bool, max_context: int, max_batch: int, device):
+def _engine(framework: str, model_dir, *, caching: bool, max_model_len: int, max_num_seqs: int, device):
     if framework == "torch":
         import m3_torch as fw
     else:
         import m3_jax as fw
-    return fw.LLM(model_dir, dtype="bfloat16", device=device, max_batch=max_batch, max_context=max_context,
-                  max_num_tokens=min(8192, max_context), enable_prefix_caching=caching)
+    return fw.LLM(model_dir, dtype="bfloat16", device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                  max_num_batched_tokens=min(8192, max_model_len), enable_prefix_caching=caching)
 
 
 def _timed_generate(llm, prompts, params) -> tuple:
@@ -66,8 +66,8 @@ def run_ttft(framework, model_dir, args, device, vocab) -> dict:
     def prompt(prefix):
         return prefix + rng.integers(3, vocab, args.suffix).tolist()
 
-    llm = _engine(framework, model_dir, caching=True, max_context=args.prefix + args.suffix + 256,
-                  max_batch=1, device=device)
+    llm = _engine(framework, model_dir, caching=True, max_model_len=args.prefix + args.suffix + 256,
+                  max_num_seqs=1, device=device)
     warm_prefix = rng.integers(3, vocab, args.prefix).tolist()
     _timed_generate(llm, [prompt(warm_prefix)], one)          # compile / capture / autotune
     _timed_generate(llm, [prompt(warm_prefix)], one)          # the cached path's shapes too
@@ -110,8 +110,8 @@ def _chat_pass(llm, args, rng, vocab, params) -> tuple:
 def run_chat(framework, model_dir, args, device, vocab, caching: bool) -> tuple:
     params = SamplingParams(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
     longest = args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)
-    llm = _engine(framework, model_dir, caching=caching, max_context=longest + 128,
-                  max_batch=args.conversations, device=device)
+    llm = _engine(framework, model_dir, caching=caching, max_model_len=longest + 128,
+                  max_num_seqs=args.conversations, device=device)
     # warm-up: the same workload with other tokens (every step shape compiled / captured once)
     _chat_pass(llm, args, np.random.default_rng(3), vocab, params)
     before = llm.engine.stats

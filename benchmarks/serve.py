@@ -1,14 +1,14 @@
 """Load test of the OpenAI-compatible server: `python3 -m benchmarks.serve --model DIR [options]`.
 
-    python3 -m benchmarks.serve --model /tmp/m3e2e --e2e-model --max-batch 64 --max-context 4096 \\
+    python3 -m benchmarks.serve --model /tmp/m3e2e --e2e-model --max-num-seqs 64 --max-model-len 4096 \\
         --input-len 1024 --output-len 256 --num-requests 256 --request-rate 4,16,inf --max-concurrency 64 \\
         --out benchmarks/results/latest                     # GPU: the random M3-shaped model of benchmarks.e2e
     python3 -m benchmarks.serve --url http://127.0.0.1:8000/v1 --api-key KEY ...   # a server already running
     python3 -m benchmarks.serve --tiny                      # CPU smoke run: the tiny test model, a few requests
 
 Without ``--url`` the server is started here as a subprocess (``python -m
-m3_engine.serve MODEL --port 0`` with ``--framework``, ``--max-batch``,
-``--max-context``, ``--dtype``, ``--kv-cache-dtype``, ``--tensor-parallel-size``
+m3_engine.server MODEL --port 0`` with ``--framework``, ``--max-num-seqs``,
+``--max-model-len``, ``--dtype``, ``--kv-cache-dtype``, ``--tensor-parallel-size``
 and anything in ``--server-args``), waited for (``/health``), warmed up, and
 stopped with SIGTERM at the end (its exit status is checked). ``--e2e-model``
 writes ``benchmarks.e2e``'s random bf16 model (MiniMax-M3's attention shapes,
@@ -138,7 +138,7 @@ def parse_metrics(text: str) -> dict:
     (the server's tests read it too)."""
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^(\w+)(?:\{([^}]*)\})? (\S+)$", line)
+        m = re.match(r"^([\w:]+)(?:\{([^}]*)\})? (\S+)$", line)
         if m:
             labels = ",".join(x for x in (m.group(2) or "").split(",") if x and not x.startswith("model_name="))
             out[m.group(1) + (f"{{{labels}}}" if labels else "")] = float(m.group(3))
@@ -262,10 +262,10 @@ async def wait_idle(ep: Endpoint, timeout: float = 60.0) -> bool:
 # -- the server subprocess ------------------------------------------------------------------------------
 
 def start_server(args, log_path: Path):
-    cmd = [sys.executable, "-m", "m3_engine.serve", str(args.model), "--host", "127.0.0.1", "--port", "0",
-           "--framework", args.framework, "--max-batch", str(args.max_batch), "--served-model-name", "bench",
+    cmd = [sys.executable, "-m", "m3_engine.server", str(args.model), "--host", "127.0.0.1", "--port", "0",
+           "--framework", args.framework, "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench",
            "--no-access-log", "--max-queue", str(max(args.num_requests, 1024))]
-    for flag, value in (("--max-context", args.max_context), ("--dtype", args.dtype),
+    for flag, value in (("--max-model-len", args.max_model_len), ("--dtype", args.dtype),
                         ("--kv-cache-dtype", args.kv_cache_dtype), ("--index-cache-dtype", args.index_cache_dtype),
                         ("--tensor-parallel-size", args.tensor_parallel_size), ("--device", args.device)):
         if value is not None:
@@ -373,14 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--e2e-model", action="store_true", help="write benchmarks.e2e's random M3-shaped model "
                        "into --model first (when it has no config.json)")
     where.add_argument("--framework", choices=("torch", "jax"), default="torch")
-    where.add_argument("--max-batch", type=int, default=64)
-    where.add_argument("--max-context", type=int, default=None, help="default: the longest prompt + output")
+    where.add_argument("--max-num-seqs", type=int, default=64)
+    where.add_argument("--max-model-len", type=int, default=None, help="default: the longest prompt + output")
     where.add_argument("--dtype", default=None)
     where.add_argument("--device", default=None)
     where.add_argument("--kv-cache-dtype", default=None)
     where.add_argument("--index-cache-dtype", default=None)
     where.add_argument("--tensor-parallel-size", type=int, default=None)
-    where.add_argument("--server-args", default="", help="more m3-serve flags, e.g. \"--max-num-tokens 8192\"")
+    where.add_argument("--server-args", default="", help="more m3-serve flags, e.g. \"--max-num-batched-tokens 8192\"")
     where.add_argument("--start-timeout", type=float, default=1800.0)
     load = ap.add_argument_group("load")
     load.add_argument("--num-requests", type=int, default=256)
@@ -403,7 +403,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     tmp = None
     if args.tiny:
-        defaults = dict(num_requests=8, input_len=16, output_len=4, max_batch=8, max_context=512, device="cpu",
+        defaults = dict(num_requests=8, input_len=16, output_len=4, max_num_seqs=8, max_model_len=512, device="cpu",
                         warmup=1)
         given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
         for name, value in defaults.items():
@@ -419,12 +419,12 @@ def main(argv=None) -> dict:
         ap.error("expected one of --model DIR (start a server) or --url URL (use a running one)")
     longest = int(args.input_len * (1 + args.range_ratio)) + int(args.output_len * (1 + args.range_ratio))
     if args.model is not None:
-        if args.max_context is None:
-            args.max_context = -(-longest // 128) * 128
+        if args.max_model_len is None:
+            args.max_model_len = -(-longest // 128) * 128
         if args.e2e_model and not (args.model / "config.json").is_file():
             from benchmarks.e2e import M3_SHAPES, write_model
             print(f"writing benchmarks.e2e's model to {args.model} ...", flush=True)
-            write_model(args.model, M3_SHAPES, max(args.max_context, 4096))
+            write_model(args.model, M3_SHAPES, max(args.max_model_len, 4096))
     args.gpu = args.copy_tbps = None
     if args.model is not None and args.device != "cpu":   # the server's GPU, measured here before it starts
         import torch
@@ -481,7 +481,7 @@ async def _main(args, argv, longest) -> dict:
     finally:
         if proc is not None:
             rc = stop_server(proc, log, log_path)
-    server = (f"m3-serve {args.framework}, max_batch {args.max_batch}, max_context {args.max_context}"
+    server = (f"m3-serve {args.framework}, max_num_seqs {args.max_num_seqs}, max_model_len {args.max_model_len}"
               + (f", tp {args.tensor_parallel_size}" if args.tensor_parallel_size else "")
               + (f", dtype {args.dtype}" if args.dtype else "")
               + (f", kv cache {args.kv_cache_dtype}" if args.kv_cache_dtype else "")

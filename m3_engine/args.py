@@ -5,15 +5,25 @@ the same keyword arguments and pass them here, so the same bad value raises
 the same exception with the same message in both. What is framework-specific
 (a ``torch.device`` or ``jax.Device`` object, a torch or jnp dtype object) is
 turned into plain names first.
+
+The fields of :class:`EngineArgs` are also the engine flags of both command
+lines: :func:`add_engine_flags` adds ``--max-num-seqs`` etc. (each field's
+default and help) to a parser, :func:`engine_options` reads them back, so
+``m3-generate`` and ``m3-serve`` take the same engine flags with the same
+defaults.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from m3_kernels.planner import StepConfig
+from m3_kernels.maps import PAGE_SIZE
 from m3_kernels.pool import CACHE_DTYPE_ALIASES
 
 from .dummy_weights import LOAD_FORMATS, check_load_format
@@ -23,12 +33,18 @@ from .scheduler import SchedulerConfig
 from .speculative import SpeculativeConfig
 from .tp import TPPlan
 
-__all__ = ["EngineArgs", "DTYPE_NAMES", "parse_dtype", "parse_device", "check_gpu_device"]
+__all__ = ["EngineArgs", "DTYPE_NAMES", "SUPPORTED_QUANTIZATION", "RENAMED_OPTIONS", "check_option_names",
+           "parse_dtype", "parse_device", "check_gpu_device", "add_engine_flags", "engine_options", "engine_flags",
+           "flag_of", "flag_message", "kv_cache_pages", "ArgumentParser", "UsageError"]
 
 # vLLM's dtype names -> ours ("auto": the checkpoint's dtype)
 DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
                "float16": "float16", "half": "float16"}
 CACHE_DTYPES = ("auto",) + tuple(CACHE_DTYPE_ALIASES)
+SUPPORTED_QUANTIZATION: tuple = ()   # weight quantization methods the engine runs (vLLM's names)
+# options that took vLLM's names: the old name -> the option (a TypeError names the new one)
+RENAMED_OPTIONS = {"max_batch": "max_num_seqs", "max_context": "max_model_len", "max_cache_pages":
+                   "num_gpu_blocks_override", "max_num_tokens": "max_num_batched_tokens"}
 
 
 def parse_dtype(dtype) -> Optional[str]:
@@ -76,56 +92,87 @@ def check_gpu_device(device: str, index: Optional[int], count: int, tensor_paral
     return first
 
 
+def parse_json(text: str):
+    """An argparse type: a JSON value (``--speculative-config '{"method": "ngram", ...}'``)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected JSON, e.g. '{{\"method\": \"ngram\"}}', got {text!r}") from None
+
+
+def parse_int_list(text: str) -> list:
+    """An argparse type: ints separated by commas (``--graph-batch-sizes 1,2,4``)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ints separated by commas, got {text!r}") from None
+
+
+def check_option_names(options: dict) -> None:
+    """A TypeError for an option given by a name of :data:`RENAMED_OPTIONS`, naming its vLLM name."""
+    for name in options:
+        if name in RENAMED_OPTIONS:
+            raise TypeError(f"{name}: renamed {RENAMED_OPTIONS[name]} (vLLM's name)")
+
+
+def _option(default, help: str, *, type=None, choices=None, metavar=None, aliases=()):
+    """An :class:`EngineArgs` field with its command-line flag: ``--field-name`` (and ``aliases``),
+    ``help``, the argparse ``type`` / ``choices`` / ``metavar``. A bool field is a switch."""
+    return dataclasses.field(default=default, metadata=dict(help=help, type=type, choices=choices, metavar=metavar,
+                                                            aliases=tuple(aliases)))
+
+
 @dataclasses.dataclass
 class EngineArgs:
-    """The options of ``LLM`` (both frameworks); :meth:`create` checks them.
-
-    model:           folder with config.json + *.safetensors (transformers ``save_pretrained``
-                     form or the original MiniMax-M3 VL names), tokenizer.json for text.
-    dtype:           weights, activations, KV cache: "auto"/None (the checkpoint's),
-                     "bfloat16", "float16"/"half", "float32"/"float", or a dtype object.
-    device:          None (a GPU when there is one, else the CPU), "cpu", "cuda[:N]"/"gpu[:N]",
-                     or the framework's device object; with tensor parallelism, the first one.
-    max_batch:       requests per step.
-    max_context:     KV tokens per request, prompt + generated (default min(8192, the model's
-                     max_position_embeddings)).
-    max_cache_pages: pool pages of 128 tokens (default: max_batch requests of max_context).
-    max_num_tokens:  query tokens per step (default max(2048, max_batch)).
-    prefill_chunk:   prompt tokens per request per step (default max_num_tokens).
-    graph_batch_sizes: decode batch sizes replayed from CUDA graphs (torch) or compiled (JAX);
-                     default 1, 2, 4, 8, then multiples of 16 up to max_batch.
-    tensor_parallel_size: ranks the model is split over.
-    kv_cache_dtype, index_cache_dtype: "auto" (the model's dtype) or "fp8" (float8_e4m3fn).
-    seed:            the engine's seed, from which requests without their own seed draw.
-    enforce_eager:   torch: never capture CUDA graphs. JAX always runs jitted steps:
-                     True there is a ValueError.
-    enable_prefix_caching: reuse the K/V/index-K pages of full 128-token blocks that an
-                     earlier request computed for the same token prefix (``m3_engine.block_manager``).
-    load_format:     "auto" (read the checkpoint's safetensors) or "dummy" (vLLM's: random weights
-                     made on the device from ``seed``, ``config.json`` alone is needed;
-                     ``m3_engine.dummy_weights``).
-    speculative_config: None, or speculative decoding as a dict with vLLM's names, e.g.
-                     ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method": "eagle3",
-                     "model": DRAFT_DIR, "num_speculative_tokens": 3}``
-                     (``m3_engine.speculative.SpeculativeConfig``; eagle3: tensor_parallel_size 1).
+    """The options of ``LLM`` (both frameworks) and the engine flags of ``m3-generate`` and
+    ``m3-serve``: each field's default, flag and help are written once, below; vLLM's names.
+    :meth:`check` checks them. ``model`` is a folder with config.json + *.safetensors
+    (transformers ``save_pretrained`` form or the original MiniMax-M3 VL names) and
+    tokenizer.json for text; ``dtype`` and ``device`` also take the framework's dtype and
+    device objects.
     """
     model: Any
-    dtype: Any = None
-    device: Any = None
-    max_batch: int = 8
-    max_context: Optional[int] = None
-    max_cache_pages: Optional[int] = None
-    max_num_tokens: Optional[int] = None
-    prefill_chunk: Optional[int] = None
-    graph_batch_sizes: Optional[Sequence[int]] = None
-    tensor_parallel_size: int = 1
-    kv_cache_dtype: str = "auto"
-    index_cache_dtype: str = "auto"
-    seed: int = 0
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = False
-    load_format: str = "auto"
-    speculative_config: Optional[dict] = None
+    dtype: Any = _option("auto", "weights, activations and KV cache: auto (the checkpoint's), bfloat16, "
+                         "float16/half, float32/float", choices=tuple(DTYPE_NAMES))
+    device: Any = _option(None, "cpu, cuda[:N] or gpu[:N] (default: a GPU when there is one, else the CPU); "
+                          "with tensor parallelism the first one")
+    max_num_seqs: int = _option(8, "requests per step", type=int, metavar="N")
+    max_model_len: Optional[int] = _option(None, "KV tokens per request, prompt + generated (default: "
+                                           "min(8192, the model's max_position_embeddings))", type=int, metavar="N")
+    num_gpu_blocks_override: Optional[int] = _option(
+        None, "KV pool pages of 128 tokens (default: max_num_seqs requests of max_model_len)", type=int, metavar="N")
+    max_num_batched_tokens: Optional[int] = _option(None, "query tokens per step (default: max(2048, "
+                                                    "max_num_seqs))", type=int, metavar="N")
+    prefill_chunk: Optional[int] = _option(None, "prompt tokens per request per step (default: "
+                                           "max_num_batched_tokens)", type=int, metavar="N")
+    graph_batch_sizes: Optional[Sequence[int]] = _option(
+        None, "decode batch sizes replayed from CUDA graphs (torch) or compiled (JAX) (default: 1, 2, 4, 8, "
+        "then multiples of 16 up to max_num_seqs)", type=parse_int_list, metavar="B1,B2,...")
+    gpu_memory_utilization: float = _option(
+        0.9, "fraction of a GPU's memory the engine may use, in (0, 1]; checked, but the runners do not size "
+        "the KV pool from it yet (num_gpu_blocks_override or max_num_seqs requests of max_model_len do); "
+        "ignored on a CPU", type=float, metavar="F")
+    tensor_parallel_size: int = _option(1, "ranks the model is split over (torch: N processes, jax: a mesh of "
+                                        "N devices)", type=int, metavar="N", aliases=("-tp",))
+    enable_expert_parallel: bool = _option(False, "split the MoE experts over the ranks instead of each "
+                                           "expert's weights (not supported yet: only off)")
+    quantization: Optional[str] = _option(None, "weight quantization method (supported: none yet)", metavar="NAME")
+    kv_cache_dtype: str = _option("auto", "K/V cache: auto (the model's dtype) or fp8 (float8_e4m3fn)",
+                                  choices=CACHE_DTYPES)
+    index_cache_dtype: str = _option("auto", "index-K cache: auto (the model's dtype) or fp8 (float8_e4m3fn)",
+                                     choices=CACHE_DTYPES)
+    seed: int = _option(0, "the engine's seed, from which requests without their own seed draw", type=int,
+                        metavar="N")
+    enforce_eager: bool = _option(False, "torch: never capture CUDA graphs (JAX always runs jitted steps: "
+                                  "an error there)")
+    enable_prefix_caching: bool = _option(False, "reuse the K/V/index-K pages of full 128-token blocks that an "
+                                          "earlier request computed for the same token prefix")
+    load_format: str = _option("auto", "auto: read the checkpoint's safetensors; dummy: random weights made on "
+                               "the device from the seed (the folder needs only config.json)", choices=LOAD_FORMATS)
+    speculative_config: Optional[dict] = _option(
+        None, 'speculative decoding, vLLM\'s speculative_config, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' or \'{"method": "eagle3", "model": DRAFT_DIR, '
+        '"num_speculative_tokens": 3}\' (eagle3: tensor_parallel_size 1)', type=parse_json, metavar="JSON")
 
     def check(self) -> "CheckedArgs":
         """Every option checked and resolved, before any framework work."""
@@ -147,18 +194,30 @@ class EngineArgs:
             raise ValueError(f"seed: expected an int in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {utilization!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise TypeError(f"enable_expert_parallel: expected a bool, got {self.enable_expert_parallel!r}")
+        if self.enable_expert_parallel:
+            raise ValueError("enable_expert_parallel: expert parallelism is not supported yet (the experts are "
+                             "split like every other weight, over tensor_parallel_size ranks); got True")
+        if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
+            raise ValueError(f"quantization: expected None (unquantized weights; supported methods: "
+                             f"{SUPPORTED_QUANTIZATION or 'none'}), got {self.quantization!r}")
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
         draft = _draft_config(speculative, config, tp) if speculative is not None else None
         scheduler = SchedulerConfig.from_engine_args(
-            config, max_batch=self.max_batch, max_context=self.max_context, max_cache_pages=self.max_cache_pages,
-            max_num_tokens=self.max_num_tokens, prefill_chunk=self.prefill_chunk,
+            config, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk=self.prefill_chunk,
             graph_batch_sizes=self.graph_batch_sizes, enable_prefix_caching=self.enable_prefix_caching)
         return CheckedArgs(model_dir=model_dir, config=config, tp=tp, dtype=dtype, platform=platform,
                            device_index=index, device_object=device_object, device=self.device,
                            scheduler=scheduler, kv_cache_dtype=self.kv_cache_dtype,
                            index_cache_dtype=self.index_cache_dtype, seed=self.seed,
                            enforce_eager=self.enforce_eager, load_format=load_format, speculative=speculative,
-                           draft=draft)
+                           draft=draft, gpu_memory_utilization=float(utilization))
 
 
 def _draft_config(speculative: SpeculativeConfig, config: M3TextConfig, tp: TPPlan) -> Optional[Eagle3Config]:
@@ -194,6 +253,7 @@ class CheckedArgs:
     load_format: str = "auto"     # "auto" | "dummy"
     speculative: Optional[SpeculativeConfig] = None
     draft: Optional[Eagle3Config] = None   # speculative method "eagle3": the draft head's config
+    gpu_memory_utilization: float = 0.9   # a GPU runner's memory budget (kv_cache_pages); unused on a CPU
 
     def step_config(self) -> StepConfig:
         """The step planner's config of the engine: one rank's heads, the scheduler's limits."""
@@ -202,3 +262,83 @@ class CheckedArgs:
                           head_dim=self.config.head_dim, max_batch=sc.max_batch, max_num_tokens=sc.max_num_tokens,
                           max_blocks=sc.max_blocks, topk=self.config.index_topk_blocks,
                           graph_batch_sizes=sc.graph_batch_sizes)
+
+
+# -- the engine flags of both command lines ----------------------------------------------------------
+
+class UsageError(Exception):
+    """A bad command line or input: the command prints one ``error: ...`` line and exits with status 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors raise :class:`UsageError` (argparse's own prints the whole
+    usage block, then the message, and exits)."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of an :class:`EngineArgs` field: ``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "--" + name.replace("_", "-")
+
+
+def engine_flags() -> dict:
+    """Every :class:`EngineArgs` field but ``model`` -> its flag."""
+    return {field.name: flag_of(field.name) for field in dataclasses.fields(EngineArgs) if field.name != "model"}
+
+
+def flag_message(message: str, flags: dict) -> str:
+    """An error message that starts with a name of ``flags`` (``"max_num_seqs: expected ..."`` or
+    ``"tensor_parallel_size=3 does not ..."``) -> the same naming the flag (``"--max-num-seqs:
+    expected ..."``, ``"--tensor-parallel-size: tensor_parallel_size=3 does not ..."``)."""
+    m = re.match(r"([a-z_]+)(:|=)", message)
+    if not m or m.group(1) not in flags:
+        return message
+    flag = flags[m.group(1)]
+    return flag + message[m.end(1):] if m.group(2) == ":" else f"{flag}: {message}"
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Add a flag for every :class:`EngineArgs` field but ``model`` (its default and help from the
+    field), in one group "engine options"."""
+    group = parser.add_argument_group("engine options (m3_engine.args.EngineArgs; vLLM's names)")
+    for field in dataclasses.fields(EngineArgs):
+        if field.name == "model":
+            continue
+        meta, default = field.metadata, field.default
+        flags = [flag_of(field.name), *meta["aliases"]]
+        if isinstance(default, bool):
+            group.add_argument(*flags, dest=field.name, action="store_true", help=meta["help"])
+            continue
+        help_ = meta["help"] if default is None else f"{meta['help']} (default: {default})"
+        group.add_argument(*flags, dest=field.name, default=default, type=meta["type"], choices=meta["choices"],
+                           metavar=meta["metavar"], help=help_)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The ``LLM(model, **options)`` keyword arguments of the flags :func:`add_engine_flags` added."""
+    return {field.name: getattr(args, field.name) for field in dataclasses.fields(EngineArgs)
+            if field.name != "model"}
+
+
+# -- the KV pool from the memory left ------------------------------------------------------------------
+
+def kv_cache_pages(*, total_bytes: int, used_bytes: int, gpu_memory_utilization: float, page_bytes: int,
+                   max_model_len: int) -> int:
+    """The KV pool pages (128 tokens each, every layer) a GPU can hold, as vLLM sizes its KV cache:
+    the engine may use ``gpu_memory_utilization * total_bytes``; what is left of it after
+    ``used_bytes`` (weights, CUDA graphs, the step's peak activations: measured after loading
+    and warming up) holds ``floor(left / page_bytes)`` pages. Fewer pages than one request of
+    ``max_model_len`` tokens needs is a ValueError naming the numbers."""
+    budget = int(gpu_memory_utilization * total_bytes)
+    pages = max(budget - used_bytes, 0) // page_bytes
+    need = -(-max_model_len // PAGE_SIZE)
+    if pages < need:
+        gib = 1 << 30
+        raise ValueError(f"gpu_memory_utilization: {gpu_memory_utilization} of {total_bytes / gib:.1f} GiB "
+                         f"leaves {max(budget - used_bytes, 0) / gib:.2f} GiB after {used_bytes / gib:.1f} GiB of "
+                         f"weights and activations: {pages} KV pages of {page_bytes} bytes, but one request of "
+                         f"max_model_len={max_model_len} tokens needs {need}; raise gpu_memory_utilization or "
+                         f"lower max_model_len")
+    return pages

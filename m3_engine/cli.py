@@ -2,10 +2,10 @@
 
     m3-generate --model DIR --prompt "The quick brown fox" --max-tokens 32
     m3-generate --model DIR --prompt "Hi" --prompt "Hello" --temperature 0 --json
-    m3-generate --model DIR --chat --prompts-file questions.txt --temperature 0.7 --top-p 0.9 --seed 1
+    m3-generate --model DIR --chat --prompts-file questions.txt --temperature 0.7 --top-p 0.9 --sampling-seed 1
     m3-generate --model DIR --prompts-file batch.jsonl --logprobs 5 --json > out.jsonl
     cat prompts.txt | python -m m3_engine.cli --framework jax --model DIR --stop "\\n\\n"
-    m3-generate --framework jax --model DIR --prompt-ids 1,2,3 --tensor-parallel-size 2 --device cpu
+    m3-generate --framework jax --model DIR --prompt-ids 1,2,3 -tp 2 --device cpu
 
 Prompts, in command-line order: ``--prompt TEXT``, ``--prompt-ids 1,2,3``,
 ``--prompts-file PATH`` (``-`` is stdin), all repeatable; with none of them,
@@ -22,9 +22,15 @@ keeps its default there, which the model folder's ``generation_config.json``
 may replace (temperature, top_p, top_k, min_p, max_new_tokens; ``do_sample:
 false`` means greedy). So without ``--temperature`` the CLI SAMPLES at
 temperature 1.0 unless the model says otherwise; ``--temperature 0`` is greedy.
-``--seed N`` seeds every prompt's sampling: a prompt's tokens then depend only
-on the prompt, the options and N, not on the other prompts; without it they
-come from the engine's seed (0) and the prompt's position, so runs repeat too.
+``--sampling-seed N`` seeds every prompt's sampling: a prompt's tokens then
+depend only on the prompt, the options and N, not on the other prompts;
+without it they come from the engine's ``--seed`` (0) and the prompt's
+position, so runs repeat too.
+
+Engine flags (``--dtype``, ``--max-num-seqs``, ``--max-model-len``,
+``-tp/--tensor-parallel-size``, ...): one per ``m3_engine.args.EngineArgs``
+field, vLLM's names, with its default and help (``add_engine_flags``); the
+same as ``m3-serve``'s.
 
 Output: per prompt a header and the generated text (the ids when the model has
 no tokenizer), then one summary line on stderr; ``--json``: one JSON object per
@@ -35,7 +41,7 @@ cumulative_logprob). A progress bar (tqdm) goes to stderr when it is a terminal.
 Everything is checked before a framework is imported: the options (by
 ``m3_engine.args.EngineArgs`` and ``SamplingParams``, whose messages name the
 option), the prompts (read, tokenized, rendered, checked against the
-vocabulary and ``--max-context``). A user error -- a bad option, a missing
+vocabulary and ``--max-model-len``). A user error -- a bad option, a missing
 model folder, a bad prompt, a framework that cannot be imported, an engine
 ``ValueError``/``TypeError``/``FileNotFoundError`` -- is one ``error: ...``
 line on stderr and exit status 2; another failure is one line and status 1
@@ -58,7 +64,6 @@ import dataclasses
 import glob
 import json
 import os
-import re
 import sys
 import time
 import traceback
@@ -66,7 +71,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import engine_class
-from .args import CACHE_DTYPES, DTYPE_NAMES, LOAD_FORMATS, EngineArgs
+from .args import ArgumentParser, EngineArgs, UsageError, add_engine_flags, engine_flags, engine_options, flag_message
 from .sampling_params import SamplingParams
 
 __all__ = ["main", "build_parser", "version"]
@@ -74,18 +79,11 @@ __all__ = ["main", "build_parser", "version"]
 FRAMEWORKS = ("torch", "jax")
 DISTRIBUTION = "m3-msa-kernels"
 
-# the leading name of an engine / SamplingParams message -> the option that sets it
-_OPTION_OF = {"model": "--model", "model_dir": "--model", "dtype": "--dtype", "device": "--device",
-              "max_batch": "--max-batch", "max_context": "--max-context",
-              "tensor_parallel_size": "--tensor-parallel-size", "kv_cache_dtype": "--kv-cache-dtype",
-              "index_cache_dtype": "--index-cache-dtype", "load_format": "--load-format",
-              "speculative_config": "--speculative-config",
-              "max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
-              "min_p": "--min-p", "seed": "--seed", "stop": "--stop", "logprobs": "--logprobs"}
-
-
-class UsageError(Exception):
-    """A bad command line or input: one ``error:`` line and exit status 2."""
+# the leading name of a SamplingParams / an engine message -> the option that sets it
+_SAMPLING_OPTION_OF = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                       "top_k": "--top-k", "min_p": "--min-p", "seed": "--sampling-seed", "stop": "--stop",
+                       "logprobs": "--logprobs"}
+_ENGINE_OPTION_OF = {"model": "--model", "model_dir": "--model", **engine_flags()}
 
 
 def version() -> str:
@@ -96,18 +94,6 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def _json_object(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from None
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):   # argparse prints usage + message and exits; we want one line
-        raise UsageError(message)
-
-
 class _AppendPrompt(argparse.Action):
     """--prompt / --prompt-ids / --prompts-file: one list of (kind, value) in command-line order."""
 
@@ -116,14 +102,14 @@ class _AppendPrompt(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="m3-generate", allow_abbrev=False,
-                description="Complete prompts with a MiniMax-M3 checkpoint through the MSA kernels "
-                "(m3_torch.LLM or m3_jax.LLM, vLLM's API).",
-                epilog="Without --prompt/--prompt-ids/--prompts-file, prompts are read from stdin, one per line. "
-                "Sampling options left out keep SamplingParams' defaults (vLLM's), which the model's "
-                "generation_config.json may replace: without --temperature the CLI samples at temperature 1.0 "
-                "unless the model says otherwise; --temperature 0 is greedy. Errors: one 'error:' line on "
-                "stderr, exit status 2.")
+    p = ArgumentParser(prog="m3-generate", allow_abbrev=False,
+                       description="Complete prompts with a MiniMax-M3 checkpoint through the MSA kernels "
+                       "(m3_torch.LLM or m3_jax.LLM, vLLM's API).",
+                       epilog="Without --prompt/--prompt-ids/--prompts-file, prompts are read from stdin, one "
+                       "per line. Sampling options left out keep SamplingParams' defaults (vLLM's), which the "
+                       "model's generation_config.json may replace: without --temperature the CLI samples at "
+                       "temperature 1.0 unless the model says otherwise; --temperature 0 is greedy. Errors: one "
+                       "'error:' line on stderr, exit status 2.")
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--model", required=True, type=Path, metavar="DIR",
                    help="folder with config.json, *.safetensors (tokenizer.json for text prompts)")
@@ -150,37 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens (default: -1 = off)")
     g.add_argument("--min-p", type=float, metavar="P", help="min probability relative to the top one, in [0, 1) "
                    "(default: 0 = off)")
-    g.add_argument("--seed", type=int, metavar="N", help="every prompt samples with this seed (default: derived "
-                   "from the engine's seed 0 and the prompt's position)")
+    g.add_argument("--sampling-seed", type=int, metavar="N", help="every prompt samples with this seed "
+                   "(default: derived from the engine's --seed and the prompt's position)")
     g.add_argument("--stop", action="append", metavar="TEXT", help="stop when the text contains TEXT (repeatable; "
                    "TEXT is cut from the output)")
     g.add_argument("--logprobs", type=int, metavar="N", help="per generated token, the logprobs of the N most "
                    "likely tokens and of the sampled one (N in [0, 20])")
 
-    g = p.add_argument_group("engine (m3_engine.args.EngineArgs)")
-    g.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default=None,
-                   help="weights and activations (default: auto = the checkpoint's)")
-    g.add_argument("--device", default=None, help="cpu, cuda[:N] or gpu[:N] (default: a GPU when there is one, "
-                   "else the CPU); with tensor parallelism the first one")
-    g.add_argument("--max-batch", type=int, metavar="N", help="requests per step (default: 8)")
-    g.add_argument("--max-context", type=int, metavar="N", help="KV tokens per request, prompt + generated "
-                   "(default: min(8192, the model's max_position_embeddings))")
-    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
-                   help="split the model over N ranks (torch: N processes, jax: a mesh of N devices; on a CPU "
-                        "the CLI makes N fake JAX CPU devices); default: 1")
-    for cache in ("kv", "index"):
-        g.add_argument(f"--{cache}-cache-dtype", choices=CACHE_DTYPES, default="auto",
-                       help=f"{'K/V' if cache == 'kv' else 'index-K'} cache: the model's dtype (auto, default) "
-                            "or float8_e4m3fn (fp8)")
-    g.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the cached pages of full 128-token blocks that an earlier prompt computed")
-    g.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
-                   help="auto (default): read the checkpoint's safetensors; dummy: random weights made on the "
-                        "device (the folder needs only config.json), to measure an engine at a model's shapes")
-
-    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s speculative_config, e.g. '
-                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    add_engine_flags(p)
 
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
@@ -283,7 +246,7 @@ class _Encoded:
     messages: Optional[list] = None
 
 
-def _encode(prompts: list, tokenizer, *, vocab_size: int, max_context: int, chat: bool) -> list:
+def _encode(prompts: list, tokenizer, *, vocab_size: int, max_model_len: int, chat: bool) -> list:
     """Tokenize (and render chats) here, before any framework is imported; check every prompt."""
     from .tokenizer import check_messages
 
@@ -315,8 +278,8 @@ def _encode(prompts: list, tokenizer, *, vocab_size: int, max_context: int, chat
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise UsageError(f"{p.where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        if len(ids) > max_context:
-            raise UsageError(f"{p.where}: {len(ids)} tokens, longer than --max-context {max_context} (the KV "
+        if len(ids) > max_model_len:
+            raise UsageError(f"{p.where}: {len(ids)} tokens, longer than --max-model-len {max_model_len} (the KV "
                              f"tokens per request, prompt + generated)")
         request = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
         encoded.append(_Encoded(request, label, messages))
@@ -392,14 +355,10 @@ def _message(e: BaseException) -> str:
     return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
 
 
-def _user_error(e: BaseException) -> UsageError:
-    """An engine / SamplingParams error -> a UsageError naming the CLI option."""
-    message = _message(e)
-    m = re.match(r"([a-z_]+)(:|=)", message)
-    if m and m.group(1) in _OPTION_OF:
-        option = _OPTION_OF[m.group(1)]
-        message = option + message[m.end(1):] if m.group(2) == ":" else f"{option}: {message}"
-    return UsageError(message)
+def _user_error(e: BaseException, option_of: dict = _ENGINE_OPTION_OF) -> UsageError:
+    """An engine (or, with ``_SAMPLING_OPTION_OF``, a SamplingParams) error -> a UsageError naming
+    the CLI option."""
+    return UsageError(flag_message(_message(e), option_of))
 
 
 _USER_ERRORS = (ValueError, TypeError, FileNotFoundError, KeyError)
@@ -407,25 +366,19 @@ _USER_ERRORS = (ValueError, TypeError, FileNotFoundError, KeyError)
 
 def _run(args) -> int:
     # 1. everything checked, nothing framework-specific imported
-    options = {name: value for name, value in (
-        ("dtype", args.dtype), ("device", args.device), ("max_batch", args.max_batch),
-        ("max_context", args.max_context), ("tensor_parallel_size", args.tensor_parallel_size),
-        ("kv_cache_dtype", args.kv_cache_dtype), ("index_cache_dtype", args.index_cache_dtype),
-        ("enable_prefix_caching", args.enable_prefix_caching), ("load_format", args.load_format),
-        ("speculative_config", args.speculative_config))
-        if value is not None}
+    options = engine_options(args)
     try:
         checked = EngineArgs(args.model, **options).check()
     except _USER_ERRORS as e:
         raise _user_error(e) from e
     sampling = {name: value for name, value in (
         ("max_tokens", args.max_tokens), ("temperature", args.temperature), ("top_p", args.top_p),
-        ("top_k", args.top_k), ("min_p", args.min_p), ("seed", args.seed), ("stop", args.stop),
-        ("logprobs", args.logprobs)) if value is not None}
+        ("top_k", args.top_k), ("min_p", args.min_p), ("seed", args.sampling_seed),
+        ("stop", args.stop), ("logprobs", args.logprobs)) if value is not None}
     try:
         params = SamplingParams(**sampling)
     except _USER_ERRORS as e:
-        raise _user_error(e) from e
+        raise _user_error(e, _SAMPLING_OPTION_OF) from e
 
     sources = args.sources or []
     if not sources:
@@ -443,7 +396,7 @@ def _run(args) -> int:
     except _USER_ERRORS as e:
         raise _user_error(e) from e
     encoded = _encode(prompts, tokenizer, vocab_size=checked.config.vocab_size,
-                      max_context=checked.scheduler.max_context, chat=args.chat)
+                      max_model_len=checked.scheduler.max_context, chat=args.chat)
 
     # 2. the engine
     prepare_jax_cpu_devices(args.framework, args.tensor_parallel_size, args.device)

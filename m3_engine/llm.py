@@ -1,7 +1,7 @@
 """``LLM``: generate with a MiniMax-M3 checkpoint, vLLM's way, in torch or JAX.
 
     from m3_torch import LLM, SamplingParams         # or: from m3_jax import LLM, SamplingParams
-    llm = LLM("path/to/model", dtype="bfloat16", max_batch=8, max_context=32768)
+    llm = LLM("path/to/model", dtype="bfloat16", max_num_seqs=8, max_model_len=32768)
     outputs = llm.generate(["Hello, my name is", "The capital of France is"],
                            SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32))
     print(outputs[0].outputs[0].text)
@@ -18,7 +18,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from .args import CheckedArgs, EngineArgs
+from .args import CheckedArgs, EngineArgs, check_option_names
 from .engine import LLMEngine, PromptType
 from .model_config import read_json
 from .outputs import RequestOutput
@@ -47,10 +47,11 @@ def generation_defaults(model_dir) -> dict:
 
 class LLM:
     """A MiniMax-M3 text model, ready to generate. Options: :class:`m3_engine.args.EngineArgs`
-    (model, dtype, device, max_batch, max_context, max_cache_pages, max_num_tokens,
-    prefill_chunk, graph_batch_sizes, tensor_parallel_size, kv_cache_dtype,
+    (model, dtype, device, max_num_seqs, max_model_len, num_gpu_blocks_override,
+    max_num_batched_tokens, prefill_chunk, graph_batch_sizes, gpu_memory_utilization,
+    tensor_parallel_size, enable_expert_parallel, quantization, kv_cache_dtype,
     index_cache_dtype, seed, enforce_eager, enable_prefix_caching, load_format,
-    speculative_config)."""
+    speculative_config), vLLM's names."""
 
     framework = "?"   # "torch" | "jax", set by the framework's subclass
 
@@ -60,6 +61,7 @@ class LLM:
 
     def __init__(self, model, **options):
         self._closed = True
+        check_option_names(options)
         self.args: CheckedArgs = EngineArgs(model, **options).check()
         args, runner_class = self.args, self._runner_class()
         if not runner_class.pads_decode_steps(args):
@@ -100,6 +102,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """KV tokens per request, prompt and generated together (the ``max_model_len`` option, or its default)."""
+        return self.scheduler_config.max_context
 
     # -- generation ------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ class SamplingParams:
     """Sampling and stopping for one request.
 
     max_tokens:   tokens to generate at most (>= 1); a request also stops when
-                  its KV cache reaches the engine's ``max_context``
+                  its KV cache reaches the engine's ``max_model_len``
                   (``finish_reason="length"`` in both cases).
     temperature:  >= 0 and finite; 0 is greedy.
     top_p:        nucleus mass in (0, 1]; 1 is off.

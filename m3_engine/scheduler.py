@@ -104,34 +104,37 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
 
     @classmethod
-    def from_engine_args(cls, config: M3TextConfig, *, max_batch, max_context, max_cache_pages,
-                         max_num_tokens=None, prefill_chunk=None, graph_batch_sizes=None,
+    def from_engine_args(cls, config: M3TextConfig, *, max_num_seqs, max_model_len, num_gpu_blocks_override,
+                         max_num_batched_tokens=None, prefill_chunk=None, graph_batch_sizes=None,
                          enable_prefix_caching=False) -> "SchedulerConfig":
-        """The limits of an engine from the keyword arguments both ``LLM`` classes take.
+        """The limits of an engine from the keyword arguments both ``LLM`` classes take (vLLM's names).
 
-        max_context None: ``min(DEFAULT_MAX_CONTEXT, max_position_embeddings)``; more
-        than the model's positions is an error. max_cache_pages None: ``max_batch``
-        requests of ``max_context`` tokens; fewer pages than one such request is an
+        max_model_len None: ``min(DEFAULT_MAX_CONTEXT, max_position_embeddings)``; more
+        than the model's positions is an error. num_gpu_blocks_override None: ``max_num_seqs``
+        requests of ``max_model_len`` tokens; fewer pages than one such request is an
         error. graph_batch_sizes None: :func:`default_graph_batch_sizes`.
         """
-        max_batch = _int("max_batch", max_batch)
-        max_context = min(DEFAULT_MAX_CONTEXT, config.max_position_embeddings) if max_context is None else \
-            _int("max_context", max_context)
+        max_batch = _int("max_num_seqs", max_num_seqs)
+        max_context = min(DEFAULT_MAX_CONTEXT, config.max_position_embeddings) if max_model_len is None else \
+            _int("max_model_len", max_model_len)
         if max_context > config.max_position_embeddings:
-            raise ValueError(f"max_context: expected <= max_position_embeddings={config.max_position_embeddings} "
+            raise ValueError(f"max_model_len: expected <= max_position_embeddings={config.max_position_embeddings} "
                              f"of the model, got {max_context}")
         max_blocks = -(-max_context // PAGE_SIZE)
-        num_slots = max_batch * max_blocks if max_cache_pages is None else _int("max_cache_pages", max_cache_pages)
+        num_slots = max_batch * max_blocks if num_gpu_blocks_override is None else \
+            _int("num_gpu_blocks_override", num_gpu_blocks_override)
         if num_slots < max_blocks:
-            raise ValueError(f"max_cache_pages={num_slots} cannot hold one request of max_context={max_context} "
-                             f"tokens: it needs {max_blocks} pages of {PAGE_SIZE} tokens")
+            raise ValueError(f"num_gpu_blocks_override={num_slots} cannot hold one request of max_model_len="
+                             f"{max_context} tokens: it needs {max_blocks} pages of {PAGE_SIZE} tokens")
+        if max_num_batched_tokens is not None:
+            _int("max_num_batched_tokens", max_num_batched_tokens)
         if graph_batch_sizes is None:
             graph_batch_sizes = default_graph_batch_sizes(max_batch)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching: expected a bool, got {enable_prefix_caching!r}")
-        return cls(max_batch=max_batch, max_context=max_context, num_slots=num_slots, max_num_tokens=max_num_tokens,
-                   prefill_chunk=prefill_chunk, graph_batch_sizes=tuple(graph_batch_sizes),
-                   enable_prefix_caching=enable_prefix_caching)
+        return cls(max_batch=max_batch, max_context=max_context, num_slots=num_slots,
+                   max_num_tokens=max_num_batched_tokens, prefill_chunk=prefill_chunk,
+                   graph_batch_sizes=tuple(graph_batch_sizes), enable_prefix_caching=enable_prefix_caching)
 
     def __post_init__(self):
         if self.max_num_tokens is None:
@@ -384,7 +387,7 @@ class Scheduler:
         if not np.issubdtype(arr.dtype, np.integer):
             raise TypeError(f"{name}: expected integer token ids, got {arr.dtype} values")
         if arr.size > self.config.max_context:
-            raise ValueError(f"{name}: {arr.size} tokens, longer than max_context={self.config.max_context} "
+            raise ValueError(f"{name}: {arr.size} tokens, longer than max_model_len={self.config.max_context} "
                              f"(the engine's KV tokens per request)")
         bad = np.flatnonzero((arr < 0) | (arr >= self.vocab_size))
         if bad.size:

@@ -6,6 +6,7 @@ framework (``real`` below hands the same LLM to every CLI run with the same opti
 only where the process matters: stdin through a pipe, the exit status, which modules load.
 """
 
+import dataclasses
 import importlib.metadata
 import io
 import json
@@ -19,12 +20,13 @@ import pytest
 
 import m3_engine
 from m3_engine import cli
+from m3_engine.args import EngineArgs
 from m3_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from m3_engine.sampling_params import SamplingParams
 from m3_engine.tiny_model import BOS_ID, write_tiny_checkpoint
 from m3_engine.tokenizer import Tokenizer
 
-CTX = ["--max-context", "256"]   # every real-engine run: the same options, so one engine per framework
+CTX = ["--max-model-len", "256"]   # every real-engine run: the same options, so one engine per framework
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +103,15 @@ def no_engine(monkeypatch):
 
 def test_options_reach_the_engine_and_sampling_params(model_dir, tok, fake, capsys):
     rc, out, err = run(capsys, "--framework", "jax", "--model", model_dir, "--prompt", "The fox", "--max-tokens", 3,
-                       "--temperature", 0.5, "--top-p", 0.9, "--top-k", 7, "--min-p", 0.05, "--seed", 11,
+                       "--temperature", 0.5, "--top-p", 0.9, "--top-k", 7, "--min-p", 0.05, "--sampling-seed", 11,
                        "--stop", "ab", "--stop", "\n", "--logprobs", 2, "--dtype", "bfloat16", "--device", "cpu",
-                       "--max-batch", 4, "--max-context", 300, "--kv-cache-dtype", "fp8")
+                       "--max-num-seqs", 4, "--max-model-len", 300, "--kv-cache-dtype", "fp8")
     assert rc == 0, err
     assert fake == ["jax"]
     [llm] = FakeLLM.instances
-    assert llm.options == {"dtype": "bfloat16", "device": "cpu", "max_batch": 4, "max_context": 300,
-                           "tensor_parallel_size": 1, "kv_cache_dtype": "fp8", "index_cache_dtype": "auto",
-                           "enable_prefix_caching": False}
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs) if f.name != "model"}
+    assert llm.options == {**defaults, "dtype": "bfloat16", "device": "cpu", "max_num_seqs": 4, "max_model_len": 300,
+                           "kv_cache_dtype": "fp8"}   # every engine option, EngineArgs' defaults where not given
     [(prompts, params, use_tqdm)] = llm.calls
     assert prompts == [{"prompt": "The fox", "prompt_token_ids": tok.encode("The fox")}] and use_tqdm
     assert params == SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9, top_k=7, min_p=0.05, seed=11,
@@ -202,11 +204,11 @@ class TTY(io.StringIO):
     (["--model", "{m}", "--framework", "tf", "--prompt", "x"], r"argument --framework: invalid choice: 'tf'"),
     (["--model", "{m}", "--prompt", "x", "--dtype", "float64"], r"argument --dtype: invalid choice: 'float64'"),
     (["--model", "{m}", "--prompt", "x", "--device", "tpu"], r"^error: --device: expected 'cpu', 'cuda'"),
-    (["--model", "{m}", "--prompt", "x", "--max-context", "9000"], r"--max-context: expected <= max_position_emb"),
-    (["--model", "{m}", "--prompt", "x", "--tp", "3"],   # tiny: 4 query, 2 KV heads
+    (["--model", "{m}", "--prompt", "x", "--max-model-len", "9000"], r"--max-model-len: expected <= max_position_emb"),
+    (["--model", "{m}", "--prompt", "x", "-tp", "3"],   # tiny: 4 query, 2 KV heads
      r"--tensor-parallel-size: tensor_parallel_size=3 does not divide num_attention_heads=4"),
-    (["--model", "{m}", "--max-context", "256", "--prompt", "x", "--prompt-ids", ",".join(["5"] * 300)],
-     r"^error: --prompt-ids 1: 300 tokens, longer than --max-context 256"),
+    (["--model", "{m}", "--max-model-len", "256", "--prompt", "x", "--prompt-ids", ",".join(["5"] * 300)],
+     r"^error: --prompt-ids 1: 300 tokens, longer than --max-model-len 256"),
     (["--model", "{m}", "--prompt-ids", "1,512"], r"--prompt-ids 1: token id 512 is outside the vocabulary \[0, 512\)"),
     (["--model", "{m}", "--prompt-ids", "1,x"], r"--prompt-ids '1,x': expected comma-separated token ids"),
     (["--model", "{m}", "--prompt-ids", ","], r"--prompt-ids 1: empty prompt"),
@@ -279,7 +281,7 @@ def test_jax_cpu_devices_for_tensor_parallelism(model_dir, fake, capsys, monkeyp
     seen = []
     monkeypatch.setattr(cli, "engine_class", lambda fw: seen.append(
         (fw, os.environ.get("XLA_FLAGS"), os.environ.get("PJRT_NPROC"))) or FakeLLM)
-    rc, out, err = run(capsys, "--framework", "jax", "--model", model_dir, "--prompt", "x", "--tp", 2,
+    rc, out, err = run(capsys, "--framework", "jax", "--model", model_dir, "--prompt", "x", "-tp", 2,
                        "--device", "cpu")
     assert rc == 0, err
     assert seen == [("jax", "--xla_force_host_platform_device_count=2", "3")]
@@ -390,7 +392,8 @@ def test_chat_stop_and_logprobs(model_dir, tok, real, capsys):
 def test_seed_makes_sampling_repeat(model_dir, real, capsys):
     def sample(seed, copies=1):
         rc, out, err = run(capsys, "--model", model_dir, *CTX, *["--prompt", "The fox"] * copies,
-                           "--max-tokens", 2, "--temperature", 1.0, "--seed", seed, "--json")
+                           "--max-tokens", 2, "--temperature", 1.0, "--sampling-seed", seed,
+                           "--json")
         assert rc == 0, err
         return [r["token_ids"] for r in json_lines(out)]
     first, second = sample(7, copies=2)
@@ -410,12 +413,12 @@ def test_errors_come_before_any_framework_import(model_dir, tok):
     long_line = "word " * 300
     script = ("import sys; from m3_engine.cli import main\n"
               "codes = [main(['--model', '/nonexistent/m3', '--prompt', 'x']),\n"
-              f"         main(['--model', {str(model_dir)!r}, '--max-context', '256', '--framework', 'jax'])]\n"
+              f"         main(['--model', {str(model_dir)!r}, '--max-model-len', '256', '--framework', 'jax'])]\n"
               "print(codes, sorted(m for m in ('torch', 'jax', 'triton') if m in sys.modules))")
     result = _subprocess(["-c", script], stdin="fine\n" + long_line + "\n")   # line 2: too long
     assert result.stdout == "[2, 2] []\n", result.stderr
     assert result.stderr == ("error: --model: /nonexistent/m3 is not a folder\nerror: <stdin> line 2: "
-                             f"{len(tok.encode(long_line))} tokens, longer than --max-context 256 (the KV tokens per "
+                             f"{len(tok.encode(long_line))} tokens, longer than --max-model-len 256 (the KV tokens per "
                              "request, prompt + generated)\n")
     result = _subprocess(["-m", "m3_engine.cli", "--model", "/nonexistent/m3", "--prompt", "x"])
     assert (result.returncode, result.stdout, result.stderr) == (2, "", "error: --model: /nonexistent/m3 is not a "

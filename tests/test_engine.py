@@ -4,14 +4,14 @@ Tests that run the model are parametrized over both frameworks (``eng``) or
 compare the two (``both``); each framework has one module-scoped engine
 (construction and JAX compilation cost seconds; on the CPU a model step runs
 the kernels in Triton's interpreter), and a second one of another
-``max_batch`` for batch invariance. Expected values come from the tokenizer
+``max_num_seqs`` for batch invariance. Expected values come from the tokenizer
 and from transformers' greedy reference (``hf_reference``: cheap, plain
 PyTorch), so a test runs only its own requests (pytest-xdist may give the
 tests of one engine to different workers). Every comparison asserts how many
 tokens it compared.
 
 The main engine has ``graph_batch_sizes=[4]`` (JAX compiles one decode step;
-torch on the CPU pads nothing) and ``max_context=64`` (a prompt filling the
+torch on the CPU pads nothing) and ``max_model_len=64`` (a prompt filling the
 context is a cheap prefill; not a multiple of the 128-token page). A JAX
 compilation costs about as much as four steps, so most multi-prompt batches are
 four (or three) prompts of 6 tokens with logprobs asked by one row: one
@@ -38,8 +38,8 @@ import hf_reference
 FRAMEWORKS = ("torch", "jax")
 LLM_CLASSES = {"torch": m3_torch.LLM, "jax": m3_jax.LLM}
 MAX_CONTEXT = 64
-ENGINE_KW = dict(device="cpu", max_batch=4, max_context=MAX_CONTEXT, graph_batch_sizes=[4], seed=0)
-ENGINE2_KW = dict(device="cpu", max_batch=2, max_context=MAX_CONTEXT, graph_batch_sizes=[2], seed=0)
+ENGINE_KW = dict(device="cpu", max_num_seqs=4, max_model_len=MAX_CONTEXT, graph_batch_sizes=[4], seed=0)
+ENGINE2_KW = dict(device="cpu", max_num_seqs=2, max_model_len=MAX_CONTEXT, graph_batch_sizes=[2], seed=0)
 
 # prompts whose greedy continuations have top-2 margins >= 0.02 (no near-ties between the frameworks)
 PROMPTS = ["The quick brown fox", "A prompt is split", "Each request owns"]
@@ -104,7 +104,7 @@ def eng(request, engines) -> Eng:
 
 @pytest.fixture
 def eng2(eng, engines) -> Eng:
-    """The second engine of ``eng``'s framework (max_batch=2, the same seed=0)."""
+    """The second engine of ``eng``'s framework (max_num_seqs=2, the same seed=0)."""
     return engines(eng.framework, second=True)
 
 
@@ -191,8 +191,10 @@ def test_bad_sampling_params_same_error(kw):
 
 
 BAD_ENGINE = [dict(seed=-2), dict(dtype="bf16"), dict(dtype=3), dict(device="cuda"), dict(device="tpu"),
-              dict(max_batch=0), dict(max_context=10 ** 6), dict(kv_cache_dtype="int4"),
-              dict(tensor_parallel_size=0), dict(enforce_eager="yes"), dict(max_cache_pages=0)]
+              dict(max_num_seqs=0), dict(max_model_len=10 ** 6), dict(kv_cache_dtype="int4"),
+              dict(tensor_parallel_size=0), dict(enforce_eager="yes"), dict(num_gpu_blocks_override=0),
+              dict(gpu_memory_utilization=1.5), dict(quantization="fp8"), dict(enable_expert_parallel=True),
+              dict(max_batch=4)]
 
 
 @pytest.mark.parametrize("kw", BAD_ENGINE, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
@@ -204,7 +206,7 @@ def test_bad_engine_args_same_error(model_dir, kw):
     errors = []
     for cls in LLM_CLASSES.values():
         with pytest.raises(Exception) as info:
-            cls(model_dir, **{"device": "cpu", "max_batch": 1, "max_context": MAX_CONTEXT, **kw})
+            cls(model_dir, **{"device": "cpu", "max_num_seqs": 1, "max_model_len": MAX_CONTEXT, **kw})
         errors.append(info.value)
     assert type(errors[0]) is type(errors[1]) and type(errors[0]) in (ValueError, TypeError)
     assert str(errors[0]) == str(errors[1])
@@ -230,7 +232,7 @@ def test_bad_files_same_error(model_dir, tmp_path):
         errors = []
         for cls in LLM_CLASSES.values():
             with pytest.raises(ValueError) as info:
-                cls(folder, device="cpu", max_batch=1, max_context=MAX_CONTEXT)
+                cls(folder, device="cpu", max_num_seqs=1, max_model_len=MAX_CONTEXT)
             errors.append(str(info.value))
         assert errors[0] == errors[1]
         assert str(folder / named) in errors[0] and where in errors[0]
@@ -241,7 +243,7 @@ def test_no_tokenizer_text_prompt_is_an_error(model_dir, tmp_path):
     (folder / "tokenizer.json").unlink()
     errors = []
     for cls in LLM_CLASSES.values():
-        llm = cls(folder, device="cpu", max_batch=1, max_context=MAX_CONTEXT)
+        llm = cls(folder, device="cpu", max_num_seqs=1, max_model_len=MAX_CONTEXT)
         try:
             assert llm.get_tokenizer() is None
             for call in (lambda: llm.generate("Hello", use_tqdm=False),
@@ -262,7 +264,7 @@ def test_no_tokenizer_text_prompt_is_an_error(model_dir, tmp_path):
 def test_no_tokenizer_token_ids_generate(model_dir, tmp_path, framework):
     folder = _copy_model(model_dir, tmp_path / "no_tokenizer")
     (folder / "tokenizer.json").unlink()
-    with LLM_CLASSES[framework](folder, device="cpu", max_batch=1, max_context=MAX_CONTEXT) as llm:
+    with LLM_CLASSES[framework](folder, device="cpu", max_num_seqs=1, max_model_len=MAX_CONTEXT) as llm:
         [out] = llm.generate([BOS_ID, 294], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
                              use_tqdm=False)
     assert out.prompt is None and out.prompt_token_ids == [BOS_ID, 294]
@@ -367,9 +369,9 @@ def test_sampling_params_list(eng):
 
 def test_bad_prompts_queue_nothing(eng):
     llm = eng.llm
-    with pytest.raises(ValueError, match=f"max_context={MAX_CONTEXT}"):
+    with pytest.raises(ValueError, match=f"max_model_len={MAX_CONTEXT}"):
         llm.generate([list(range(3, 3 + MAX_CONTEXT + 1))], SamplingParams(max_tokens=1), use_tqdm=False)
-    with pytest.raises(ValueError, match="max_context"):   # the bad one is last: the first is dequeued again
+    with pytest.raises(ValueError, match="max_model_len"):   # the bad one is last: the first is dequeued again
         llm.generate([PROMPTS[0], "x" * 300], SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError, match="vocabulary"):
         llm.generate([[BOS_ID, 512]], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -382,7 +384,7 @@ def test_bad_prompts_queue_nothing(eng):
 
 
 def test_prompt_fills_the_context(eng):
-    """len(prompt) == max_context: exactly one token, finish_reason "length" (whatever max_tokens)."""
+    """len(prompt) == max_model_len: exactly one token, finish_reason "length" (whatever max_tokens)."""
     prompt = [BOS_ID] + [3 + i % 500 for i in range(MAX_CONTEXT - 1)]
     [out] = eng.llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                              use_tqdm=False)
@@ -589,7 +591,7 @@ def staggered_run(e: Eng) -> dict:
 
 @pytest.mark.long
 def test_seeded_request_ignores_the_batch(eng, eng2):
-    """SEEDED gives the same tokens alone on an engine of another max_batch and third of three requests
+    """SEEDED gives the same tokens alone on an engine of another max_num_seqs and third of three requests
     streamed by one loop (joining mid-flight). Unseeded requests draw from the engine's seed= and their
     arrival number: the first request of two fresh engines with seed=0 repeats, a later twin differs."""
     assert compare_tokens(eng.first.outputs[0].token_ids, eng2.first.outputs[0].token_ids) == 2

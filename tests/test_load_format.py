@@ -29,7 +29,7 @@ from jax_helpers import _jax_device  # noqa: F401  (autouse: JAX on its CPU devi
 
 LLM_CLASSES = {"torch": m3_torch.LLM, "jax": m3_jax.LLM}
 TEXT = tiny_text_config(num_hidden_layers=2)
-KW = dict(device="cpu", max_batch=2, max_context=64, graph_batch_sizes=[2], load_format="dummy")
+KW = dict(device="cpu", max_num_seqs=2, max_model_len=64, graph_batch_sizes=[2], load_format="dummy")
 
 
 @pytest.fixture(scope="module")

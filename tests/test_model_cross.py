@@ -51,7 +51,7 @@ def assert_same_tokens(model_dir, prompts, torch_out, jax_out, max_new_tokens):
 def test_engines_agree_short_prompts(model_dir):
     """A 1-token and a 130-token prompt (chunked across a block boundary), 4 tokens each."""
     prompts = [prompt(1, seed=1), prompt(130, seed=130)]
-    torch_out, jax_out = generate_both(model_dir, prompts, 4, max_batch=2, max_context=256, prefill_chunk=100)
+    torch_out, jax_out = generate_both(model_dir, prompts, 4, max_num_seqs=2, max_model_len=256, prefill_chunk=100)
     assert_same_tokens(model_dir, prompts, torch_out, jax_out, 4)
 
 
@@ -60,7 +60,7 @@ def test_engines_agree_with_selection(model_dir):
     """Prompts of 1, 129 and 300 tokens (top-2 of 3 blocks: the indexer's choice matters), 16 tokens each,
     chunked prefill and a mixed step on both sides."""
     prompts = [prompt(1, seed=1), prompt(129, seed=129), prompt(300, seed=300)]
-    torch_out, jax_out = generate_both(model_dir, prompts, 16, max_batch=4, max_context=512, prefill_chunk=200)
+    torch_out, jax_out = generate_both(model_dir, prompts, 16, max_num_seqs=4, max_model_len=512, prefill_chunk=200)
     assert_same_tokens(model_dir, prompts, torch_out, jax_out, 16)
 
 
@@ -73,7 +73,7 @@ def test_gpu_bf16_engines_agree(tmp_path):
 
     model_dir = write_tiny_checkpoint(tmp_path / "bf16", seed=1, form="vl", dtype="bfloat16")
     prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
-    kwargs = dict(max_batch=4, max_context=1024, prefill_chunk=500)
+    kwargs = dict(max_num_seqs=4, max_model_len=1024, prefill_chunk=500)
     torch_out = generate_ids(m3_torch.LLM(model_dir, device="cuda", **kwargs), prompts, max_new_tokens=16)
     jax_out = generate_ids(m3_jax.LLM(model_dir, device=jax.devices("gpu")[0], **kwargs), prompts, max_new_tokens=16)
     agree = sum(next((i for i, (a, b) in enumerate(zip(t, j)) if a != b), min(len(t), len(j)))
@@ -89,7 +89,7 @@ def test_engines_agree_with_fp8_caches(model_dir):
     chunked across a block boundary."""
     import torch
     prompts = [prompt(130, seed=131)]
-    kwargs = dict(max_batch=1, max_context=256, prefill_chunk=100, kv_cache_dtype="fp8", index_cache_dtype="fp8")
+    kwargs = dict(max_num_seqs=1, max_model_len=256, prefill_chunk=100, kv_cache_dtype="fp8", index_cache_dtype="fp8")
     with tuning.override(target_programs=1, sparse_target_programs=1):
         llm = m3_torch.LLM(model_dir, **kwargs)
         assert llm.runner.pool.dtype == torch.uint8

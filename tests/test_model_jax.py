@@ -181,7 +181,7 @@ def test_generate_matches_transformers(model_dir, one_program_per_tile):
     chunked), a mixed step (its last chunk + three generation rows), then decode steps that cross block
     boundaries. Greedy tokens equal transformers'; the decode step compiled once per batch size."""
     prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
-    llm = m3_jax.LLM(model_dir, max_batch=4, max_context=1024, prefill_chunk=500)
+    llm = m3_jax.LLM(model_dir, max_num_seqs=4, max_model_len=1024, prefill_chunk=500)
     outputs = generate_ids(llm, prompts, max_new_tokens=NEW_TOKENS)
     checked = [hf_reference.assert_tokens_match(hf_reference.reference_generate(model_dir, p, NEW_TOKENS), out)
                for p, out in zip(prompts, outputs)]
@@ -198,7 +198,7 @@ def test_batching_is_invisible(model_dir, monkeypatch, one_program_per_tile):
     three requests at once: the third waits for freed slots. The pool starts NaN and every slot freed by a
     finished request is poisoned with NaN before it is reused: no stale row is ever read."""
     prompts = [prompt(1, seed=1), prompt(127, seed=127), prompt(129, seed=129)]
-    llm = m3_jax.LLM(model_dir, max_batch=2, max_context=256, max_cache_pages=3, prefill_chunk=64)
+    llm = m3_jax.LLM(model_dir, max_num_seqs=2, max_model_len=256, num_gpu_blocks_override=3, prefill_chunk=64)
     llm.runner.pool = jnp.full(llm.runner.pool.shape, jnp.nan, llm.runner.pool.dtype)
     freed, finish = [], Scheduler._finish
 
@@ -222,9 +222,9 @@ def test_batching_is_invisible(model_dir, monkeypatch, one_program_per_tile):
 # -- the engine's contract ---------------------------------------------------------------------
 
 def test_bad_input_fails_before_any_work(model_dir):
-    llm = m3_jax.LLM(model_dir, max_batch=2, max_context=256)
+    llm = m3_jax.LLM(model_dir, max_num_seqs=2, max_model_len=256)
     good = prompt(4, seed=4)
-    for bad, match in (([[]], "empty"), ([prompt(257, seed=1)], "max_context"), ([good + [512]], "vocabulary"),
+    for bad, match in (([[]], "empty"), ([prompt(257, seed=1)], "max_model_len"), ([good + [512]], "vocabulary"),
                        ([good, [-1]], "vocabulary")):
         with pytest.raises(ValueError, match=match):
             generate_ids(llm, bad, max_new_tokens=2)
@@ -236,29 +236,29 @@ def test_bad_input_fails_before_any_work(model_dir):
         generate_ids(llm, [good], seed=1.5)
     assert not llm.engine.scheduler.has_unfinished() and not llm.runner.compiled_steps   # nothing queued, nothing ran
 
-    with pytest.raises(ValueError, match="max_cache_pages"):
-        m3_jax.LLM(model_dir, max_batch=2, max_context=1024, max_cache_pages=7)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        m3_jax.LLM(model_dir, max_num_seqs=2, max_model_len=1024, num_gpu_blocks_override=7)
     with pytest.raises(ValueError, match="dtype"):
         m3_jax.LLM(model_dir, dtype="int8")
     with pytest.raises(TypeError, match="dtype"):
         m3_jax.LLM(model_dir, dtype=object())
-    with pytest.raises(ValueError, match="max_batch"):
-        m3_jax.LLM(model_dir, max_batch=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        m3_jax.LLM(model_dir, max_num_seqs=0)
 
 
 def test_dtype_and_device_arguments(model_dir):
     cpu = jax.devices("cpu")[0]
     for dtype in ("bfloat16", jnp.bfloat16, jnp.dtype("bfloat16")):
-        llm = m3_jax.LLM(model_dir, dtype=dtype, device=cpu, max_batch=1, max_context=128)
+        llm = m3_jax.LLM(model_dir, dtype=dtype, device=cpu, max_num_seqs=1, max_model_len=128)
         assert llm.runner.dtype == "bfloat16" and llm.runner.pool.dtype == jnp.bfloat16
         assert {w.dtype for w in llm.runner.params.values()} == {jnp.dtype(jnp.bfloat16)}
-    llm = m3_jax.LLM(model_dir, device="cpu:0", max_batch=1, max_context=128)
+    llm = m3_jax.LLM(model_dir, device="cpu:0", max_num_seqs=1, max_model_len=128)
     assert llm.runner.dtype == "float32" and llm.runner.pool.devices() == {cpu}
 
 
 @pytest.mark.long
 def test_seeded_generation_is_reproducible(model_dir, one_program_per_tile):
-    llm = m3_jax.LLM(model_dir, max_batch=2, max_context=128)
+    llm = m3_jax.LLM(model_dir, max_num_seqs=2, max_model_len=128)
     prompts = [prompt(5, seed=5), prompt(2, seed=2)]
     kwargs = dict(max_new_tokens=3, temperature=5.0, top_p=0.9)
     first = generate_ids(llm, prompts, seed=11, **kwargs)
@@ -286,7 +286,7 @@ def test_gpu_bf16_against_transformers(tmp_path):
     print(f"bf16 prompt logits rel. error {err:.2e}, transformers' own bf16 {yardstick:.2e}")
     assert err <= 2 * yardstick + 1e-3
     prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
-    llm = m3_jax.LLM(model_dir, device=gpu, max_batch=4, max_context=1024, prefill_chunk=500)
+    llm = m3_jax.LLM(model_dir, device=gpu, max_num_seqs=4, max_model_len=1024, prefill_chunk=500)
     outputs = generate_ids(llm, prompts, max_new_tokens=NEW_TOKENS)
     agree = total = 0
     for p, out in zip(prompts, outputs):

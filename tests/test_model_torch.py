@@ -97,7 +97,7 @@ def transformers_errors(model_dir, prompts, dtype) -> list:
 # -- the model's building blocks vs transformers' modules (no kernels) ---------------------------
 
 def test_mlps_match_transformers(tiny_dir):
-    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=1, max_context=128)
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_num_seqs=1, max_model_len=128)
     ref = hf_reference.reference_model(str(tiny_dir))
     h = torch.randn(37, llm.config.hidden_size, generator=torch.Generator().manual_seed(0))
     for i in range(llm.config.num_hidden_layers):   # layer 0: dense SwiGLU-OAI; 1-3: MoE + shared expert
@@ -109,7 +109,7 @@ def test_mlps_match_transformers(tiny_dir):
 def test_block_selection_matches_transformers_indexer(tiny_dir):
     """Our index projections + index_scores/select_blocks choose the blocks transformers' indexer
     chooses, per token and index head, as SETS (transformers lists them by score, SPEC ascending)."""
-    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=1, max_context=512)
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_num_seqs=1, max_model_len=512)
     ref = hf_reference.reference_model(str(tiny_dir))
     c, layer, T = llm.config, 2, 420                    # 4 blocks, top-2: selection matters from token 256
     h = torch.randn(T, c.hidden_size, generator=torch.Generator().manual_seed(5))
@@ -142,7 +142,7 @@ def test_prompt_logits_and_greedy_tokens_match_transformers(tiny_dir, one_progra
     """Prompts of 1, 127, 129 (and 700, 16 tokens each: a long run) tokens in one batch (chunked
     prefill, mixed steps)."""
     prompts = [prompt(n, seed=n) for n in lengths]
-    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=4, max_context=1024, prefill_chunk=384)
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_num_seqs=4, max_model_len=1024, prefill_chunk=384)
     assert llm.runner.dtype == torch.float32
     seen = record_prompt_logits(llm)
     outputs = generate_ids(llm, prompts, max_new_tokens=new_tokens)
@@ -183,16 +183,16 @@ def poison_free_slots(llm, reused):
     llm.runner.step_logits = poisoned_step
 
 
-@pytest.mark.parametrize("order, chunk, max_batch, pages", [
+@pytest.mark.parametrize("order, chunk, max_num_seqs, pages", [
     pytest.param((0, 1, 2), 64, 3, None, marks=pytest.mark.long),   # all at once, prompts in 64-token chunks
     ((2, 1, 0), 100, 2, 4),       # two rows, 4 pages: the 40-token prompt waits, then reuses a freed (NaN) slot
 ], ids=["batch3_chunk64", "batch2_chunk100_pages4"])
-def test_batching_is_invisible(tiny_dir, one_program_per_tile, order, chunk, max_batch, pages):
+def test_batching_is_invisible(tiny_dir, one_program_per_tile, order, chunk, max_num_seqs, pages):
     """Each prompt's tokens inside a batch (any order, chunk size, slot reuse) are those of the prompt
     alone: transformers' for all of them, and our engine's for the 40-token prompt."""
     prompts = [prompt(n, seed=100 + n) for n in BATCH_LENS]
-    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=max_batch, max_context=384, prefill_chunk=chunk,
-                       max_cache_pages=pages)
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_num_seqs=max_num_seqs, max_model_len=384, prefill_chunk=chunk,
+                       num_gpu_blocks_override=pages)
     reused: list = []
     poison_free_slots(llm, reused)
     outputs = dict(zip(order, generate_ids(llm, [prompts[i] for i in order], max_new_tokens=BATCH_NEW)))
@@ -202,7 +202,7 @@ def test_batching_is_invisible(tiny_dir, one_program_per_tile, order, chunk, max
     if pages is not None:
         assert reused, "no slot changed hands: the test did not exercise freed slots"
     else:
-        alone = generate_ids(m3_torch.LLM(tiny_dir, device="cpu", max_batch=1, max_context=384),
+        alone = generate_ids(m3_torch.LLM(tiny_dir, device="cpu", max_num_seqs=1, max_model_len=384),
                              [prompts[0]], max_new_tokens=BATCH_NEW)[0]
         n = hf_reference.checked_steps(refs[0])
         assert n > 0 and alone[:n] == outputs[0][:n]
@@ -212,7 +212,7 @@ def test_batching_is_invisible(tiny_dir, one_program_per_tile, order, chunk, max
 
 @pytest.mark.long
 def test_sampling_is_reproducible_and_batch_independent(tiny_dir, one_program_per_tile):
-    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=2, max_context=128)
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_num_seqs=2, max_model_len=128)
     prompts = [prompt(3, seed=7), prompt(5, seed=8)]
     kw = dict(max_new_tokens=3, temperature=1.5, top_p=0.95)
     first = generate_ids(llm, prompts, seed=11, **kw)
@@ -227,7 +227,7 @@ def test_sampling_is_reproducible_and_batch_independent(tiny_dir, one_program_pe
 
 @pytest.mark.parametrize("dtype", ["bfloat16", torch.float16])
 def test_half_precision_engine(tiny_dir, one_program_per_tile, dtype):
-    llm = m3_torch.LLM(tiny_dir, dtype=dtype, device="cpu", max_batch=1, max_context=128)
+    llm = m3_torch.LLM(tiny_dir, dtype=dtype, device="cpu", max_num_seqs=1, max_model_len=128)
     want = torch.bfloat16 if dtype == "bfloat16" else torch.float16
     assert llm.runner.dtype == want and llm.runner.pool.dtype == want and llm.runner.model.embed.dtype == want
     p = prompt(20, seed=9)
@@ -242,9 +242,9 @@ def test_half_precision_engine(tiny_dir, one_program_per_tile, dtype):
 @pytest.mark.parametrize("kwargs, exc, words", [
     (dict(dtype="int8"), ValueError, "dtype"),
     (dict(dtype=3), TypeError, "dtype"),
-    (dict(max_batch=0), ValueError, "max_batch"),
-    (dict(max_context=10 ** 6), ValueError, "max_context"),
-    (dict(max_context=1024, max_cache_pages=7), ValueError, "max_cache_pages"),
+    (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
+    (dict(max_model_len=10 ** 6), ValueError, "max_model_len"),
+    (dict(max_model_len=1024, num_gpu_blocks_override=7), ValueError, "num_gpu_blocks_override"),
 ])
 def test_bad_engine_arguments(tiny_dir, kwargs, exc, words):
     with pytest.raises(exc, match=words):
@@ -253,7 +253,7 @@ def test_bad_engine_arguments(tiny_dir, kwargs, exc, words):
 
 @pytest.mark.parametrize("args, kwargs, exc, words", [
     (([[]],), {}, ValueError, "empty"),
-    (([[5] * 200],), {}, ValueError, "max_context"),
+    (([[5] * 200],), {}, ValueError, "max_model_len"),
     (([[5, 512]],), {}, ValueError, "vocabulary"),
     (([[5, -1]],), {}, ValueError, "vocabulary"),
     (([[5]],), dict(max_new_tokens=0), ValueError, "max_tokens"),
@@ -264,7 +264,7 @@ def test_bad_engine_arguments(tiny_dir, kwargs, exc, words):
     (([[5], 3.5],), {}, TypeError, "prompt"),
 ])
 def test_bad_generate_input_fails_before_any_work(tiny_dir, args, kwargs, exc, words):
-    llm = m3_torch.LLM(tiny_dir, device="cpu", max_batch=2, max_context=128)
+    llm = m3_torch.LLM(tiny_dir, device="cpu", max_num_seqs=2, max_model_len=128)
 
     def no_work(step):
         raise AssertionError("a step ran")
@@ -280,7 +280,7 @@ def test_bad_generate_input_fails_before_any_work(tiny_dir, args, kwargs, exc, w
 @pytest.mark.gpu
 def test_gpu_bf16_matches_transformers(gpu_tiny_dir):
     prompts = [prompt(n, seed=n) for n in PROMPT_LENS]
-    llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_batch=4, max_context=1024,
+    llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_num_seqs=4, max_model_len=1024,
                        prefill_chunk=384)
     seen = record_prompt_logits(llm)
     outputs = generate_ids(llm, prompts, max_new_tokens=NEW_TOKENS)
@@ -300,7 +300,7 @@ def test_gpu_bf16_matches_transformers(gpu_tiny_dir):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_decode_equals_eager(gpu_tiny_dir):
-    llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_batch=8, max_context=1024)
+    llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_num_seqs=8, max_model_len=1024)
     graphs, compared = llm.runner.graphs, []
     replay = graphs.run
 
@@ -319,7 +319,7 @@ def test_gpu_cuda_graph_decode_equals_eager(gpu_tiny_dir):
     assert len(graphs.graphs) >= 2 and len(compared) >= 10, (sorted(graphs.graphs), len(compared))
     for graph_logits, eager_logits in compared:
         torch.testing.assert_close(graph_logits, eager_logits, rtol=2e-2, atol=2e-2)
-    eager_llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_batch=8, max_context=1024,
+    eager_llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_num_seqs=8, max_model_len=1024,
                              enforce_eager=True)
     assert eager_llm.runner.graphs is None
     agree = sum(a == b for o, e in zip(outputs, generate_ids(eager_llm, prompts, max_new_tokens=24)) for a, b in zip(o, e))
@@ -339,8 +339,8 @@ def test_a_dropped_engine_frees_its_pool_at_once(tmp_path):
         gc.disable()
         import m3_torch
         from m3_engine.tiny_model import write_tiny_checkpoint
-        llm = m3_torch.LLM(write_tiny_checkpoint({str(tmp_path)!r}, seed=0), device="cpu", max_batch=2,
-                           max_context=256)
+        llm = m3_torch.LLM(write_tiny_checkpoint({str(tmp_path)!r}, seed=0), device="cpu", max_num_seqs=2,
+                           max_model_len=256)
         llm.generate([[5, 6, 7]], m3_torch.SamplingParams(max_tokens=1), use_tqdm=False)
         pool = weakref.ref(llm.runner.pool)
         del llm

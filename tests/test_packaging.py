@@ -153,4 +153,4 @@ def test_dependencies_leave_the_framework_to_extras():
     assert not any(r.startswith("jax") for r in extras["torch"]) and not any(r.startswith("torch")
                                                                               for r in extras["jax"])
     assert project["scripts"]["m3-generate"] == "m3_engine.cli:main"
-    assert project["scripts"]["m3-serve"] == "m3_engine.serve:main"
+    assert project["scripts"]["m3-serve"] == "m3_engine.server.cli:main"

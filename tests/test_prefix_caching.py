@@ -140,7 +140,7 @@ FRAMEWORKS = ["torch", "jax"]
 def engines(model_dir, framework, **kwargs):
     from m3_engine import engine_class
 
-    kwargs = {"device": "cpu", "max_batch": 2, "max_context": 512, **kwargs}
+    kwargs = {"device": "cpu", "max_num_seqs": 2, "max_model_len": 512, **kwargs}
     LLM = engine_class(framework)
     return LLM(model_dir, enable_prefix_caching=True, **kwargs), LLM(model_dir, **kwargs)
 
@@ -152,7 +152,7 @@ def tokens(llm, prompts, params):
 @pytest.mark.parametrize("framework", ["torch", pytest.param("jax", marks=pytest.mark.long)])
 def test_a_cached_prefix_gives_the_tokens_of_a_computed_one(model_dir, framework):
     """The short version of the next test (CI): a prefix cached by one call, reused by the next."""
-    on, off = engines(model_dir, framework, max_context=256)
+    on, off = engines(model_dir, framework, max_model_len=256)
     prefix = ids(130, 30)
     params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=3, max_tokens=2, ignore_eos=True)]
@@ -166,7 +166,7 @@ def test_a_cached_prefix_gives_the_tokens_of_a_computed_one(model_dir, framework
 @pytest.mark.long
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_engine_outputs_equal_with_caching_on_and_off(model_dir, framework):
-    on, off = engines(model_dir, framework, max_cache_pages=6)
+    on, off = engines(model_dir, framework, num_gpu_blocks_override=6)
     prefix = ids(260, 10)
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=3, ignore_eos=True)

@@ -241,7 +241,7 @@ GOOD = [5, 6]
 
 @pytest.mark.parametrize("prompts, max_new, exc, words", [
     ([GOOD, []], 4, ValueError, r"prompts\[1\]: empty prompt"),
-    ([GOOD, [1] * 1025], 4, ValueError, r"prompts\[1\]: 1025 tokens, longer than max_context=1024"),
+    ([GOOD, [1] * 1025], 4, ValueError, r"prompts\[1\]: 1025 tokens, longer than max_model_len=1024"),
     ([GOOD, [1, 2, VOCAB]], 4, ValueError,
      rf"prompts\[1\]\[2\]: token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"),
     ([GOOD, [3, -1]], 4, ValueError, r"prompts\[1\]\[1\]: token id -1"),

@@ -1,7 +1,7 @@
-"""m3-serve (m3_engine.serve): the official ``openai`` client against a server subprocess, both frameworks.
+"""m3-serve (m3_engine.server): the official ``openai`` client against a server subprocess, both frameworks.
 
-One server per framework for the module (``running_server``: ``python -m m3_engine.serve`` on a
-free port of 127.0.0.1, the tiny model, max_context 256, max_batch 8), reused by every test; after
+One server per framework for the module (``running_server``: ``python -m m3_engine.server`` on a
+free port of 127.0.0.1, the tiny model, max_model_len 256, max_num_seqs 8), reused by every test; after
 each test the server must be idle (no request running or waiting, no KV page reserved, no HTTP
 request open: ``/metrics``), and at the end SIGTERM must stop it with exit status 0 while a stream
 is still open. Model steps are slow in Triton's interpreter (about 0.7 s of CPU per row of a
@@ -49,6 +49,7 @@ pytestmark = pytest.mark.xdist_group("serve")   # one worker for the module unde
 REPO = Path(__file__).resolve().parents[1]
 KEY = "test-key"
 MODEL = "tiny"
+ALIAS = "tiny-alias"   # the fake server's second served name
 MAX_CONTEXT = 256
 MAX_QUEUE = 40
 START_TIMEOUT = 600        # a loaded 2-core machine: imports, model, first steps
@@ -131,15 +132,15 @@ def listening_port(log: Path, proc, timeout) -> int:
 
 
 class Server:
-    """A ``python -m m3_engine.serve`` subprocess (or, with ``port`` only, a server in this process)."""
+    """A ``python -m m3_engine.server`` subprocess (or, with ``port`` only, a server in this process)."""
 
     def __init__(self, framework=None, model_dir=None, log: Path = None, *extra, port=None):
         self.framework, self.log, self.port, self.proc = framework, log, port, None
         if port is not None:
             return
-        cmd = [sys.executable, "-m", "m3_engine.serve", str(model_dir), "--framework", framework,
-               "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--max-batch", "8",
-               "--max-context", str(MAX_CONTEXT), "--api-key", KEY, "--served-model-name", MODEL,
+        cmd = [sys.executable, "-m", "m3_engine.server", str(model_dir), "--framework", framework,
+               "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--max-num-seqs", "8",
+               "--max-model-len", str(MAX_CONTEXT), "--api-key", KEY, "--served-model-name", MODEL,
                "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "1", "--no-access-log", *extra]
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
@@ -255,7 +256,7 @@ def running_server(framework, launches):
     yield srv
     # SIGTERM with a stream open: the server lets it run for --shutdown-timeout (1 s), then ends
     # it with an error event, stops the engine thread, closes the LLM and exits 0.
-    stream = srv.client().completions.create(model=MODEL, prompt="long", max_tokens=400, stream=True,
+    stream = srv.client().completions.create(model=MODEL, prompt="long", max_tokens=200, stream=True,
                                              extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
@@ -283,7 +284,7 @@ def generate_reference(framework, model_dir, tok) -> dict:
     """``LLM.generate`` of the same framework in this process: the seeded prompts, the chat prompt
     as ``LLM.chat`` makes it (template, then ids without special tokens) and the stop tests' prompt,
     greedy; with the stop string and stop token chosen from that greedy answer."""
-    llm = engine_class(framework)(model_dir, max_batch=8, max_context=MAX_CONTEXT, device="cpu")
+    llm = engine_class(framework)(model_dir, max_num_seqs=8, max_model_len=MAX_CONTEXT, device="cpu")
     text = tok.apply_chat_template(MESSAGES)
     chat_prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
     try:
@@ -528,14 +529,14 @@ def test_concurrent_streams(server):
 def test_disconnect_frees_slots(server):
     """A stream closed mid-way, and a non-streamed request whose client goes away, are aborted at once."""
     before = metrics(server.port)
-    stream = server.client().completions.create(model=MODEL, prompt="go on", max_tokens=400, stream=True,
+    stream = server.client().completions.create(model=MODEL, prompt="go on", max_tokens=200, stream=True,
                                                 extra_body={"ignore_eos": True})
     for got, _ in enumerate(stream, 1):
         if got == 2:
             break
     stream.close()
     wait_idle(server.port)
-    body = json.dumps({"model": MODEL, "prompt": "go on", "max_tokens": 400, "ignore_eos": True}).encode()
+    body = json.dumps({"model": MODEL, "prompt": "go on", "max_tokens": 200, "ignore_eos": True}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -566,7 +567,9 @@ BAD = [
      "stream_options", None),
     ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, KEY, 400, None, "logit_bias", None),
     ("POST", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, KEY, 400, None, "echo", None),
-    ("POST", "/v1/completions", {"prompt": [5] * (MAX_CONTEXT + 1)}, KEY, 400, None, "prompt",
+    ("POST", "/v1/completions", {"prompt": [5] * MAX_CONTEXT}, KEY, 400, None, "prompt",
+     "context_length_exceeded"),
+    ("POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": MAX_CONTEXT - 1}, KEY, 400, None, "max_tokens",
      "context_length_exceeded"),
     ("POST", "/v1/completions", {"prompt": [5, 100000]}, KEY, 400, None, "prompt", None),
     ("POST", "/v1/completions", {"prompt": []}, KEY, 400, None, "prompt", None),
@@ -679,7 +682,8 @@ def fake_server(model_dir):
     import uvicorn
 
     from m3_engine.llm import LLM
-    from m3_engine.serve import create_app
+    from m3_engine.server.app import create_app
+    from m3_engine.server.engine_client import EngineClient
 
     class FakeLLM(LLM):
         framework = "fake"
@@ -688,8 +692,8 @@ def fake_server(model_dir):
         def _runner_class(cls):
             return FakeRunner
 
-    llm = FakeLLM(model_dir, max_batch=4, max_context=256, enable_prefix_caching=True)
-    app = create_app(llm, served_model_name=MODEL, api_key=KEY, max_queue=8)
+    llm = FakeLLM(model_dir, max_num_seqs=4, max_model_len=256, enable_prefix_caching=True)
+    app = create_app(EngineClient(llm, max_queue=8), served_model_name=[MODEL, ALIAS], api_key=KEY)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
@@ -706,7 +710,7 @@ def fake_server(model_dir):
     uv.should_exit = True
     thread.join(30)
     assert not thread.is_alive()
-    assert not app.state.m3.engine_loop.alive   # the lifespan stopped the engine thread
+    assert not app.state.m3.client.alive   # the lifespan stopped the engine thread
     llm.close()
     sock.close()
 
@@ -802,23 +806,65 @@ def test_fake_prefix_cache_usage(fake_server):
     assert after["m3_kv_cache_evictable_blocks"] >= 1 and after["m3_kv_cache_cached_blocks"] >= 1
 
 
+def test_fake_context_limit_alias_version_ping_and_vllm_metrics(fake_server):
+    """vLLM's rules: prompt + max_tokens never exceed max_model_len (a 400 naming the numbers; left
+    out, max_tokens fills the context exactly); the response names the model alias the request
+    used; /version and /ping answer; /metrics also carries vLLM's metric names."""
+    client = fake_server.client()
+    prompt = list(range(10, 210))   # 200 of the 256 tokens
+    with pytest.raises(openai.BadRequestError, match="57 is more than the 56 tokens left") as info:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=57)
+    assert info.value.body["param"] == "max_tokens" and info.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens: 300 is more than") as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=300)
+    full = client.completions.create(model=ALIAS, prompt=prompt, extra_body={"ignore_eos": True})
+    assert full.usage.total_tokens == 256 and full.choices[0].finish_reason == "length"
+    assert full.model == ALIAS
+    assert client.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=1).model == ALIAS
+    assert client.completions.create(prompt="a", max_tokens=1, model=MODEL).model == MODEL
+    status, version = call(fake_server.port, "GET", "/version", key=None)
+    assert status == 200 and isinstance(version["version"], str)
+    assert call(fake_server.port, "GET", "/ping", key=None)[0] == 200
+    assert call(fake_server.port, "POST", "/ping", key=None)[0] == 200
+    m = wait_idle(fake_server.port, timeout=10)
+    for ours, vllm in (("m3_num_requests_running", "vllm:num_requests_running"),
+                       ("m3_generation_tokens_total", "vllm:generation_tokens_total"),
+                       ("m3_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+                       ('m3_request_success_total{finished_reason="length"}',
+                        'vllm:request_success_total{finished_reason="length"}')):
+        assert m[vllm] == m[ours], (ours, vllm)
+
+
 def test_cli_flags():
-    from m3_engine.serve import build_parser, engine_options
+    from m3_engine.args import EngineArgs, engine_options
+    from m3_engine.server.cli import build_parser
 
     args = build_parser().parse_args([
         "DIR", "--framework", "jax", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k",
-        "--served-model-name", "a", "b", "--max-batch", "4", "--max-context", "1024", "--dtype", "bfloat16",
-        "--kv-cache-dtype", "fp8", "--index-cache-dtype", "fp8", "--tensor-parallel-size", "2", "--max-queue", "7",
-        "--enable-prefix-caching"])
-    assert (args.framework, args.host, args.port, args.api_key, args.served_model_name, args.max_queue) == \
-        ("jax", "0.0.0.0", 9000, "k", ["a", "b"], 7)
+        "--served-model-name", "a", "b", "--max-num-seqs", "4", "--max-model-len", "1024", "--dtype", "bfloat16",
+        "--kv-cache-dtype", "fp8", "--index-cache-dtype", "fp8", "-tp", "2", "--max-queue", "7",
+        "--enable-prefix-caching", "--chat-template", "t.jinja"])
+    assert (args.framework, args.host, args.port, args.api_key, args.served_model_name, args.max_queue,
+            args.chat_template) == ("jax", "0.0.0.0", 9000, "k", ["a", "b"], 7, "t.jinja")
     options = engine_options(args)
-    assert options["max_batch"] == 4 and options["max_context"] == 1024 and options["dtype"] == "bfloat16"
+    assert options["max_num_seqs"] == 4 and options["max_model_len"] == 1024 and options["dtype"] == "bfloat16"
     assert options["kv_cache_dtype"] == options["index_cache_dtype"] == "fp8"
     assert options["tensor_parallel_size"] == 2 and options["enable_prefix_caching"] is True
-    from m3_engine.args import EngineArgs
     import dataclasses
     assert set(options) == {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}   # every engine option
-    assert engine_options(build_parser().parse_args(["DIR"]))["dtype"] is None
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["DIR", "--framework", "tf"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["DIR", "--framework", "tf"], r"^error: argument --framework: invalid choice: 'tf'"),
+    (["DIR", "--max-num-seqs", "x"], r"^error: argument --max-num-seqs: invalid int value: 'x'$"),
+    (["{m}", "--port", "-1"], r"^error: argument --port: expected an int >= 0, got -1$"),
+    (["/nonexistent/m3"], r"^error: MODEL_DIR: /nonexistent/m3 has no config.json"),
+    (["{m}", "--max-num-seqs", "0"], r"^error: --max-num-seqs: expected an int >= 1, got 0$"),
+    (["{m}", "--quantization", "fp8"], r"^error: --quantization: expected None"),
+])
+def test_bad_command_line_is_one_error_line(model_dir, capsys, argv, message):
+    from m3_engine.server.cli import main
+
+    assert main([a.format(m=model_dir) for a in argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and re.match(message, err) and err.count("\n") == 1, err

@@ -458,7 +458,7 @@ def test_model_speculation(model_dir, framework, full):
     prompts = _model_prompts() if full else _model_prompts()[:2]
     greedy = SamplingParams(max_tokens=8 if full else 5, ignore_eos=True)
     seeded = SamplingParams(max_tokens=6 if full else 4, ignore_eos=True, temperature=1.0, seed=11)
-    options = dict(max_batch=4, max_context=1024)
+    options = dict(max_num_seqs=4, max_model_len=1024)
     if full:
         options.update(prefill_chunk=64, kv_cache_dtype="fp8", index_cache_dtype="fp8")
     results = {}
@@ -501,7 +501,7 @@ def test_gpu_speculation(model_dir, framework):
     prompts = _gpu_prompts()
     greedy = SamplingParams(max_tokens=32, ignore_eos=True)
     seeded = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=11)
-    options = dict(dtype="float32", device="cuda", max_batch=4, max_context=512, prefill_chunk=32)
+    options = dict(dtype="float32", device="cuda", max_num_seqs=4, max_model_len=512, prefill_chunk=32)
     results = {}
     for name, spec in (("plain", None), ("spec", NGRAM_1)):
         with LLM(model_dir, speculative_config=spec, **options) as llm:
@@ -519,13 +519,15 @@ def test_gpu_speculation(model_dir, framework):
 
 
 def test_command_line_and_server_flags():
+    pytest.importorskip("fastapi")
+    from m3_engine.args import UsageError, engine_options
     from m3_engine.cli import build_parser as cli_parser
-    from m3_engine.serve import build_parser as serve_parser, engine_options
+    from m3_engine.server.cli import build_parser as serve_parser
     flag = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
     assert cli_parser().parse_args(["--model", "m"] + flag).speculative_config == {
         "method": "ngram", "num_speculative_tokens": 2}
     assert engine_options(serve_parser().parse_args(["m"] + flag))["speculative_config"]["num_speculative_tokens"] == 2
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--speculative-config: expected JSON"):
         serve_parser().parse_args(["m", "--speculative-config", "{ngram"])
 
 

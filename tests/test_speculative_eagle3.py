@@ -162,7 +162,7 @@ def draft_run(framework, dense_dirs):
     target_dir, draft_dir = dense_dirs
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, 3).tolist(), rng.integers(3, 500, 8).tolist()]
-    llm = llm_class(framework)(target_dir, device="cpu", max_batch=2, max_context=256, prefill_chunk=4,
+    llm = llm_class(framework)(target_dir, device="cpu", max_num_seqs=2, max_model_len=256, prefill_chunk=4,
                                speculative_config=eagle(draft_dir))
     recorded, steps = record_drafts(llm), record_steps(llm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -236,7 +236,7 @@ def test_constructed_drafts_are_accepted(constructed_dirs, framework):
     one that ends in a swapped id alternates two ids: draft 1 is right (the token two back) and the
     others are not, in the same verify steps."""
     target_dir, draft_dir = constructed_dirs
-    with llm_class(framework)(target_dir, device="cpu", max_batch=2, max_context=128,
+    with llm_class(framework)(target_dir, device="cpu", max_num_seqs=2, max_model_len=128,
                               speculative_config=eagle(draft_dir)) as llm:
         repeat, alternate = llm.generate([[40, 50, 7], [60, 70, 100]],
                                          [SamplingParams(max_tokens=m, ignore_eos=True) for m in (9, 5)],
@@ -284,7 +284,7 @@ def test_eagle3_matches_plain(target_dir, draft_dir, framework, k):
     speculation equal the plain ones; a prompt sharing two full blocks with an earlier one reuses
     one (the draft needs the other recomputed)."""
     LLM = llm_class(framework)
-    options = dict(device="cpu", max_batch=4, max_context=512, prefill_chunk=64, enable_prefix_caching=True)
+    options = dict(device="cpu", max_num_seqs=4, max_model_len=512, prefill_chunk=64, enable_prefix_caching=True)
     if framework not in _PLAIN:
         with LLM(target_dir, **options) as llm:
             _PLAIN[framework] = generate_mixed(llm)
@@ -309,7 +309,7 @@ def test_gpu_eagle3_matches_plain(target_dir, draft_dir, framework):
     prompts = [rng.integers(3, 500, 40).tolist(), rng.integers(3, 500, 7).tolist(), rng.integers(3, 500, 320).tolist()]
     greedy = SamplingParams(max_tokens=32, ignore_eos=True)
     seeded = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=11)
-    options = dict(dtype="float32", device="cuda", max_batch=4, max_context=512, prefill_chunk=32)
+    options = dict(dtype="float32", device="cuda", max_num_seqs=4, max_model_len=512, prefill_chunk=32)
     results = {}
     for name, spec in (("plain", None), ("spec", eagle(draft_dir))):
         with LLM(target_dir, speculative_config=spec, **options) as llm:

@@ -39,7 +39,7 @@ def generate_ids(llm, prompts, max_new_tokens):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 model_dir, prompts, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-kwargs = dict(device="cpu", max_batch=2, max_context=256)
+kwargs = dict(device="cpu", max_num_seqs=2, max_model_len=256)
 
 def caches(llm, flat, layer, slots):
     # a layer's K, V, index-K pages of one shard's flat pool, as numpy
@@ -142,7 +142,7 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
 def test_too_few_devices(model_dir):
     """This process has one CPU device."""
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 devices.*xla_force_host_platform"):
-        m3_jax.LLM(model_dir, tensor_parallel_size=2, device="cpu", max_batch=1, max_context=128)
+        m3_jax.LLM(model_dir, tensor_parallel_size=2, device="cpu", max_num_seqs=1, max_model_len=128)
 
 
 @pytest.mark.parametrize("overrides, tp, words", [
@@ -152,7 +152,7 @@ def test_too_few_devices(model_dir):
 def test_splits_that_do_not_exist_are_rejected(tmp_path, overrides, tp, words):
     model_dir = write_tiny_checkpoint(tmp_path, seed=0, form="text", num_hidden_layers=2, **overrides)
     with pytest.raises(ValueError, match=words):
-        m3_jax.LLM(model_dir, tensor_parallel_size=tp, max_batch=1, max_context=128)
+        m3_jax.LLM(model_dir, tensor_parallel_size=tp, max_num_seqs=1, max_model_len=128)
     assert not multiprocessing.active_children()
 
 
@@ -172,7 +172,7 @@ def test_gpu_tp2_jax_bf16_gives_the_tokens_of_tp1(gpu_model_dir):
     if not jax_gpu_ready() or len(jax.devices("gpu")) < 2:
         pytest.skip("needs a JAX GPU backend with 2 devices and jax_triton")
     prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
-    kwargs = dict(dtype="bfloat16", max_batch=4, max_context=1024, prefill_chunk=500)
+    kwargs = dict(dtype="bfloat16", max_num_seqs=4, max_model_len=1024, prefill_chunk=500)
     want = generate_ids(m3_jax.LLM(gpu_model_dir, device=jax.devices("gpu")[0], **kwargs), prompts, max_new_tokens=16)
     tp2 = m3_jax.LLM(gpu_model_dir, device="gpu", tensor_parallel_size=2, **kwargs)
     got = generate_ids(tp2, prompts, max_new_tokens=16)

@@ -76,7 +76,7 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
     """Greedy tokens of TP=2 (two processes, gloo) are those of TP=1; each rank holds its slice of the heads and
     experts, its KV heads' caches (= the TP=1 pool's) and the whole index-K cache; workers end with the engine."""
     prompts = [prompt(5, seed=5), prompt(40, seed=40)]
-    kwargs = dict(device="cpu", max_batch=2, max_context=256)
+    kwargs = dict(device="cpu", max_num_seqs=2, max_model_len=256)
     with tuning.override(target_programs=1, sparse_target_programs=1):   # fewer interpreter programs (all ranks)
         tp1 = m3_torch.LLM(model_dir, **kwargs)
         margins = record_margins(tp1)
@@ -116,12 +116,12 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
 def test_heads_that_do_not_split_are_rejected_before_anything_starts(tmp_path, overrides, tp, words):
     model_dir = write_tiny_checkpoint(tmp_path, seed=0, form="text", num_hidden_layers=2, **overrides)
     with pytest.raises(ValueError, match=words):
-        m3_torch.LLM(model_dir, device="cpu", tensor_parallel_size=tp, max_batch=1, max_context=128)
+        m3_torch.LLM(model_dir, device="cpu", tensor_parallel_size=tp, max_num_seqs=1, max_model_len=128)
     assert not multiprocessing.active_children()
 
 
 def test_a_failing_worker_raises_on_rank0_and_ends_the_engine(model_dir):
-    llm = m3_torch.LLM(model_dir, device="cpu", max_batch=1, max_context=128, tensor_parallel_size=2)
+    llm = m3_torch.LLM(model_dir, device="cpu", max_num_seqs=1, max_model_len=128, tensor_parallel_size=2)
     procs = llm.runner._workers.procs
     assert llm.runner.collective_rpc(tp_helpers.fail_in_next_step, 1) == [0, 1]
     with pytest.raises(RuntimeError, match=r"(?s)tensor-parallel rank 1 failed.*injected fault on rank 1"):
@@ -135,7 +135,7 @@ def test_a_failing_worker_raises_on_rank0_and_ends_the_engine(model_dir):
 def test_a_failing_rank0_step_ends_the_workers(model_dir):
     """Rank 0 raises in the middle of a step (the workers wait in its all-reduce): its error comes out, the
     workers are terminated, not left hanging."""
-    llm = m3_torch.LLM(model_dir, device="cpu", max_batch=1, max_context=128, tensor_parallel_size=2)
+    llm = m3_torch.LLM(model_dir, device="cpu", max_num_seqs=1, max_model_len=128, tensor_parallel_size=2)
     procs = llm.runner._workers.procs
     tp_helpers.fail_in_next_step(llm.runner.rank0, 0)
     with pytest.raises(RuntimeError, match="injected fault on rank 0"):
@@ -165,7 +165,7 @@ def test_gpu_tp2_bf16_gives_the_tokens_of_tp1(gpu_model_dir):
     bf16 rounding (and its expert flips); decode replays are deterministic. Prompts of 1, 127, 129 and 700
     tokens (block selection matters), 16 tokens each."""
     prompts = [prompt(n, seed=n) for n in (1, 127, 129, 700)]
-    kwargs = dict(dtype="bfloat16", device="cuda:0", max_batch=4, max_context=1024, prefill_chunk=384)
+    kwargs = dict(dtype="bfloat16", device="cuda:0", max_num_seqs=4, max_model_len=1024, prefill_chunk=384)
     tp1 = m3_torch.LLM(gpu_model_dir, **kwargs)
     first1, first2 = {}, {}
     margins = record_margins(tp1, first1)

@@ -1,0 +1,170 @@
+"""``m3-serve``'s command line: the flags, the model load, uvicorn.
+
+    m3-serve MODEL_DIR --framework torch --port 8000 --max-num-seqs 32 --max-model-len 8192
+    python -m m3_engine.server MODEL_DIR --framework jax --api-key secret --served-model-name m3
+
+The engine flags are ``m3-generate``'s (``m3_engine.args.add_engine_flags``: one per
+``EngineArgs`` field, vLLM's names and defaults); the server's own are ``--framework``,
+``--host``, ``--port``, ``--api-key``, ``--served-model-name``, ``--chat-template``,
+``--max-queue``, ``--shutdown-timeout``, ``--log-level``, ``--no-access-log``. A bad command
+line, a model folder without config.json, a port that cannot be bound or an engine option the
+engine refuses is one ``error: ...`` line on stderr and exit status 2.
+
+SIGTERM (and SIGINT) stop the server cleanly: no new connections; open requests may finish
+for ``--shutdown-timeout`` seconds, then the engine thread aborts what is left (each gets a
+503 error body or error event, then ``[DONE]``) and stops; ``llm.close()`` ends
+tensor-parallel workers; exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from ..args import ArgumentParser, EngineArgs, UsageError, add_engine_flags, engine_flags, engine_options, flag_message
+from .app import create_app
+from .engine_client import DEFAULT_MAX_QUEUE, EngineClient
+
+__all__ = ["main", "build_parser"]
+
+FRAMEWORKS = ("torch", "jax")
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="m3-serve", allow_abbrev=False,
+                       description="An OpenAI-compatible server (completions, chat, streaming) over a MiniMax-M3 "
+                       "checkpoint, with the torch or the JAX engine.")
+    p.add_argument("model", type=Path, metavar="MODEL_DIR",
+                   help="folder with config.json, *.safetensors and (for text and chat) tokenizer.json")
+    p.add_argument("--framework", choices=FRAMEWORKS, default="torch", help="engine: m3_torch.LLM (default) or "
+                   "m3_jax.LLM")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=_non_negative_int, default=8000, help="default 8000; 0 picks a free port (the "
+                   "'listening on' line shows it)")
+    p.add_argument("--api-key", default=os.environ.get("M3_API_KEY"), help="require 'Authorization: Bearer KEY' "
+                   "on /v1/*, /tokenize and /detokenize (default: $M3_API_KEY, else none)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) requests use and /v1/models lists (default: MODEL_DIR)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file that replaces the model folder's (chat completions, /tokenize)")
+    p.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE,
+                   help=f"waiting requests beyond which new ones get a 503 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                   help="on SIGTERM, seconds open requests may still take before they are aborted (default 5)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--no-access-log", action="store_true", help="no line per HTTP request")
+    add_engine_flags(p)
+    return p
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _uvicorn_server(config, *, client: EngineClient, grace: float):
+    """uvicorn's server, whose shutdown ends open requests itself after ``grace`` seconds: the
+    engine client stops and hands each open request a 503 error (a stream ends with an error
+    event and ``[DONE]``) instead of uvicorn cancelling the request tasks."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            async def drain():
+                await asyncio.sleep(grace)
+                await asyncio.to_thread(client.stop)
+
+            task = asyncio.ensure_future(drain())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                task.cancel()
+
+    return Server(config)
+
+
+def _exit_cleanly(signum, frame):
+    raise SystemExit(0)
+
+
+def main(argv=None) -> int:
+    """Serve until SIGTERM / SIGINT; -> the exit status (0 stopped, 2 a user error, 1 the server
+    did not start)."""
+    try:
+        return _serve(build_parser().parse_args(argv))
+    except UsageError as e:
+        sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
+        return 2
+
+
+def _serve(args) -> int:
+    import uvicorn
+
+    if not (args.model / "config.json").is_file():
+        raise UsageError(f"MODEL_DIR: {args.model} has no config.json (expected a transformers-format checkpoint)")
+    options = engine_options(args)
+    try:   # the options checked before a port is bound or a framework imported
+        EngineArgs(args.model, **options).check()
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise UsageError(flag_message(str(e), engine_flags())) from None
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--chat-template {args.chat_template}: {e.strerror}") from None
+    # SIGTERM / SIGINT: exit 0 (also while the model loads). uvicorn replaces these handlers while it
+    # serves, shuts down gracefully, then raises the signal again, which lands here.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    signal.signal(signal.SIGINT, _exit_cleanly)
+    try:
+        sock = _listen(args.host, args.port)   # before loading: a busy port fails at once
+    except OSError as e:
+        raise UsageError(f"--host/--port: cannot listen on {args.host}:{args.port}: {e}") from None
+    from .. import engine_class
+
+    llm = None
+    try:
+        try:
+            llm = engine_class(args.framework)(args.model, **options)
+        except (ValueError, TypeError, FileNotFoundError) as e:
+            raise UsageError(flag_message(str(e), engine_flags())) from None
+        client = EngineClient(llm, max_queue=args.max_queue, chat_template=chat_template)
+        app = create_app(client, served_model_name=args.served_model_name or [str(args.model)],
+                         api_key=args.api_key)
+        config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
+                                timeout_graceful_shutdown=args.shutdown_timeout + 30, lifespan="on")
+        server = _uvicorn_server(config, client=client, grace=args.shutdown_timeout)
+        host, port = sock.getsockname()[:2]
+        sc = llm.scheduler_config
+        print(f"m3-serve: {args.framework} engine over {args.model} (max_num_seqs {sc.max_batch}, max_model_len "
+              f"{llm.max_model_len}, {sc.num_slots} KV pages); listening on http://{host}:{port}", flush=True)
+        server.run(sockets=[sock])
+        if server.started is False and not server.should_exit:
+            return 1
+    finally:
+        if llm is not None:
+            llm.close()
+        sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
