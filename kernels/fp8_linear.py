@@ -26,7 +26,10 @@ Two kernels:
 2. ``fp8_linear_kernel``, grid (ceil(N / BLOCK_N), ceil(T / BLOCK_M)): one [BLOCK_M, BLOCK_N] tile
    of ``out`` per program, looping over the K blocks (``BLOCK_K`` = 128, one scale per K tile).
    Decode-sized calls (T <= 64) are weight-bound: every weight byte is read once (one row tile of
-   up to 64 tokens) and N is split over the grid to occupy every SM; see ``block_sizes``.
+   up to 64 tokens) and N is split over the grid to occupy every SM; see ``block_sizes``. The tile is
+   computed transposed, ``W_tile . x_tile^T``: the weight rows fill the 64-row side of Hopper's
+   ``wgmma`` and the few tokens its narrow side (m64n16k32 e4m3 at T <= 16; a 16-token tile as the
+   64-row side would fall back to ``mma.sync`` on operands widened to float16).
 
 In Triton's interpreter ``common.mma`` widens the e4m3 tiles to float32 before the dot (exact:
 every e4m3 value is a float32, every product of two fits float32's mantissa), so the CPU result
