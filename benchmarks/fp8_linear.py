@@ -11,7 +11,7 @@ median; linear layers cycle through copies of their weight so that no call finds
 Each row reports the bytes the call must move (weights read once, touched experts only, activations in
 and out; e4m3 weights at one byte plus their scales), the achieved bytes/s and its share of the copy
 bandwidth measured first in the same run, and the FP8 result's relative error against bf16.
-``--tune`` also times ``fp8_linear_kernel``'s decode tiles (``GPU_DECODE_LINEAR``: BLOCK_N x stages)
+``--tune`` also times ``fp8_linear_kernel``'s decode tiles (``tuning.FP8_LINEAR_GPU_DECODE``: BLOCK_N x stages)
 and prints the best per shape. Writes ``fp8_linear.json`` and ``fp8_linear.md`` to ``--out``; about a
 minute on an H200 (``--tune``: one more).
 """
@@ -139,9 +139,9 @@ def moe_rows(bandwidth, tokens_list, fp8):
 
 def tune(fp8, tokens_list):
     """Time fp8_linear at each decode tile (BLOCK_N, num_stages) -> {shape/tokens: [(us, config)], best first}."""
-    from m3_kernels import fp8_linear as kernels
+    from m3_kernels import tuning
 
-    saved = dict(kernels.GPU_DECODE_LINEAR)
+    saved = dict(tuning.FP8_LINEAR_GPU_DECODE)
     found = {}
     g = torch.Generator("cuda").manual_seed(1)
     try:
@@ -150,7 +150,7 @@ def tune(fp8, tokens_list):
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
             results = []
             for block_n, stages, warps in itertools.product((32, 64, 128), (3, 4, 6), (4,)):
-                kernels.GPU_DECODE_LINEAR.update(block_n=block_n, num_stages=stages, num_warps=warps)
+                tuning.FP8_LINEAR_GPU_DECODE.update(block_n=block_n, num_stages=stages, num_warps=warps)
                 try:
                     results.append((graph_us([lambda i=i: fp8.fp8_linear(x, *weights[i % len(weights)])
                                               for i in range(CALLS_PER_GRAPH)]), (block_n, stages, warps)))
@@ -161,8 +161,8 @@ def tune(fp8, tokens_list):
             print(f"tune {n}x{k} T={tokens}: best (BLOCK_N, stages, warps) {results[0][1]} {results[0][0]:.1f} us; "
                   f"default {tuple(saved[key] for key in ('block_n', 'num_stages', 'num_warps'))}", flush=True)
     finally:
-        kernels.GPU_DECODE_LINEAR.clear()
-        kernels.GPU_DECODE_LINEAR.update(saved)
+        tuning.FP8_LINEAR_GPU_DECODE.clear()
+        tuning.FP8_LINEAR_GPU_DECODE.update(saved)
     return found
 
 

@@ -26,7 +26,7 @@ Two kernels:
 2. ``fp8_linear_kernel``, grid (ceil(N / BLOCK_N), ceil(T / BLOCK_M)): one [BLOCK_M, BLOCK_N] tile
    of ``out`` per program, looping over the K blocks (``BLOCK_K`` = 128, one scale per K tile).
    Decode-sized calls (T <= 64) are weight-bound: every weight byte is read once (one row tile of
-   up to 64 tokens) and N is split over the grid to occupy every SM; see ``block_sizes``. The tile is
+   up to 64 tokens) and N is split over the grid to occupy every SM; see ``tuning.fp8_linear``. The tile is
    computed transposed, ``W_tile . x_tile^T``: the weight rows fill the 64-row side of Hopper's
    ``wgmma`` and the few tokens its narrow side (m64n16k32 e4m3 at T <= 16; a 16-token tile as the
    64-row side would fall back to ``mma.sync`` on operands widened to float16).
@@ -35,8 +35,8 @@ In Triton's interpreter ``common.mma`` widens the e4m3 tiles to float32 before t
 every e4m3 value is a float32, every product of two fits float32's mantissa), so the CPU result
 differs from a GPU's only in the order of the float32 sums.
 
-``quantize_block_sizes``, ``block_sizes`` and ``check_linear_call`` at the end are the host side both
-launchers share.
+Launch descriptions: ``step_launches.quantize_activation`` and ``step_launches.fp8_linear``; block sizes:
+``tuning.fp8_quantize`` and ``tuning.fp8_linear``; argument checks: ``validate.check_fp8_linear_call``.
 """
 
 import triton
@@ -119,79 +119,3 @@ def fp8_linear_kernel(xq_ptr,       # [T, K] float8_e4m3fn, contiguous
         acc += mma(b_w, tl.trans(b_x)) * b_ws[:, None] * b_xs[None, :]
     out = tl.trans(acc).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + n[None, :], out, mask=m_rows[:, None] & m_n[None, :])
-
-
-# -- host side, shared by the torch and JAX launchers (shapes and dtypes only) -------------------
-
-def scale_blocks(size: int) -> int:
-    """Scale blocks along a dimension of ``size`` elements: ``ceil(size / 128)``."""
-    return -(-size // FP8_BLOCK)
-
-
-def quantize_block_sizes(tokens: int, k: int, interpret: bool) -> dict:
-    """Launch parameters of ``quantize_act_kernel`` (``grid`` included); they never change a result."""
-    groups = scale_blocks(k)
-    if interpret:
-        groups_per_program, num_warps = triton.next_power_of_2(groups), 1   # a whole row per program
-    else:
-        groups_per_program, num_warps = min(triton.next_power_of_2(groups), 8), 4   # 1024 channels, 8 a thread
-    return dict(grid=(tokens, triton.cdiv(groups, groups_per_program)), num_warps=num_warps, num_stages=1,
-                K=k, GROUPS=groups_per_program)
-
-
-# GPU tiles of fp8_linear_kernel: (BLOCK_N, num_warps, num_stages) by call size. Decode (T <= 64): one row
-# tile (BLOCK_M = T rounded up to a power of two, at least 16: the smallest FP8 MMA), so every weight byte
-# is read once, and BLOCK_N 64 to spread N over the SMs (N = 6144: 96 programs, [64, 128] e4m3 weight tiles
-# of 8 KiB, 4 in flight). Larger T: 64 x 128 tiles (compute-bound). Not yet swept on a GPU:
-# ``python3 -m benchmarks.fp8_linear --tune`` times the alternatives.
-GPU_DECODE_LINEAR = dict(max_tokens=64, block_n=64, num_warps=4, num_stages=4)
-GPU_PREFILL_LINEAR = dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
-
-
-def block_sizes(tokens: int, n: int, k: int, interpret: bool) -> dict:
-    """Launch parameters of ``fp8_linear_kernel`` (``grid`` included); they never change a result (each
-    output element is one program's sum over the K blocks in order)."""
-    if interpret:
-        # the interpreter's cost is per program: a whole (small) output per program
-        block_m = min(max(16, triton.next_power_of_2(tokens)), 64)
-        block_n, num_warps, num_stages = min(triton.next_power_of_2(n), 256), 1, 1
-    elif tokens <= GPU_DECODE_LINEAR["max_tokens"]:
-        block_m = max(16, triton.next_power_of_2(tokens))
-        block_n, num_warps, num_stages = (GPU_DECODE_LINEAR[key] for key in ("block_n", "num_warps", "num_stages"))
-    else:
-        block_m, block_n, num_warps, num_stages = (GPU_PREFILL_LINEAR[key] for key in
-                                                   ("block_m", "block_n", "num_warps", "num_stages"))
-    return dict(grid=(triton.cdiv(n, block_n), triton.cdiv(tokens, block_m)), num_warps=num_warps,
-                num_stages=num_stages, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK)
-
-
-def check_weight(name, weight, scale_name, weight_scale, layout, rows_what, cols_what) -> tuple:
-    """An FP8 weight of ``layout`` (``"[N, K]"``, ``"[E, N, K]"``: the last two axes are rows and columns) in
-    e4m3 and its float32 scales, ``[ceil(N / 128), ceil(K / 128)]`` after the same leading axes -> (N, K)."""
-    from m3_kernels.validate import FP8, check_dim, check_dtype, check_rank
-
-    axes = layout[1:-1].split(", ")
-    rank = len(axes)
-    scale_layout = "[" + ", ".join(axes[:-2] + [f"ceil({rows_what}/128)", f"ceil({cols_what}/128)"]) + "]"
-    check_rank(name, weight, rank, layout)
-    check_dtype(name, weight, FP8)
-    n, k = (int(s) for s in weight.shape[-2:])
-    check_rank(scale_name, weight_scale, rank, scale_layout)
-    check_dtype(scale_name, weight_scale, "float32")
-    for axis in range(rank - 2):
-        check_dim(scale_name, weight_scale, axis, int(weight.shape[axis]), f"axis {axis} of {name}")
-    check_dim(scale_name, weight_scale, rank - 2, scale_blocks(n), f"ceil({rows_what} / 128) (blocks of {name}'s rows)")
-    check_dim(scale_name, weight_scale, rank - 1, scale_blocks(k), f"ceil({cols_what} / 128) (blocks of {name}'s columns)")
-    return n, k
-
-
-def check_linear_call(x, weight, weight_scale) -> tuple:
-    """Check ``fp8_linear``'s arguments (shapes and dtypes only) -> (T, N, K)."""
-    from m3_kernels.validate import FLOAT_DTYPES, check_dim, check_dtype, check_rank
-
-    check_rank("x", x, 2, "[T, K]")
-    check_dtype("x", x, FLOAT_DTYPES)
-    check_rank("weight", weight, 2, "[N, K]")
-    n, k = check_weight("weight", weight, "weight_scale", weight_scale, "[N, K]", "N", "K")
-    check_dim("x", x, 1, k, "K (columns of weight)")
-    return int(x.shape[0]), n, k

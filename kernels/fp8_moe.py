@@ -20,17 +20,15 @@ rows (checkpoints quantize ``gate_proj`` and ``up_proj`` apart). Five launches:
    -> ``weighted [P, H]`` float32.
 5. ``moe.sum_kernel``: the weighted sum, routing scale and shared expert, as for bf16.
 
-``plan`` and ``check_fp8_moe_call`` at the end are the host side both launchers share.
+Launch description: ``step_launches.fused_moe_fp8``; block sizes: ``tuning.fp8_moe``; argument checks:
+``validate.check_fp8_moe_call``.
 """
-
-import dataclasses
 
 import triton
 import triton.language as tl
 
-from . import moe
 from .common import mma, release_next_grid, wait_for_previous_grid
-from .fp8_linear import FP8_BLOCK, quantize_block_sizes, quantize_groups, scale_blocks
+from .fp8_linear import quantize_groups
 from .moe import block_rows, expert_weights
 
 
@@ -141,94 +139,3 @@ def fp8_down_kernel(act_ptr,              # [NUM_BLOCKS * BLOCK_M, INTER] float8
         out = acc.to(DTYPE).to(tl.float32) * weight[:, None]
         tl.store(weighted_ptr + pairs.to(tl.int64)[:, None] * HIDDEN + n[None, :], out,
                  mask=valid[:, None] & m_n[None, :])
-
-
-# -- host side (both launchers) ----------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class FP8MoEPlan:
-    """The five launches of one FP8 fused-MoE call, from shapes alone: ``moe``'s plan (its align and sum
-    launches, block rows and counts) with FP8 GEMMs, and the quantization of x."""
-    moe: moe.MoEPlan
-    quantize: dict          # quantize_block_sizes: grid, warps, stages, constexprs
-    gate_up: moe.KernelLaunch
-    down: moe.KernelLaunch
-
-
-# GPU tiles (BLOCK_N, num_warps, num_stages) of the FP8 GEMMs, by moe.plan's block rows (16: decode-sized
-# calls, 64: prefill-sized). gate_up's BLOCK_N is the format's 128 (its epilogue quantizes whole groups);
-# BLOCK_K is 128 everywhere (one scale per K tile). Per stage, e4m3 tiles take (BLOCK_M + 2 * 128) * 128 bytes
-# in gate_up (36 KiB at BLOCK_M 16) and (BLOCK_M + BLOCK_N) * 128 in down. Not yet swept on a GPU
-# (``python3 -m benchmarks.fp8_linear --tune``).
-GPU_FP8_MOE = {16: dict(gate_up=(128, 4, 4), down=(64, 4, 4)),
-               64: dict(gate_up=(128, 8, 3), down=(128, 4, 3))}
-
-
-def plan(num_tokens: int, num_experts: int, top_k: int, shared: bool, hidden: int, inter: int, dtype,
-         interpret: bool) -> FP8MoEPlan:
-    """The launches of a call with these shapes (``dtype``: the model's, a ``tl`` dtype: x's and the output's).
-    Block sizes and stages change the speed only, never a result."""
-    base = moe.plan(num_tokens, num_experts, top_k, shared, hidden, inter, 1, interpret)
-    if interpret:
-        gate_up, down = (128, 1, 1), (min(triton.next_power_of_2(hidden), 256), 1, 1)
-    else:
-        gate_up, down = GPU_FP8_MOE[base.block_m]["gate_up"], GPU_FP8_MOE[base.block_m]["down"]
-    shape = dict(HIDDEN=hidden, INTER=inter, NUM_EXPERTS=num_experts, TOP_K=top_k, SHARED=shared, DTYPE=dtype,
-                 BLOCK_M=base.block_m, BLOCK_K=FP8_BLOCK)
-
-    def gemm(n, sizes):
-        block_n, warps, stages = sizes
-        return moe.KernelLaunch((base.num_blocks, triton.cdiv(n, block_n)), warps, stages, dict(shape, BLOCK_N=block_n))
-
-    return FP8MoEPlan(moe=base, quantize=quantize_block_sizes(num_tokens, hidden, interpret),
-                      gate_up=gemm(inter, gate_up), down=gemm(hidden, down))
-
-
-def check_fp8_moe_call(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights,
-                       shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale) -> tuple:
-    """Check ``fused_moe_fp8``'s arguments (shapes and dtypes only) -> (T, E, k, H, I)."""
-    # absolute: the interpreted copy of this module shares the one validate
-    from m3_kernels.fp8_linear import check_weight
-    from m3_kernels.validate import FLOAT_DTYPES, check_dim, check_dtype, check_rank
-
-    check_rank("x", x, 2, "[T, H]")
-    check_dtype("x", x, FLOAT_DTYPES)
-    tokens, hidden = (int(s) for s in x.shape)
-    two_inter, _ = check_weight("w_gate_up", w_gate_up, "w_gate_up_scale", w_gate_up_scale, "[E, 2I, H]", "2I", "H")
-    experts, inter = int(w_gate_up.shape[0]), two_inter // 2
-    if hidden % FP8_BLOCK or two_inter % (2 * FP8_BLOCK):
-        raise ValueError(f"w_gate_up: expected H and I multiples of {FP8_BLOCK} (whole scale blocks, none "
-                         f"straddling the gate and up rows), got H = {hidden}, 2I = {two_inter}")
-    check_dim("w_gate_up", w_gate_up, 2, hidden, "H (columns of x)")
-    check_weight("w_down", w_down, "w_down_scale", w_down_scale, "[E, H, I]", "H", "I")
-    check_dim("w_down", w_down, 0, experts, "E (experts of w_gate_up)")
-    check_dim("w_down", w_down, 1, hidden, "H (columns of x)")
-    check_dim("w_down", w_down, 2, inter, "I (half the rows of w_gate_up)")
-    shared = (shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale)
-    if any(t is None for t in shared) and any(t is not None for t in shared):
-        raise ValueError("shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale: pass all four (the "
-                         "shared expert) or none")
-    if shared_gate_up is not None:
-        check_weight("shared_gate_up", shared_gate_up, "shared_gate_up_scale", shared_gate_up_scale, "[2I, H]",
-                     "2I", "H")
-        check_weight("shared_down", shared_down, "shared_down_scale", shared_down_scale, "[H, I]", "H", "I")
-        check_dim("shared_gate_up", shared_gate_up, 0, two_inter, "2I (the experts' width)")
-        check_dim("shared_gate_up", shared_gate_up, 1, hidden, "H (columns of x)")
-        check_dim("shared_down", shared_down, 0, hidden, "H (columns of x)")
-        check_dim("shared_down", shared_down, 1, inter, "I (the experts' width)")
-    check_rank("topk_ids", topk_ids, 2, "[T, k]")
-    check_dtype("topk_ids", topk_ids, "int32")
-    check_dim("topk_ids", topk_ids, 0, tokens, "T (rows of x)")
-    top_k = int(topk_ids.shape[1])
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"topk_ids: expected k in [1, E = {experts}] experts per token, got k = {top_k}")
-    check_rank("topk_weights", topk_weights, 2, "[T, k]")
-    check_dtype("topk_weights", topk_weights, "float32")
-    check_dim("topk_weights", topk_weights, 0, tokens, "T (rows of x)")
-    check_dim("topk_weights", topk_weights, 1, top_k, "k (columns of topk_ids)")
-    return tokens, experts, top_k, hidden, inter
-
-
-def act_shapes(fp8_plan: FP8MoEPlan, inter: int) -> tuple:
-    """-> the shapes of ``act`` and ``act_scale`` (the GEMMs' intermediate) for this plan."""
-    return (fp8_plan.moe.num_rows, inter), (fp8_plan.moe.num_rows, scale_blocks(inter))

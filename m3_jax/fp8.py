@@ -12,17 +12,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from m3_kernels import fp8_linear as _linear
-from m3_kernels import fp8_moe as _fp8_moe
-from m3_kernels.launches import TRITON_DTYPES
+from m3_kernels import step_launches, validate
+from m3_kernels.common import E4M3_MAX
+from m3_kernels.fp8_linear import AMAX_FLOOR, FP8_BLOCK
+from m3_kernels.maps import cdiv
 
-from ._triton_call import on_gpu, triton_call
+from ._triton_call import on_gpu
+from .ops import operand, run
 
 __all__ = ["quantize_weight", "quantize_activation", "fp8_linear", "fused_moe_fp8"]
-
-E4M3 = jnp.float8_e4m3fn
-E4M3_MAX = 448.0
-BLOCK = _linear.FP8_BLOCK
 
 
 @jax.jit
@@ -33,22 +31,19 @@ def quantize_weight(weight):
     last bit, and a code by one e4m3 step at a rounding boundary (either is a valid quantization; the
     kernels give the same bits for the same codes and scales)."""
     *lead, n, k = weight.shape
-    nb, kb = _linear.scale_blocks(n), _linear.scale_blocks(k)
-    pad = [(0, 0)] * len(lead) + [(0, nb * BLOCK - n), (0, kb * BLOCK - k)]
-    blocks = jnp.pad(weight.astype(jnp.float32), pad).reshape(*lead, nb, BLOCK, kb, BLOCK)
-    scale = jnp.maximum(jnp.abs(blocks).max(axis=(-3, -1)), jnp.float32(_linear.AMAX_FLOOR.value)) / E4M3_MAX
-    codes = jnp.clip(blocks / scale[..., :, None, :, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
-    return codes.reshape(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k], scale
+    nb, kb, block, e4m3_max = cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK), FP8_BLOCK, E4M3_MAX.value
+    pad = [(0, 0)] * len(lead) + [(0, nb * block - n), (0, kb * block - k)]
+    blocks = jnp.pad(weight.astype(jnp.float32), pad).reshape(*lead, nb, block, kb, block)
+    scale = jnp.maximum(jnp.abs(blocks).max(axis=(-3, -1)), jnp.float32(AMAX_FLOOR.value)) / e4m3_max
+    codes = jnp.clip(blocks / scale[..., :, None, :, None], -e4m3_max, e4m3_max).astype(jnp.float8_e4m3fn)
+    return codes.reshape(*lead, nb * block, kb * block)[..., :n, :k], scale
 
 
 def quantize_activation(x):
     """``x [T, K]`` bfloat16 / float16 / float32 -> (codes ``[T, K]`` float8_e4m3fn, scale ``[T, ceil(K / 128)]``
     float32): as ``m3_torch.quantize_activation``."""
-    from m3_kernels.validate import FLOAT_DTYPES, check_dtype, check_rank
-
-    check_rank("x", x, 2, "[T, K]")
-    check_dtype("x", x, FLOAT_DTYPES)
-    return _quantize(x, interpret=not on_gpu())
+    validate.check_quantize_call(x)
+    return _quantize_activation(x, interpret=not on_gpu())
 
 
 def fp8_linear(x, weight, weight_scale):
@@ -57,7 +52,7 @@ def fp8_linear(x, weight, weight_scale):
     Arguments and semantics as ``m3_torch.fp8_linear`` (x [T, K] bfloat16 / float16 / float32;
     weight [N, K] float8_e4m3fn; weight_scale [ceil(N / 128), ceil(K / 128)] float32).
     """
-    tokens, n, _ = _linear.check_linear_call(x, weight, weight_scale)
+    tokens, n, _ = validate.check_fp8_linear_call(x, weight, weight_scale)
     if tokens == 0:
         return jnp.zeros((0, n), x.dtype)
     return _fp8_linear(x, weight, weight_scale, interpret=not on_gpu())
@@ -71,7 +66,7 @@ def fused_moe_fp8(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids,
     Arguments and semantics as ``m3_torch.fused_moe_fp8`` (weights float8_e4m3fn with float32 scales per
     128 x 128 block; H and I multiples of 128; the shared expert's four arrays, or none).
     """
-    tokens, _, _, hidden, _ = _fp8_moe.check_fp8_moe_call(
+    tokens, _, _, hidden, _ = validate.check_fp8_moe_call(
         x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, shared_gate_up,
         shared_gate_up_scale, shared_down, shared_down_scale)
     if tokens == 0:
@@ -82,59 +77,28 @@ def fused_moe_fp8(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids,
                           interpret=not on_gpu())
 
 
-def _launch(module, fn, config, *args, out_shape):
-    """``triton_call`` of ``m3_kernels.<module>.<fn>`` with ``config`` (grid, warps, stages and constexprs)."""
-    config = dict(config)
-    grid, num_warps, num_stages = config.pop("grid"), config.pop("num_warps"), config.pop("num_stages")
-    return triton_call(*args, kernel=(module, fn), out_shape=out_shape, grid=grid, num_warps=num_warps,
-                       num_stages=num_stages, **config)
-
-
-def _step(step):
-    """A ``moe.KernelLaunch`` as a config for ``_launch``."""
-    return dict(grid=step.grid, num_warps=step.num_warps, num_stages=step.num_stages, **step.constexprs)
-
-
-def _quantize(x, *, interpret):
-    tokens, k = x.shape
-    out_shape = [jax.ShapeDtypeStruct((tokens, k), E4M3),
-                 jax.ShapeDtypeStruct((tokens, _linear.scale_blocks(k)), jnp.float32)]
-    if tokens == 0:
-        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
-    return tuple(_launch("fp8_linear", "quantize_act_kernel", _linear.quantize_block_sizes(tokens, k, interpret), x,
-                         out_shape=out_shape))
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _quantize_activation(x, *, interpret):
+    found = run(step_launches.quantize_activation(x=operand(x), interpret=interpret))
+    return found["xq"], found["x_scale"]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def _fp8_linear(x, weight, weight_scale, *, interpret):
-    (tokens, k), n = x.shape, weight.shape[0]
-    xq, x_scale = _quantize(x, interpret=interpret)
-    return _launch("fp8_linear", "fp8_linear_kernel", _linear.block_sizes(tokens, n, k, interpret),
-                   xq, x_scale, weight, weight_scale, tokens, out_shape=jax.ShapeDtypeStruct((tokens, n), x.dtype))
+    """The checked call, one jitted function (eager callers compile its two launches once per shape)."""
+    return run(step_launches.fp8_linear(x=operand(x), weight=operand(weight), weight_scale=weight_scale,
+                                        interpret=interpret))["out"]
 
 
 @functools.partial(jax.jit, static_argnames=("alpha", "limit", "scale", "interpret"))
 def _fused_moe_fp8(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, shared_gate_up,
                    shared_gate_up_scale, shared_down, shared_down_scale, *, alpha, limit, scale, interpret):
-    (tokens, hidden), (experts, two_inter, _), top_k = x.shape, w_gate_up.shape, topk_ids.shape[1]
-    inter, shared = two_inter // 2, shared_gate_up is not None
-    plan = _fp8_moe.plan(tokens, experts, top_k, shared, hidden, inter, TRITON_DTYPES[str(x.dtype)], interpret)
-    base = plan.moe
-    act_shape, act_scale_shape = _fp8_moe.act_shapes(plan, inter)
-    i32 = jnp.int32
-    xq, x_scale = _quantize(x, interpret=interpret)
-    routing = _launch("moe", "align_kernel", _step(base.align), topk_ids, tokens,
-                      out_shape=[jax.ShapeDtypeStruct((base.num_rows,), i32),
-                                 jax.ShapeDtypeStruct((base.num_blocks,), i32),
-                                 jax.ShapeDtypeStruct((base.num_blocks,), i32)])
-    act, act_scale = _launch(
-        "fp8_moe", "fp8_gate_up_kernel", _step(plan.gate_up), xq, x_scale, w_gate_up, w_gate_up_scale,
-        shared_gate_up if shared else w_gate_up, shared_gate_up_scale if shared else w_gate_up_scale, *routing,
-        alpha, limit, out_shape=[jax.ShapeDtypeStruct(act_shape, E4M3),
-                                 jax.ShapeDtypeStruct(act_scale_shape, jnp.float32)])
-    weighted = _launch(
-        "fp8_moe", "fp8_down_kernel", _step(plan.down), act, act_scale, w_down, w_down_scale,
-        shared_down if shared else w_down, shared_down_scale if shared else w_down_scale, *routing, topk_weights,
-        out_shape=jax.ShapeDtypeStruct((base.num_pairs, hidden), jnp.float32))
-    return _launch("moe", "sum_kernel", _step(base.sum), weighted, scale,
-                   out_shape=jax.ShapeDtypeStruct((tokens, hidden), x.dtype))
+    """The checked call, one jitted function (eager callers compile its five launches once per shape)."""
+    shared = shared_gate_up is not None
+    launch = step_launches.fused_moe_fp8(
+        x=operand(x), w_gate_up=operand(w_gate_up), w_gate_up_scale=w_gate_up_scale, w_down=operand(w_down),
+        w_down_scale=w_down_scale, topk_ids=operand(topk_ids), topk_weights=topk_weights,
+        shared_gate_up=operand(shared_gate_up) if shared else None, shared_gate_up_scale=shared_gate_up_scale,
+        shared_down=operand(shared_down) if shared else None, shared_down_scale=shared_down_scale,
+        swiglu_alpha=alpha, swiglu_limit=limit, routed_scaling_factor=scale, interpret=interpret)
+    return run(launch)["out"]

@@ -29,8 +29,10 @@ import m3_jax.reference as jref
 import m3_torch.fp8 as tfp8
 from m3_kernels import fp8_linear as linear_kernels
 from m3_kernels import fp8_moe as moe_kernels
+from m3_kernels import step_launches
 from m3_torch import reference as ref
 from m3_torch.model import swiglu_oai
+from m3_torch.ops import run
 
 from jax_helpers import _jax_device  # noqa: F401  (autouse: CPU tests run on JAX's CPU device)
 
@@ -41,9 +43,22 @@ QUANTIZATION_ERROR = 0.06   # relative (norm) error of a product of e4m3-quantiz
 
 @pytest.fixture(autouse=True)
 def _poisoned_outputs(monkeypatch):
-    """Every output the torch launchers allocate through ``_new_output`` starts as NaN."""
-    monkeypatch.setattr(tfp8, "_new_output", lambda shape, dtype, device: torch.full(
-        shape, float("nan"), dtype=dtype, device=device))
+    """Every float output of the torch launches (``out`` and the intermediates ``run`` would allocate) starts
+    as NaN."""
+    def poisoned_run(launch, outputs=None):
+        outputs = dict(outputs or {})
+        device = next(t for t in (*outputs.values(), *launch.args) if isinstance(t, torch.Tensor)).device
+        step = launch
+        while step is not None:
+            for o in step.outputs:
+                if o.dtype != "int32" and o.name not in outputs:
+                    outputs[o.name] = torch.empty(o.shape, dtype=getattr(torch, o.dtype), device=device)
+            step = step.then
+        for t in outputs.values():
+            t.fill_(float("nan"))
+        return run(launch, outputs)
+
+    monkeypatch.setattr(tfp8, "run", poisoned_run)
 
 
 def to_jax(t: torch.Tensor):
@@ -301,20 +316,24 @@ def test_gpu_variants_use_fp8_mma_and_fit_hopper():
     """fp8_linear's and the FP8 MoE gate_up's decode variants (T = 1) compile for sm_90 to e4m3 x e4m3
     ``wgmma`` (16-token tiles would take ``mma.sync`` on float16 operands, widened one by one, were the
     weight rows not the MMA's 64-row side) within a block's 227 KiB of shared memory."""
-    import triton.language as tl
-
-    from test_codegen import compile_for_hopper
+    from test_codegen import compile_for_hopper, operand
 
     fp8_pointers = ("xq_ptr", "w_ptr", "shared_w_ptr", "act_ptr")
     pointers = {p: "*fp8e4nv" if p in fp8_pointers else "*fp32" for p in (
         *fp8_pointers, "x_scale_ptr", "w_scale_ptr", "shared_w_scale_ptr", "act_scale_ptr")}
-    linear = dict(linear_kernels.block_sizes(1, 6144, 6144, False))
-    del linear["grid"]
-    gate_up = moe_kernels.plan(1, 128, 4, True, 6144, 3072, tl.bfloat16, False).gate_up
-    for fn, constexprs, warps, stages in (
-            (linear_kernels.fp8_linear_kernel, linear, linear.pop("num_warps"), linear.pop("num_stages")),
-            (moe_kernels.fp8_gate_up_kernel, gate_up.constexprs, gate_up.num_warps, gate_up.num_stages)):
-        compiled = compile_for_hopper(fn, constexprs, warps, stages, True, dict(pointers, out_ptr="*bf16"))
+    linear = step_launches.fp8_linear(x=operand(1, 6144), weight=operand(6144, 6144, dtype="float8_e4m3fn"),
+                                      weight_scale=None, interpret=False).then
+    e4m3 = dict(dtype="float8_e4m3fn")
+    gate_up = step_launches.fused_moe_fp8(
+        x=operand(1, 6144), w_gate_up=operand(128, 6144, 6144, **e4m3), w_gate_up_scale=None,
+        w_down=operand(128, 6144, 3072, **e4m3), w_down_scale=None, topk_ids=operand(1, 4, dtype="int32"),
+        topk_weights=None, shared_gate_up=operand(6144, 6144, **e4m3), shared_gate_up_scale=None,
+        shared_down=operand(6144, 3072, **e4m3), shared_down_scale=None, swiglu_alpha=ALPHA, swiglu_limit=LIMIT,
+        routed_scaling_factor=1.0, interpret=False).then.then
+    assert (linear.kernel, gate_up.kernel) == ("fp8_linear.fp8_linear_kernel", "fp8_moe.fp8_gate_up_kernel")
+    for fn, launch in ((linear_kernels.fp8_linear_kernel, linear), (moe_kernels.fp8_gate_up_kernel, gate_up)):
+        compiled = compile_for_hopper(fn, launch.constexprs, launch.num_warps, launch.num_stages, True,
+                                      dict(pointers, out_ptr="*bf16"))
         ptx = compiled.asm["ptx"]
         assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in ptx, (fn.__name__, "no FP8 wgmma")
         assert "mma.sync" not in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx, (fn.__name__, "FP8 operands widened")
