@@ -96,7 +96,7 @@ def align_kernel(ids_ptr, num_tokens,
 
 
 @triton.jit
-def _block_rows(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK_M: tl.constexpr):
+def block_rows(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK_M: tl.constexpr):
     """-> (expert, rows [BLOCK_M] (this block's row indices), valid [BLOCK_M], pairs [BLOCK_M])."""
     expert = tl.load(block_expert_ptr + block)
     count = tl.load(block_rows_ptr + block)
@@ -107,7 +107,7 @@ def _block_rows(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK
 
 
 @triton.jit
-def _expert_weights(w_ptr, shared_w_ptr, expert, NUM_EXPERTS: tl.constexpr, EXPERT_SIZE: tl.constexpr):
+def expert_weights(w_ptr, shared_w_ptr, expert, NUM_EXPERTS: tl.constexpr, EXPERT_SIZE: tl.constexpr):
     """-> the first weight of ``expert``: in ``w_ptr`` (``EXPERT_SIZE`` elements an expert), or the shared
     expert's ``shared_w_ptr`` for ``expert == NUM_EXPERTS``."""
     if expert == NUM_EXPERTS:
@@ -129,13 +129,13 @@ def gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_pt
     release_next_grid(PDL)
     block, tile = tl.program_id(0), tl.program_id(1)
     wait_for_previous_grid(PDL)
-    expert, rows, valid, pairs = _block_rows(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK_M)
+    expert, rows, valid, pairs = block_rows(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK_M)
     if expert >= 0:
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < INTER
         kk = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + (pairs // (TOP_K + SHARED)).to(tl.int64)[:, None] * HIDDEN
-        w = _expert_weights(w_ptr, shared_w_ptr, expert, NUM_EXPERTS, 2 * INTER * HIDDEN)
+        w = expert_weights(w_ptr, shared_w_ptr, expert, NUM_EXPERTS, 2 * INTER * HIDDEN)
         gate_rows = w + n.to(tl.int64)[:, None] * HIDDEN
         up_rows = gate_rows + INTER * HIDDEN
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -168,13 +168,13 @@ def down_kernel(act_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr
     release_next_grid(PDL)
     block, tile = tl.program_id(0), tl.program_id(1)
     wait_for_previous_grid(PDL)
-    expert, rows, valid, pairs = _block_rows(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK_M)
+    expert, rows, valid, pairs = block_rows(sorted_pairs_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK_M)
     if expert >= 0:
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < HIDDEN
         kk = tl.arange(0, BLOCK_K)
         a_rows = act_ptr + rows.to(tl.int64)[:, None] * INTER
-        w = _expert_weights(w_ptr, shared_w_ptr, expert, NUM_EXPERTS, HIDDEN * INTER)
+        w = expert_weights(w_ptr, shared_w_ptr, expert, NUM_EXPERTS, HIDDEN * INTER)
         w_rows = w + n.to(tl.int64)[:, None] * INTER
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, INTER, BLOCK_K):

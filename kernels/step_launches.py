@@ -1,5 +1,6 @@
 """Launch descriptions of the model-step kernels: RMSNorm, the MoE router, the q/k norms with RoPE and
-the cache write, the fused MoE experts, sampling.
+the cache write, the fused MoE experts, sampling, and the block-scaled FP8 weight kernels (the
+activation quantization, the FP8 linear layer, the FP8 fused MoE).
 
 The same :class:`~m3_kernels.launches.Launch` as the attention family's
 (``launches.py``, whose docstring gives the conventions): a builder turns
@@ -21,6 +22,7 @@ from typing import Optional
 
 from . import tuning
 from .common import aligned
+from .fp8_linear import FP8_BLOCK
 from .launches import TRITON_DTYPES, Launch, Operand, Output, Prev
 from .maps import cdiv, contiguous_strides, next_pow2
 from .validate import FP8, QKRopeCall
@@ -146,6 +148,68 @@ def qk_norm_rope(*, call: QKRopeCall, qkv: Operand, positions, inv_freq, q_norm,
 
 # -- the fused MoE experts ------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class MoEBlocks:
+    """The (token, expert) pairs of one fused-MoE call, grouped by expert in blocks of ``cfg.block_m`` rows:
+    what its align, GEMM and sum launches share. The shared expert (``shared``) is expert ``experts``."""
+    tokens: int
+    top_k: int
+    experts: int
+    shared: bool
+    cfg: tuning.MoEConfig
+
+    @property
+    def pairs(self) -> int:
+        return self.tokens * (self.top_k + self.shared)
+
+    @property
+    def num_blocks(self) -> int:
+        # each expert with pairs adds at most one block beyond an even split of the pairs
+        return cdiv(self.pairs, self.cfg.block_m) + min(self.experts + self.shared, self.pairs)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the sorted (padded) pair order: the GEMMs' intermediate rows."""
+        return self.num_blocks * self.cfg.block_m
+
+    @property
+    def shape(self) -> dict:
+        return dict(NUM_EXPERTS=self.experts, TOP_K=self.top_k, SHARED=self.shared)
+
+
+def moe_align(blocks: MoEBlocks, topk_ids: Operand) -> Launch:
+    """``moe.align_kernel`` -> ``sorted_pairs``, ``block_expert``, ``block_rows`` (int32)."""
+    cfg = blocks.cfg
+    return Launch("moe.align_kernel", (1,), (topk_ids.ref, blocks.tokens),
+                  (dense("sorted_pairs", (blocks.num_rows,), "int32"),
+                   dense("block_expert", (blocks.num_blocks,), "int32"),
+                   dense("block_rows", (blocks.num_blocks,), "int32")),
+                  dict(blocks.shape, EXPERTS_POW2=next_pow2(blocks.experts + blocks.shared), BLOCK_M=cfg.block_m,
+                       NUM_BLOCKS=blocks.num_blocks, CHUNK=cfg.align_chunk),
+                  tuning.MOE_ALIGN_NUM_WARPS, 1)
+
+
+def moe_gemm(kernel: str, blocks: MoEBlocks, n: int, g: tuning.GemmConfig, args: tuple, outputs: tuple,
+             **constexprs) -> Launch:
+    """A fused-MoE GEMM: one program per (block of rows, ``g.block_n`` of the ``n`` output columns)."""
+    return Launch(kernel, (blocks.num_blocks, cdiv(n, g.block_n)), args, outputs,
+                  dict(blocks.shape, **constexprs, BLOCK_M=blocks.cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k),
+                  g.num_warps, g.num_stages)
+
+
+def moe_sum(blocks: MoEBlocks, hidden: int, routed_scaling_factor: float, dtype: str) -> Launch:
+    """``moe.sum_kernel`` of the pairs' weighted outputs (the launch before it) -> ``out [T, H]`` in ``dtype``."""
+    block_h = blocks.cfg.sum_block_h
+    return Launch("moe.sum_kernel", (blocks.tokens, cdiv(hidden, block_h)), (Prev(0), float(routed_scaling_factor)),
+                  (dense("out", (blocks.tokens, hidden), dtype),),
+                  dict(HIDDEN=hidden, TOP_K=blocks.top_k, SHARED=blocks.shared, BLOCK_H=block_h),
+                  tuning.MOE_SUM_NUM_WARPS, 1)
+
+
+# align's outputs (sorted_pairs, block_expert, block_rows) in the args of the launch after it
+ROUTING = (Prev(0), Prev(1), Prev(2))
+
+
 def fused_moe(*, x: Operand, w_gate_up: Operand, w_down: Operand, topk_ids: Operand, topk_weights,
               shared_gate_up: Optional[Operand], shared_down: Optional[Operand], swiglu_alpha: float,
               swiglu_limit: float, routed_scaling_factor: float, interpret: bool) -> Launch:
@@ -154,41 +218,76 @@ def fused_moe(*, x: Operand, w_gate_up: Operand, w_down: Operand, topk_ids: Oper
     tokens, hidden = x.shape
     experts, two_inter, _ = w_gate_up.shape
     inter, top_k, shared = two_inter // 2, topk_ids.shape[1], shared_gate_up is not None
-    per_token = top_k + shared
-    pairs, all_experts = tokens * per_token, experts + shared
-    cfg = tuning.moe(pairs=pairs, experts=all_experts, hidden=hidden, inter=inter, itemsize=ITEMSIZE[x.dtype],
-                     interpret=interpret)
-    # each expert with pairs adds at most one block beyond an even split of the pairs
-    num_blocks = cdiv(pairs, cfg.block_m) + min(all_experts, pairs)
-    num_rows = num_blocks * cfg.block_m   # the sorted (padded) pair order
-    shape = dict(NUM_EXPERTS=experts, TOP_K=top_k, SHARED=shared)
+    cfg = tuning.moe(pairs=tokens * (top_k + shared), experts=experts + shared, hidden=hidden, inter=inter,
+                     itemsize=ITEMSIZE[x.dtype], interpret=interpret)
+    blocks = MoEBlocks(tokens, top_k, experts, shared, cfg)
     if not shared:   # its weight pointers get the routed experts' (never read)
         shared_gate_up, shared_down = w_gate_up, w_down
+    gate_up = moe_gemm("moe.gate_up_kernel", blocks, inter, cfg.gate_up,
+                       (x.ref, w_gate_up.ref, shared_gate_up.ref, *ROUTING, float(swiglu_alpha), float(swiglu_limit)),
+                       (dense("act", (blocks.num_rows, inter), x.dtype),), HIDDEN=hidden, INTER=inter)
+    down = moe_gemm("moe.down_kernel", blocks, hidden, cfg.down,
+                    (Prev(0), w_down.ref, shared_down.ref, *(Prev(p.index, back=2) for p in ROUTING), topk_weights),
+                    (dense("weighted", (blocks.pairs, hidden), "float32"),), HIDDEN=hidden, INTER=inter)
+    return chain(moe_align(blocks, topk_ids), gate_up, down, moe_sum(blocks, hidden, routed_scaling_factor, x.dtype))
 
-    def gemm(name, n, g: tuning.GemmConfig, args, out: Output) -> Launch:
-        return Launch(f"moe.{name}", (num_blocks, cdiv(n, g.block_n)), args, (out,),
-                      dict(shape, HIDDEN=hidden, INTER=inter, BLOCK_M=cfg.block_m, BLOCK_N=g.block_n,
-                           BLOCK_K=g.block_k),
-                      g.num_warps, g.num_stages)
 
-    align = Launch("moe.align_kernel", (1,), (topk_ids.ref, tokens),
-                   (dense("sorted_pairs", (num_rows,), "int32"), dense("block_expert", (num_blocks,), "int32"),
-                    dense("block_rows", (num_blocks,), "int32")),
-                   dict(shape, EXPERTS_POW2=next_pow2(all_experts), BLOCK_M=cfg.block_m, NUM_BLOCKS=num_blocks,
-                        CHUNK=cfg.align_chunk),
-                   tuning.MOE_ALIGN_NUM_WARPS, 1)
-    routing = (Prev(0), Prev(1), Prev(2))   # align's outputs, read by gate_up
-    gate_up = gemm("gate_up_kernel", inter, cfg.gate_up,
-                   (x.ref, w_gate_up.ref, shared_gate_up.ref, *routing, float(swiglu_alpha), float(swiglu_limit)),
-                   dense("act", (num_rows, inter), x.dtype))
-    down = gemm("down_kernel", hidden, cfg.down,
-                (Prev(0), w_down.ref, shared_down.ref, *(Prev(p.index, back=2) for p in routing), topk_weights),
-                dense("weighted", (pairs, hidden), "float32"))
-    total = Launch("moe.sum_kernel", (tokens, cdiv(hidden, cfg.sum_block_h)), (Prev(0), float(routed_scaling_factor)),
-                   (dense("out", (tokens, hidden), x.dtype),),
-                   dict(HIDDEN=hidden, TOP_K=top_k, SHARED=shared, BLOCK_H=cfg.sum_block_h),
-                   tuning.MOE_SUM_NUM_WARPS, 1)
-    return chain(align, gate_up, down, total)
+# -- block-scaled FP8 weights ---------------------------------------------------------------
+
+def quantize_activation(*, x: Operand, interpret: bool) -> Launch:
+    """``fp8_linear.quantize_act_kernel`` -> ``xq [T, K]`` float8_e4m3fn and ``x_scale [T, ceil(K / 128)]``
+    float32 (per token and 128 channels). x contiguous."""
+    tokens, k = x.shape
+    groups = cdiv(k, FP8_BLOCK)
+    cfg = tuning.fp8_quantize(groups=groups, interpret=interpret)
+    return Launch("fp8_linear.quantize_act_kernel", (tokens, cdiv(groups, cfg.groups)), (x.ref,),
+                  (dense("xq", (tokens, k), FP8), dense("x_scale", (tokens, groups), "float32")),
+                  dict(K=k, GROUPS=cfg.groups), cfg.num_warps, 1)
+
+
+def fp8_linear(*, x: Operand, weight: Operand, weight_scale, interpret: bool) -> Launch:
+    """:func:`quantize_activation` of x -> ``fp8_linear.fp8_linear_kernel`` -> ``out [T, N]`` in x's dtype.
+    x, weight ``[N, K]`` e4m3 and weight_scale ``[ceil(N / 128), ceil(K / 128)]`` float32: contiguous."""
+    tokens, k = x.shape
+    n = weight.shape[0]
+    cfg = tuning.fp8_linear(tokens=tokens, n=n, interpret=interpret)
+    linear = Launch("fp8_linear.fp8_linear_kernel", (cdiv(n, cfg.block_n), cdiv(tokens, cfg.block_m)),
+                    (Prev(0), Prev(1), weight.ref, weight_scale, tokens), (dense("out", (tokens, n), x.dtype),),
+                    dict(N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_BLOCK),
+                    cfg.num_warps, cfg.num_stages)
+    return chain(quantize_activation(x=x, interpret=interpret), linear)
+
+
+def fused_moe_fp8(*, x: Operand, w_gate_up: Operand, w_gate_up_scale, w_down: Operand, w_down_scale,
+                  topk_ids: Operand, topk_weights, shared_gate_up: Optional[Operand], shared_gate_up_scale,
+                  shared_down: Optional[Operand], shared_down_scale, swiglu_alpha: float, swiglu_limit: float,
+                  routed_scaling_factor: float, interpret: bool) -> Launch:
+    """:func:`quantize_activation` of x -> ``moe.align_kernel`` -> ``fp8_moe.fp8_gate_up_kernel`` ->
+    ``fp8_down_kernel`` -> ``moe.sum_kernel`` -> ``out [T, H]`` in x's dtype. Every array contiguous; the
+    weights e4m3 with float32 scales per 128 x 128 block (``validate.check_fp8_moe_call``); ``topk_weights``:
+    ``[T, k]`` float32."""
+    tokens, hidden = x.shape
+    experts, two_inter, _ = w_gate_up.shape
+    inter, top_k, shared = two_inter // 2, topk_ids.shape[1], shared_gate_up is not None
+    cfg = tuning.fp8_moe(pairs=tokens * (top_k + shared), experts=experts + shared, hidden=hidden, inter=inter,
+                         interpret=interpret)
+    blocks = MoEBlocks(tokens, top_k, experts, shared, cfg)
+    if not shared:   # its weight pointers get the routed experts' (never read)
+        shared_gate_up, shared_gate_up_scale = w_gate_up, w_gate_up_scale
+        shared_down, shared_down_scale = w_down, w_down_scale
+    shape = dict(HIDDEN=hidden, INTER=inter, DTYPE=TRITON_DTYPES[x.dtype])
+    xq = (Prev(0, back=2), Prev(1, back=2))   # quantize_activation's outputs, read by gate_up after align
+    gate_up = moe_gemm("fp8_moe.fp8_gate_up_kernel", blocks, inter, cfg.gate_up,
+                       (*xq, w_gate_up.ref, w_gate_up_scale, shared_gate_up.ref, shared_gate_up_scale, *ROUTING,
+                        float(swiglu_alpha), float(swiglu_limit)),
+                       (dense("act", (blocks.num_rows, inter), FP8),
+                        dense("act_scale", (blocks.num_rows, cdiv(inter, FP8_BLOCK)), "float32")), **shape)
+    down = moe_gemm("fp8_moe.fp8_down_kernel", blocks, hidden, cfg.down,
+                    (Prev(0), Prev(1), w_down.ref, w_down_scale, shared_down.ref, shared_down_scale,
+                     *(Prev(p.index, back=2) for p in ROUTING), topk_weights),
+                    (dense("weighted", (blocks.pairs, hidden), "float32"),), **shape)
+    return chain(quantize_activation(x=x, interpret=interpret), moe_align(blocks, topk_ids), gate_up, down,
+                 moe_sum(blocks, hidden, routed_scaling_factor, x.dtype))
 
 
 # -- sampling -------------------------------------------------------------------------------

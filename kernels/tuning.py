@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+from .fp8_linear import FP8_BLOCK
 from .maps import MAX_TILE_ROWS, PAGE_SIZE, RowTile, cdiv, next_pow2
 
 
@@ -320,6 +321,72 @@ def moe(*, pairs: int, experts: int, hidden: int, inter: int, itemsize: int, int
 
     return MoEConfig(block_m, 256 if interpret else 64, gemm(gate_up, 2), gemm(down, 1),
                      min(next_pow2(hidden), 1024))
+
+
+# -- block-scaled FP8 weights (fp8_linear.py, fp8_moe.py) ---------------------------------------
+# Their block sizes change the speed only: each output element is one program's float32 sum over the
+# K blocks of 128 channels, in order (BLOCK_K is the format's block, one scale per K tile).
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    groups: int           # 128-channel groups per program (a power of two)
+    num_warps: int
+
+
+def fp8_quantize(*, groups: int, interpret: bool) -> QuantizeConfig:
+    """``fp8_linear.quantize_act_kernel`` for rows of ``groups`` 128-channel groups."""
+    if interpret:
+        return QuantizeConfig(next_pow2(groups), 1)   # a whole row per program
+    return QuantizeConfig(min(next_pow2(groups), 8), 4)   # 1024 channels a program, 8 a thread
+
+
+# GPU tiles of fp8_linear_kernel by call size. Decode (T <= max_tokens): one row tile (BLOCK_M = T rounded
+# up to a power of two, at least 16: the smallest FP8 MMA), so every weight byte is read once, and BLOCK_N
+# 64 to spread N over the SMs (N = 6144: 96 programs, [64, 128] e4m3 weight tiles of 8 KiB, 4 in flight).
+# Larger T: 64 x 128 tiles (compute-bound). Not yet swept on a GPU: ``python3 -m benchmarks.fp8_linear
+# --tune`` times the alternatives (by updating FP8_LINEAR_GPU_DECODE).
+FP8_LINEAR_GPU_DECODE = dict(max_tokens=64, block_n=64, num_warps=4, num_stages=4)
+FP8_LINEAR_GPU_PREFILL = dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8LinearConfig:
+    block_m: int          # tokens per program
+    block_n: int          # output columns per program
+    num_warps: int
+    num_stages: int
+
+
+def fp8_linear(*, tokens: int, n: int, interpret: bool) -> FP8LinearConfig:
+    """``fp8_linear.fp8_linear_kernel`` for ``tokens`` rows and ``n`` output columns."""
+    if interpret:
+        # the interpreter's cost is per program: a whole (small) output per program
+        return FP8LinearConfig(min(max(16, next_pow2(tokens)), 64), min(next_pow2(n), 256), 1, 1)
+    if tokens <= FP8_LINEAR_GPU_DECODE["max_tokens"]:
+        d = FP8_LINEAR_GPU_DECODE
+        return FP8LinearConfig(max(16, next_pow2(tokens)), d["block_n"], d["num_warps"], d["num_stages"])
+    p = FP8_LINEAR_GPU_PREFILL
+    return FP8LinearConfig(p["block_m"], p["block_n"], p["num_warps"], p["num_stages"])
+
+
+# GPU tiles (BLOCK_N, num_warps, num_stages) of the FP8 MoE GEMMs by the block rows ``moe`` picks (16:
+# decode-sized calls, 64: prefill-sized). gate_up's BLOCK_N is the format's 128 (its epilogue quantizes
+# whole groups). Per stage, e4m3 tiles take (BLOCK_M + 2 * 128) * 128 bytes in gate_up (36 KiB at BLOCK_M
+# 16) and (BLOCK_M + BLOCK_N) * 128 in down. Not yet swept on a GPU.
+FP8_MOE_GPU = {16: dict(gate_up=(128, 4, 4), down=(64, 4, 4)),
+               64: dict(gate_up=(128, 8, 3), down=(128, 4, 3))}
+
+
+def fp8_moe(*, pairs: int, experts: int, hidden: int, inter: int, interpret: bool) -> MoEConfig:
+    """``moe.align_kernel``, ``fp8_moe.fp8_gate_up_kernel``, ``fp8_moe.fp8_down_kernel`` and
+    ``moe.sum_kernel``: ``moe``'s block rows, align and sum, with the FP8 GEMMs' tiles."""
+    base = moe(pairs=pairs, experts=experts, hidden=hidden, inter=inter, itemsize=1, interpret=interpret)
+    if interpret:
+        gate_up, down = (128, 1, 1), (min(next_pow2(hidden), 256), 1, 1)
+    else:
+        gate_up, down = FP8_MOE_GPU[base.block_m]["gate_up"], FP8_MOE_GPU[base.block_m]["down"]
+    return dataclasses.replace(base, gate_up=GemmConfig(gate_up[0], FP8_BLOCK, *gate_up[1:]),
+                               down=GemmConfig(down[0], FP8_BLOCK, *down[1:]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,8 @@ import os
 
 import numpy as np
 
-from .maps import PAGE_SIZE
+from .fp8_linear import FP8_BLOCK
+from .maps import PAGE_SIZE, cdiv
 from .norm import MAX_WIDTH
 from .router import MAX_EXPERTS, MAX_TOP_K
 from .sampling import MAX_VOCAB
@@ -497,9 +498,27 @@ def check_moe_call(x, w_gate_up, w_down, topk_ids, topk_weights, shared_gate_up,
     """Check ``fused_moe``'s arguments (shapes and dtypes only) -> (T, E, k, H, I)."""
     check_rank("x", x, 2, "[T, H]")
     check_dtype("x", x, FLOAT_DTYPES)
-    tokens, hidden = (int(s) for s in x.shape)
     check_rank("w_gate_up", w_gate_up, 3, "[E, 2I, H]")
     check_rank("w_down", w_down, 3, "[E, H, I]")
+    if (shared_gate_up is None) != (shared_down is None):
+        raise ValueError("shared_gate_up, shared_down: pass both (the shared expert) or neither")
+    weights = [("w_gate_up", w_gate_up), ("w_down", w_down)]
+    if shared_gate_up is not None:
+        check_rank("shared_gate_up", shared_gate_up, 2, "[2I, H]")
+        check_rank("shared_down", shared_down, 2, "[H, I]")
+        weights += [("shared_gate_up", shared_gate_up), ("shared_down", shared_down)]
+    tokens, experts, hidden, inter = check_moe_sizes(x, w_gate_up, w_down, shared_gate_up, shared_down)
+    for name, w in weights:
+        if dtype_name(w) != dtype_name(x):
+            raise TypeError(f"{name}: expected the dtype of x ({dtype_name(x)}), got {dtype_name(w)}")
+    top_k = check_moe_routing(topk_ids, topk_weights, tokens, experts)
+    return tokens, experts, top_k, hidden, inter
+
+
+def check_moe_sizes(x, w_gate_up, w_down, shared_gate_up, shared_down) -> tuple:
+    """The expert weights' sizes against x's and each other's (ranks already checked; the shared
+    expert's two weights, or None) -> (T, E, H, I)."""
+    tokens, hidden = (int(s) for s in x.shape)
     experts, two_inter = int(w_gate_up.shape[0]), int(w_gate_up.shape[1])
     if two_inter % 2:
         raise ValueError(f"w_gate_up: expected [E, 2I, H] (gate rows, then up rows), got an odd 2I = {two_inter}")
@@ -508,21 +527,17 @@ def check_moe_call(x, w_gate_up, w_down, topk_ids, topk_weights, shared_gate_up,
     check_dim("w_down", w_down, 0, experts, "E (experts of w_gate_up)")
     check_dim("w_down", w_down, 1, hidden, "H (columns of x)")
     check_dim("w_down", w_down, 2, inter, "I (half the rows of w_gate_up)")
-    if (shared_gate_up is None) != (shared_down is None):
-        raise ValueError("shared_gate_up, shared_down: pass both (the shared expert) or neither")
-    weights = [("w_gate_up", w_gate_up), ("w_down", w_down)]
     if shared_gate_up is not None:
-        check_rank("shared_gate_up", shared_gate_up, 2, "[2I, H]")
-        check_rank("shared_down", shared_down, 2, "[H, I]")
         check_dim("shared_gate_up", shared_gate_up, 0, two_inter, "2I (the experts' width: a shared expert of "
                   "another width runs outside fused_moe)")
         check_dim("shared_gate_up", shared_gate_up, 1, hidden, "H (columns of x)")
         check_dim("shared_down", shared_down, 0, hidden, "H (columns of x)")
         check_dim("shared_down", shared_down, 1, inter, "I (the experts' width)")
-        weights += [("shared_gate_up", shared_gate_up), ("shared_down", shared_down)]
-    for name, w in weights:
-        if dtype_name(w) != dtype_name(x):
-            raise TypeError(f"{name}: expected the dtype of x ({dtype_name(x)}), got {dtype_name(w)}")
+    return tokens, experts, hidden, inter
+
+
+def check_moe_routing(topk_ids, topk_weights, tokens: int, experts: int) -> int:
+    """The router's choice for ``tokens`` tokens over ``experts`` experts -> k."""
     check_rank("topk_ids", topk_ids, 2, "[T, k]")
     check_dtype("topk_ids", topk_ids, "int32")
     check_dim("topk_ids", topk_ids, 0, tokens, "T (rows of x)")
@@ -533,6 +548,69 @@ def check_moe_call(x, w_gate_up, w_down, topk_ids, topk_weights, shared_gate_up,
     check_dtype("topk_weights", topk_weights, "float32")
     check_dim("topk_weights", topk_weights, 0, tokens, "T (rows of x)")
     check_dim("topk_weights", topk_weights, 1, top_k, "k (columns of topk_ids)")
+    return top_k
+
+
+# -- block-scaled FP8 weights (fp8_linear.py, fp8_moe.py) ---------------------------------------
+
+def check_fp8_weight(name, weight, scale_name, weight_scale, layout, rows_what, cols_what) -> tuple:
+    """An FP8 weight of ``layout`` (``"[N, K]"``, ``"[E, N, K]"``: the last two axes are rows and columns) in
+    e4m3 and its float32 scales, ``[ceil(N / 128), ceil(K / 128)]`` after the same leading axes -> (N, K)."""
+    axes = layout[1:-1].split(", ")
+    rank = len(axes)
+    scale_layout = "[" + ", ".join(axes[:-2] + [f"ceil({rows_what}/128)", f"ceil({cols_what}/128)"]) + "]"
+    check_rank(name, weight, rank, layout)
+    check_dtype(name, weight, FP8)
+    n, k = (int(s) for s in weight.shape[-2:])
+    check_rank(scale_name, weight_scale, rank, scale_layout)
+    check_dtype(scale_name, weight_scale, "float32")
+    for axis in range(rank - 2):
+        check_dim(scale_name, weight_scale, axis, int(weight.shape[axis]), f"axis {axis} of {name}")
+    check_dim(scale_name, weight_scale, rank - 2, cdiv(n, FP8_BLOCK),
+              f"ceil({rows_what} / 128) (blocks of {name}'s rows)")
+    check_dim(scale_name, weight_scale, rank - 1, cdiv(k, FP8_BLOCK),
+              f"ceil({cols_what} / 128) (blocks of {name}'s columns)")
+    return n, k
+
+
+def check_quantize_call(x) -> tuple:
+    """Check ``quantize_activation``'s argument -> (T, K)."""
+    check_rank("x", x, 2, "[T, K]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    return int(x.shape[0]), int(x.shape[1])
+
+
+def check_fp8_linear_call(x, weight, weight_scale) -> tuple:
+    """Check ``fp8_linear``'s arguments (shapes and dtypes only) -> (T, N, K)."""
+    check_rank("x", x, 2, "[T, K]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    n, k = check_fp8_weight("weight", weight, "weight_scale", weight_scale, "[N, K]", "N", "K")
+    check_dim("x", x, 1, k, "K (columns of weight)")
+    return int(x.shape[0]), n, k
+
+
+def check_fp8_moe_call(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights,
+                       shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale) -> tuple:
+    """Check ``fused_moe_fp8``'s arguments (shapes and dtypes only) -> (T, E, k, H, I)."""
+    check_rank("x", x, 2, "[T, H]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    hidden = int(x.shape[1])
+    two_inter, _ = check_fp8_weight("w_gate_up", w_gate_up, "w_gate_up_scale", w_gate_up_scale, "[E, 2I, H]",
+                                    "2I", "H")
+    if hidden % FP8_BLOCK or two_inter % (2 * FP8_BLOCK):
+        raise ValueError(f"w_gate_up: expected H and I multiples of {FP8_BLOCK} (whole scale blocks, none "
+                         f"straddling the gate and up rows), got H = {hidden}, 2I = {two_inter}")
+    check_fp8_weight("w_down", w_down, "w_down_scale", w_down_scale, "[E, H, I]", "H", "I")
+    shared = (shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale)
+    if any(t is None for t in shared) and any(t is not None for t in shared):
+        raise ValueError("shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale: pass all four (the "
+                         "shared expert) or none")
+    if shared_gate_up is not None:
+        check_fp8_weight("shared_gate_up", shared_gate_up, "shared_gate_up_scale", shared_gate_up_scale, "[2I, H]",
+                         "2I", "H")
+        check_fp8_weight("shared_down", shared_down, "shared_down_scale", shared_down_scale, "[H, I]", "H", "I")
+    tokens, experts, hidden, inter = check_moe_sizes(x, w_gate_up, w_down, shared_gate_up, shared_down)
+    top_k = check_moe_routing(topk_ids, topk_weights, tokens, experts)
     return tokens, experts, top_k, hidden, inter
 
 

@@ -150,3 +150,43 @@ def msa_decode_ref(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_l
 
 
 __all__ = ["token_positions", "index_scores_ref", "select_blocks_ref", "attention_ref", "msa_decode_ref"]
+
+
+# -- block-scaled FP8 weights (m3_jax.fp8) ----------------------------------------------------
+
+FP8_BLOCK = 128
+
+
+@jax.jit
+def quantize_activation_ref(x):
+    """``x [T, K]`` -> (e4m3 codes [T, K], float32 scales [T, ceil(K / 128)]) as ``m3_jax.fp8.quantize_activation``:
+    per token and 128 channels ``scale = max(amax without NaN, 1e-12) / 448``, ``codes = saturate(x / scale)``
+    rounded to nearest even, in float32 (XLA divides by multiplying with the reciprocal: a scale may differ
+    from the kernel's in its last bit, a code by one step)."""
+    tokens, k = x.shape
+    groups = -(-k // FP8_BLOCK)
+    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, groups * FP8_BLOCK - k))).reshape(tokens, groups, FP8_BLOCK)
+    amax = jnp.where(jnp.isnan(x), 0.0, jnp.abs(x)).max(axis=-1, initial=0.0)
+    scale = jnp.maximum(amax, jnp.float32(1e-12)) / 448.0
+    codes = jnp.clip(x / scale[..., None], -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return codes.reshape(tokens, groups * FP8_BLOCK)[:, :k], scale
+
+
+def dequantize_fp8_ref(codes, scale):
+    """e4m3 weight ``codes [..., N, K]`` times their block scales ``[..., ceil(N / 128), ceil(K / 128)]`` -> float32."""
+    n, k = codes.shape[-2:]
+    full = jnp.repeat(jnp.repeat(scale, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)
+    return codes.astype(jnp.float32) * full[..., :n, :k]
+
+
+def dequantize_activation_ref(codes, scale):
+    """e4m3 activation ``codes [T, K]`` times their scales ``[T, ceil(K / 128)]`` -> float32."""
+    return codes.astype(jnp.float32) * jnp.repeat(scale, FP8_BLOCK, axis=-1)[:, :codes.shape[1]]
+
+
+@jax.jit
+def fp8_linear_ref(x, weight, weight_scale):
+    """``fp8_linear``: x quantized as the kernel does, both operands dequantized, the product in float32
+    (highest precision) [T, N]."""
+    return jnp.matmul(dequantize_activation_ref(*quantize_activation_ref(x)), dequantize_fp8_ref(weight, weight_scale).T,
+                      precision=_HI)

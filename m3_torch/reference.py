@@ -131,3 +131,39 @@ def msa_decode_ref(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_l
     scores = index_scores_ref(idx_q, index_k_cache, block_table, seq_lens, q_lens)
     ids = select_blocks_ref(scores, seq_lens, q_lens, topk, init_blocks, local_blocks)
     return attention_ref(q, k_cache, v_cache, block_table, seq_lens, q_lens, ids, sm_scale, k_scale, v_scale), ids
+
+
+# -- block-scaled FP8 weights (m3_torch.fp8) ----------------------------------------------------
+
+FP8_BLOCK = 128
+
+
+def quantize_activation_ref(x):
+    """``x [T, K]`` -> (e4m3 codes [T, K], float32 scales [T, ceil(K / 128)]) as ``m3_torch.fp8.quantize_activation``:
+    per token and 128 channels ``scale = max(amax without NaN, 1e-12) / 448``, ``codes = saturate(x / scale)``
+    rounded to nearest even, in float32."""
+    tokens, k = x.shape
+    groups = -(-k // FP8_BLOCK)
+    x = torch.nn.functional.pad(x.float().cpu(), (0, groups * FP8_BLOCK - k)).reshape(tokens, groups, FP8_BLOCK)
+    amax = torch.where(x.isnan(), 0.0, x.abs()).amax(-1)
+    scale = amax.clamp_min(1e-12) / 448.0
+    codes = (x / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return codes.reshape(tokens, groups * FP8_BLOCK)[:, :k], scale
+
+
+def dequantize_fp8_ref(codes, scale):
+    """e4m3 weight ``codes [..., N, K]`` times their block scales ``[..., ceil(N / 128), ceil(K / 128)]`` -> float64 on
+    the CPU."""
+    n, k = codes.shape[-2:]
+    full = scale.double().cpu().repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)
+    return codes.double().cpu() * full[..., :n, :k]
+
+
+def dequantize_activation_ref(codes, scale):
+    """e4m3 activation ``codes [T, K]`` times their scales ``[T, ceil(K / 128)]`` -> float64 on the CPU."""
+    return codes.double().cpu() * scale.double().cpu().repeat_interleave(FP8_BLOCK, -1)[:, :codes.shape[1]]
+
+
+def fp8_linear_ref(x, weight, weight_scale):
+    """``fp8_linear``: x quantized as the kernel does, both operands dequantized, the product in float64 [T, N]."""
+    return dequantize_activation_ref(*quantize_activation_ref(x)) @ dequantize_fp8_ref(weight, weight_scale).T
