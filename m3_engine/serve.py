@@ -130,6 +130,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import engine_class
+from .args import CACHE_DTYPES, DTYPE_NAMES, EngineArgs
 from .sampling_params import SamplingParams
 
 __all__ = ["main", "build_parser", "create_app", "EngineLoop", "APIError", "CompletionRequest",
@@ -1236,8 +1238,6 @@ _ENGINE_FLAGS = ("dtype", "device", "max_batch", "max_context", "max_cache_pages
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .args import CACHE_DTYPES, DTYPE_NAMES
-
     p = argparse.ArgumentParser(prog="m3-serve", description="An OpenAI-compatible server (completions, chat, "
                                 "streaming) over a MiniMax-M3 checkpoint, with the torch or the JAX engine.")
     p.add_argument("model", type=Path, metavar="MODEL_DIR",
@@ -1291,8 +1291,6 @@ def _cache_dtypes(names) -> list:
 
 def _engine_flags(group) -> None:
     """A ``--field-name`` flag for each ``EngineArgs`` field without one above."""
-    from .args import EngineArgs
-
     for field in dataclasses.fields(EngineArgs):
         if field.name == "model" or field.name in _ENGINE_FLAGS:
             continue
@@ -1327,8 +1325,6 @@ def _scalar(text: str):
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The ``LLM(model, **options)`` keyword arguments of the parsed flags."""
-    from .args import EngineArgs
-
     options = {}
     for field in dataclasses.fields(EngineArgs):
         if field.name != "model" and hasattr(args, field.name):
@@ -1349,8 +1345,6 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _uvicorn_server_class():
-    import uvicorn
-
     class UvicornServer(uvicorn.Server):
         """uvicorn's server, whose shutdown ends open requests itself after ``grace`` seconds: the
         engine loop stops and hands each open request a 503 error (a stream ends with an error
@@ -1383,8 +1377,6 @@ def _exit_cleanly(signum, frame):
 
 
 def main(argv=None) -> int:
-    import uvicorn
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if not (args.model / "config.json").is_file():
@@ -1397,7 +1389,6 @@ def main(argv=None) -> int:
         sock = _listen(args.host, args.port)   # before loading: a busy port fails at once
     except OSError as e:
         parser.error(f"--host/--port: cannot listen on {args.host}:{args.port}: {e}")
-    from . import engine_class
 
     llm = None
     try:
