@@ -441,7 +441,7 @@ def _read_raw(path: Path, stored: str, index: tuple | None = None) -> np.ndarray
     (``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``), the data.
     The file is memory-mapped: a slice reads only the pages it touches.
     """
-    import ml_dtypes
+    import ml_dtypes  # installed with JAX (not a dependency of the package); only bf16 / fp8 need it
     with open(path, "rb") as f:
         header_size = int.from_bytes(f.read(8), "little")
         info = json.loads(f.read(header_size))[stored]

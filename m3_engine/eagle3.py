@@ -617,7 +617,7 @@ def _config_json(c: Eagle3Config, ids_in: str, rope_scaling: Mapping | None) -> 
 
 def _numpy_dtype(dtype: str):
     if dtype == "bfloat16":
-        import ml_dtypes
+        import ml_dtypes  # installed with JAX (not a dependency of the package); only bfloat16 needs it
         return ml_dtypes.bfloat16
     if dtype not in ("float32", "float16"):
         raise ValueError(f"dtype: expected 'float32', 'bfloat16' or 'float16', got {dtype!r}")
