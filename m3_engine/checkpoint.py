@@ -66,7 +66,7 @@ from .model_config import M3TextConfig, load_config, read_json
 from .tp import RankShard, TensorSlice
 
 __all__ = ["checkpoint_files", "checkpoint_index", "canonical_name", "expected_shapes", "iter_weights",
-           "load_weights", "SINGLE_FILE", "INDEX_FILE"]
+           "load_weights", "TensorReader", "SINGLE_FILE", "INDEX_FILE"]
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def iter_weights(model_dir, config: M3TextConfig | None = None, *, framework: st
         raise ValueError("shard: its TPPlan was made for another model config")
     shapes = expected_shapes(config)
     plan = _plan(checkpoint_index(model_dir), shapes, config)
-    reader = _Reader(framework, device)
+    reader = TensorReader(framework, device)
     try:
         for name, pieces in plan.items():
             if name in skip:
@@ -337,7 +337,7 @@ def _groups(name, pieces: dict):
     return True, [[pieces[(e, 0)], pieces[(e, 1)]] for e in experts]
 
 
-def _stored_shape(name, pieces: dict, reader: "_Reader") -> tuple:
+def _stored_shape(name, pieces: dict, reader: TensorReader) -> tuple:
     """The canonical tensor's whole shape, from the files' headers (nothing read); a piece
     that does not fit the others gives a shape no config expects."""
     stacked, groups = _groups(name, pieces)
@@ -354,7 +354,7 @@ def _stored_shape(name, pieces: dict, reader: "_Reader") -> tuple:
     return (len(shapes),) + shapes[0]
 
 
-def _assemble(name, pieces: dict, reader: "_Reader", concatenate, cut: TensorSlice | None = None):
+def _assemble(name, pieces: dict, reader: TensorReader, concatenate, cut: TensorSlice | None = None):
     """The canonical tensor (``cut``: only that part of it), reading no more of the files than it needs."""
     stacked, groups = _groups(name, pieces)
     dim = None if cut is None else cut.dim - int(stacked)   # in the pieces' axes
@@ -367,7 +367,7 @@ def _assemble(name, pieces: dict, reader: "_Reader", concatenate, cut: TensorSli
     return concatenate([e[None] for e in entries], 0)
 
 
-def _read_concatenated(parts, dim, ranges, reader: "_Reader", concatenate):
+def _read_concatenated(parts, dim, ranges, reader: TensorReader, concatenate):
     """``concatenate(parts, 0)`` (parts: ``(file, stored name)``), cut to ``ranges`` along ``dim``
     when ``dim`` is not None; only the needed slices are read."""
     if dim is None:
@@ -398,7 +398,7 @@ def _open_checked(path: Path, **kwargs):
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-class _Reader:
+class TensorReader:
     """Open safetensors files once each; read tensors, or slices of them, in the caller's framework."""
 
     def __init__(self, framework, device):
@@ -441,7 +441,7 @@ def _read_raw(path: Path, stored: str, index: tuple | None = None) -> np.ndarray
     (``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``), the data.
     The file is memory-mapped: a slice reads only the pages it touches.
     """
-    import ml_dtypes
+    import ml_dtypes  # installed with JAX (not a dependency of the package); only bf16 / fp8 need it
     with open(path, "rb") as f:
         header_size = int.from_bytes(f.read(8), "little")
         info = json.loads(f.read(header_size))[stored]

@@ -73,6 +73,7 @@ from typing import Optional
 from . import engine_class
 from .args import ArgumentParser, EngineArgs, UsageError, add_engine_flags, engine_flags, engine_options, flag_message
 from .sampling_params import SamplingParams
+from .tokenizer import check_messages, load_tokenizer
 
 __all__ = ["main", "build_parser", "version"]
 
@@ -248,8 +249,6 @@ class _Encoded:
 
 def _encode(prompts: list, tokenizer, *, vocab_size: int, max_model_len: int, chat: bool) -> list:
     """Tokenize (and render chats) here, before any framework is imported; check every prompt."""
-    from .tokenizer import check_messages
-
     encoded = []
     for p in prompts:
         text, ids, messages = p.text, p.ids, p.messages
@@ -391,7 +390,6 @@ def _run(args) -> int:
     if not prompts:
         raise UsageError("no prompt: the prompts file(s) or stdin had no non-blank line")
     try:
-        from .tokenizer import load_tokenizer
         tokenizer = load_tokenizer(checked.model_dir)
     except _USER_ERRORS as e:
         raise _user_error(e) from e

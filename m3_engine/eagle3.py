@@ -71,7 +71,7 @@ import numpy as np
 from m3_kernels.planner import StepConfig
 from m3_kernels.pool import PoolLayout
 
-from .checkpoint import _Reader, checkpoint_index
+from .checkpoint import TensorReader, checkpoint_index
 from .model_config import M3TextConfig, read_json
 
 __all__ = ["Eagle3Config", "ARCHITECTURES", "LAYER", "ROPE_TYPES", "AUX_LAYER_CONVENTIONS", "default_aux_layer_ids",
@@ -428,7 +428,7 @@ def load_eagle3_weights(path, config: Eagle3Config, *, framework: str = "numpy",
         raise ValueError(f"framework: expected one of {FRAMEWORKS}, got {framework!r}")
     path = Path(path)
     plan = _plan(checkpoint_index(path), config)
-    reader = _Reader("numpy" if framework == "jax" else framework, device)
+    reader = TensorReader("numpy" if framework == "jax" else framework, device)
     try:
         for name, (file, stored) in plan.items():
             want = expected_eagle3_shapes(config).get(name, (config.vocab_size,))
@@ -469,7 +469,7 @@ def _plan(index: Mapping[str, Path], config: Eagle3Config) -> dict[str, tuple[Pa
 
 def _check_vocab_map(config: Eagle3Config, plan: Mapping) -> None:
     """d2t maps every draft id into the target vocabulary, no two onto one id; t2d agrees."""
-    reader = _Reader("numpy", "cpu")   # small tensors, read again as numpy whatever the framework
+    reader = TensorReader("numpy", "cpu")   # small tensors, read again as numpy whatever the framework
     try:
         d2t = reader.get(*plan["d2t"])
         t2d = np.asarray(reader.get(*plan["t2d"])).astype(bool) if "t2d" in plan else None
@@ -617,7 +617,7 @@ def _config_json(c: Eagle3Config, ids_in: str, rope_scaling: Mapping | None) -> 
 
 def _numpy_dtype(dtype: str):
     if dtype == "bfloat16":
-        import ml_dtypes
+        import ml_dtypes  # installed with JAX (not a dependency of the package); only bfloat16 needs it
         return ml_dtypes.bfloat16
     if dtype not in ("float32", "float16"):
         raise ValueError(f"dtype: expected 'float32', 'bfloat16' or 'float16', got {dtype!r}")

@@ -39,8 +39,9 @@ __all__ = ["LLMEngine", "PromptType"]
 PromptType = Union[str, Sequence[int], dict]
 
 
-class _Request:
-    """The engine's view of one request (the scheduler keeps its own: ids, slots, cache)."""
+class RequestState:
+    """The engine's state of one request: its text, detokenizer, stop strings, logprobs and metrics (the
+    scheduler's ``Request`` holds the token ids, slots and cache blocks)."""
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list, params: SamplingParams,
                  seed: int, scheduler_id: int, detokenizer: Optional[IncrementalDetokenizer], arrival: float,
@@ -89,8 +90,8 @@ class LLMEngine:
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.seed = seed
         self.generation_defaults = dict(generation_defaults or {})
-        self._requests: dict[str, _Request] = {}       # request id -> unfinished request
-        self._by_scheduler_id: dict[int, _Request] = {}
+        self._requests: dict[str, RequestState] = {}   # request id -> unfinished request
+        self._by_scheduler_id: dict[int, RequestState] = {}
         self._arrivals = itertools.count()
         self._structured: Optional[StructuredOutputsBackend] = None   # built by the first constrained request
         self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
@@ -123,8 +124,8 @@ class LLMEngine:
             seed = params.seed
         detokenizer = None if self.tokenizer is None else \
             IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-        request = _Request(request_id, text, ids, params, seed, scheduler_id, detokenizer,
-                           time.time() if arrival_time is None else arrival_time, grammar)
+        request = RequestState(request_id, text, ids, params, seed, scheduler_id, detokenizer,
+                               time.time() if arrival_time is None else arrival_time, grammar)
         self._requests[request_id] = request
         self._by_scheduler_id[scheduler_id] = request
         return request_id
@@ -238,7 +239,7 @@ class LLMEngine:
         drafts = self.runner.propose(work)
         self.scheduler.set_drafts(work, drafts, time.perf_counter() - start)
 
-    def _emit(self, request: _Request, r, result: SampleResult, finished: bool, now: float) -> None:
+    def _emit(self, request: RequestState, r, result: SampleResult, finished: bool, now: float) -> None:
         """Hand the scheduler request ``r``'s new tokens to ``request``: token ids, logprobs, text,
         stop strings (one token at a time: a stop string inside an accepted run of drafts cuts the
         output where plain decoding would have), metrics; finish it when it ends."""
@@ -333,7 +334,7 @@ class LLMEngine:
             entry[token] = Logprob(float(result.logprobs[i]), int(result.ranks[i]), text(token))
         return entry
 
-    def _find_stop(self, request: _Request, start: int) -> Optional[str]:
+    def _find_stop(self, request: RequestState, start: int) -> Optional[str]:
         """The first stop string in the text that ends at or after ``start`` (where this step's
         text began): cut the text there; -> the stop string, or None."""
         if not request.params.stop:
@@ -350,7 +351,7 @@ class LLMEngine:
         request.text = request.text[:j + len(s)] if request.params.include_stop_str_in_output else request.text[:j]
         return s
 
-    def _finish(self, request: _Request, reason: str, stop_reason) -> None:
+    def _finish(self, request: RequestState, reason: str, stop_reason) -> None:
         request.finish_reason, request.stop_reason = reason, stop_reason
         request.metrics.finished_time = time.time()
         self._requests.pop(request.request_id, None)

@@ -14,6 +14,7 @@ frameworks accept and refuse the same things with the same messages.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
@@ -227,5 +228,4 @@ def _as_prompt_list(prompts) -> list:
 
 
 def _replace_scheduler(args: CheckedArgs, **changes) -> CheckedArgs:
-    import dataclasses
     return dataclasses.replace(args, scheduler=dataclasses.replace(args.scheduler, **changes))

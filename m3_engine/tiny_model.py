@@ -214,7 +214,7 @@ def write_tiny_checkpoint(path, *, seed: int = 0, dtype: str = "float32", form: 
         config = _flat_config(text)
     np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)
     if np_dtype is None:
-        import ml_dtypes
+        import ml_dtypes  # installed with JAX (not a dependency of the package); only bfloat16 needs it
         np_dtype = ml_dtypes.bfloat16
     tensors = {n: np.ascontiguousarray(t.astype(np_dtype)) for n, t in sorted(tensors.items())}
 

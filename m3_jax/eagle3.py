@@ -40,7 +40,7 @@ from m3_kernels.pool import PoolLayout
 
 from .api import StepSpec, msa_attention_step, step_inputs
 from .cache import allocate_pool, layer_views, write_cache
-from .model import StepBatch, _dot, apply_rope, rope_cos_sin
+from .model import StepBatch, apply_rope, linear, rope_cos_sin
 
 __all__ = ["params_from_weights", "load_params", "fuse", "forward", "draft_logits", "logits", "draft_tokens",
            "to_target_ids", "pool_layout", "rms_norm", "Eagle3Proposer", "TargetStep"]
@@ -118,7 +118,7 @@ def fuse(params: Mapping, hidden, *, config: Eagle3Config):
     if hidden.ndim != 2 or hidden.shape[-1] not in (c.hidden_size, c.fc_in_features):
         raise ValueError(f"hidden: expected [T, {c.fc_in_features}] (aux states) or [T, {c.hidden_size}] "
                          f"(the draft's h_out), got {tuple(hidden.shape)}")
-    return hidden if hidden.shape[-1] == c.hidden_size else _dot(hidden, params["fc.weight"])
+    return hidden if hidden.shape[-1] == c.hidden_size else linear(hidden, params["fc.weight"])
 
 
 def forward(params: Mapping, pool, batch: StepBatch, maps, hidden, *, config: Eagle3Config, layout: PoolLayout,
@@ -152,9 +152,9 @@ def _attention(params: Mapping, x, pool, batch: StepBatch, maps, *, config: Eagl
     c, att = config, LAYER + "self_attn."
     T, hq, hk, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
     cos, sin = rope_cos_sin(batch.positions, c.inv_freq(), x.dtype)
-    q = apply_rope(_dot(x, params[att + "q_proj.weight"]).reshape(T, hq, d), cos, sin)
-    k = apply_rope(_dot(x, params[att + "k_proj.weight"]).reshape(T, hk, d), cos, sin)
-    v = _dot(x, params[att + "v_proj.weight"]).reshape(T, hk, d)
+    q = apply_rope(linear(x, params[att + "q_proj.weight"]).reshape(T, hq, d), cos, sin)
+    k = apply_rope(linear(x, params[att + "k_proj.weight"]).reshape(T, hk, d), cos, sin)
+    v = linear(x, params[att + "v_proj.weight"]).reshape(T, hk, d)
     views = layer_views(pool, layout, 0)
     if views.index_k_cache is not None:
         raise ValueError("layout: the draft's layer is dense (no index-K sub-page)")
@@ -163,13 +163,13 @@ def _attention(params: Mapping, x, pool, batch: StepBatch, maps, *, config: Eagl
     out, _ = msa_attention_step(q, None, k_cache, v_cache, None, batch.block_table, batch.seq_lens, plan=spec,
                                 maps=maps, sparse=False, sm_scale=c.attention_scale, k_scale=k_scale,
                                 v_scale=v_scale)
-    return _dot(out.reshape(T, hq * d), params[att + "o_proj.weight"]), k_cache.buffer
+    return linear(out.reshape(T, hq * d), params[att + "o_proj.weight"]), k_cache.buffer
 
 
 def _mlp(params: Mapping, h):
     mlp = LAYER + "mlp."
-    gate, up = _dot(h, params[mlp + "gate_proj.weight"]), _dot(h, params[mlp + "up_proj.weight"])
-    return _dot(jax.nn.silu(gate) * up, params[mlp + "down_proj.weight"])
+    gate, up = linear(h, params[mlp + "gate_proj.weight"]), linear(h, params[mlp + "up_proj.weight"])
+    return linear(jax.nn.silu(gate) * up, params[mlp + "down_proj.weight"])
 
 
 # -- heads -------------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def _mlp(params: Mapping, h):
 def draft_logits(params: Mapping, h_out, *, config: Eagle3Config):
     """``lm_head(norm(h_out))`` of rows ``h_out [L, hidden]`` -> ``[L, draft_vocab]`` float32 (draft ids)."""
     head = params.get("lm_head.weight", params["embed_tokens.weight"])   # no lm_head: tied to the embedding
-    return _dot(rms_norm(h_out, params["norm.weight"], config.rms_norm_eps), head).astype(jnp.float32)
+    return linear(rms_norm(h_out, params["norm.weight"], config.rms_norm_eps), head).astype(jnp.float32)
 
 
 def logits(params: Mapping, h_out, *, config: Eagle3Config):

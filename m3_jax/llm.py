@@ -14,7 +14,7 @@ of them); tensor parallelism is a ``Mesh`` with the model step in
 
 from m3_engine.llm import LLM as _EngineLLM
 
-# imported with the package, not from inside LLM(): a first import under the constructor's frame can leave
+# imported with this module, not from inside LLM(): a first import under the constructor's frame can leave
 # that frame in a reference cycle (torch.fx.wrap, run by torch._dynamo's import, does), and a dropped LLM
 # would then keep its pool until the garbage collector runs
 from .runner import JaxRunner

@@ -44,7 +44,7 @@ from .fused import moe_route, qk_norm_rope
 from .moe import fused_moe
 
 __all__ = ["StepBatch", "forward", "hidden_states", "logits", "attention", "mlp", "moe", "route", "experts", "rms_norm", "rope_cos_sin",
-           "apply_rope", "swiglu_oai", "inv_freq", "pool_layout", "DTYPES"]
+           "apply_rope", "swiglu_oai", "linear", "inv_freq", "pool_layout", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -69,7 +69,7 @@ class StepBatch(NamedTuple):
 
 # -- building blocks (transformers' modules, on [T, ...] token rows) --------------------------
 
-def _dot(x, w):
+def linear(x, w):
     """``x @ w.T`` (a torch ``F.linear``) in x's dtype; float32 at full precision (no TF32)."""
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision)
@@ -115,7 +115,7 @@ def swiglu_oai(gate_up, alpha: float, limit: float):
 
 
 def mlp(x, gate_up, down, config: M3TextConfig):
-    return _dot(swiglu_oai(_dot(x, gate_up), config.swiglu_alpha, config.swiglu_limit), down)
+    return linear(swiglu_oai(linear(x, gate_up), config.swiglu_alpha, config.swiglu_limit), down)
 
 
 # the expert weights are [E, out, in]: contract x's last axis with the weights' last, group by axis 0
@@ -133,7 +133,7 @@ def route(p: Mapping, x, config: M3TextConfig):
     in XLA ops) -> (chosen [T, k] int32 expert ids, weights [T, k] float32 summing to 1 per row)."""
     if on_gpu():
         return moe_route(x, p["gate.weight"], p["gate.e_score_correction_bias"], config.num_experts_per_tok)
-    probs = jax.nn.sigmoid(_dot(x, p["gate.weight"]).astype(jnp.float32))                  # [T, E]
+    probs = jax.nn.sigmoid(linear(x, p["gate.weight"]).astype(jnp.float32))               # [T, E]
     _, chosen = jax.lax.top_k(probs + p["gate.e_score_correction_bias"].astype(jnp.float32),
                               config.num_experts_per_tok)                                # [T, k]
     top_w = jnp.take_along_axis(probs, chosen, axis=-1)
@@ -184,7 +184,7 @@ def attention(p: Mapping, x, pool, batch: StepBatch, maps, *, layer: int, config
     c = config
     sparse = c.sparse_layers[layer]
     names = ["q_proj", "k_proj", "v_proj"] + (["indexer.q_proj", "indexer.k_proj"] if sparse else [])
-    qkv = jnp.concatenate([_dot(x, p[f"{n}.weight"]) for n in names], axis=-1)
+    qkv = jnp.concatenate([linear(x, p[f"{n}.weight"]) for n in names], axis=-1)
     k_view, v_view, index_view = layer_views(pool, layout, layer)
     if on_gpu():
         q, idx_q, k_cache, v_cache, index_k_cache = qk_norm_rope(
@@ -199,7 +199,7 @@ def attention(p: Mapping, x, pool, batch: StepBatch, maps, *, layer: int, config
     out, _ = msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, batch.block_table, batch.seq_lens,
                                 plan=spec, maps=maps, sparse=sparse, init_blocks=c.index_init_blocks,
                                 local_blocks=c.index_local_blocks)
-    return _dot(out.reshape(x.shape[0], -1), p["o_proj.weight"]), k_cache.buffer
+    return linear(out.reshape(x.shape[0], -1), p["o_proj.weight"]), k_cache.buffer
 
 
 def _project(p: Mapping, qkv, positions, config: M3TextConfig, sparse: bool):
@@ -292,7 +292,7 @@ def logits(params: Mapping, x, *, config: M3TextConfig):
     """Final norm + ``lm_head`` of hidden rows ``x [L, hidden]`` -> ``[L, vocab]`` float32."""
     x = rms_norm(x, params["model.norm.weight"], config.rms_norm_eps)
     head = params["model.embed_tokens.weight"] if config.tie_word_embeddings else params["lm_head.weight"]
-    return _dot(x, head).astype(jnp.float32)
+    return linear(x, head).astype(jnp.float32)
 
 
 def pool_layout(config: M3TextConfig, num_slots: int, dtype: str, *, kv_cache_dtype: str = "auto",

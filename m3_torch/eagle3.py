@@ -41,7 +41,7 @@ from m3_kernels.pool import PoolLayout
 
 from .api import msa_attention_step
 from .cache import TORCH_DTYPES, LayerCaches, allocate_pool, layer_caches, write_cache
-from .model import StepTensors, _take, apply_rope, rope_cos_sin
+from .model import StepTensors, apply_rope, rope_cos_sin, take_weight
 
 __all__ = ["Eagle3Draft", "Eagle3Proposer", "DraftCache", "allocate_draft_cache", "rms_norm"]
 
@@ -84,18 +84,18 @@ class Eagle3Draft:
         self.config = c = config
         w = dict(weights)
         self._check(w)
-        self.fc = _take(w, "fc.weight")
+        self.fc = take_weight(w, "fc.weight")
         self.dtype, self.device = self.fc.dtype, self.fc.device
         self.embed = self._shared(w, "embed_tokens.weight", target_embed, "target_embed")
         self.input_norm, self.hidden_norm, self.post_attn_norm = (
-            _take(w, LAYER + n) for n in ("input_layernorm.weight", "hidden_norm.weight",
-                                         "post_attention_layernorm.weight"))
+            take_weight(w, LAYER + n) for n in ("input_layernorm.weight", "hidden_norm.weight",
+                                                "post_attention_layernorm.weight"))
         att, mlp = LAYER + "self_attn.", LAYER + "mlp."
-        self.qkv = torch.cat([_take(w, att + f"{n}_proj.weight") for n in "qkv"])
-        self.o_proj = _take(w, att + "o_proj.weight")
-        self.gate_up = torch.cat([_take(w, mlp + "gate_proj.weight"), _take(w, mlp + "up_proj.weight")])
-        self.down = _take(w, mlp + "down_proj.weight")
-        self.norm = _take(w, "norm.weight")
+        self.qkv = torch.cat([take_weight(w, att + f"{n}_proj.weight") for n in "qkv"])
+        self.o_proj = take_weight(w, att + "o_proj.weight")
+        self.gate_up = torch.cat([take_weight(w, mlp + "gate_proj.weight"), take_weight(w, mlp + "up_proj.weight")])
+        self.down = take_weight(w, mlp + "down_proj.weight")
+        self.norm = take_weight(w, "norm.weight")
         self.lm_head = self._head(w, target_lm_head)
         ids = draft_to_target_ids(w.pop("d2t").cpu()) if c.has_d2t else None
         self.draft_to_target = None if ids is None else torch.from_numpy(ids).long().to(self.device)

@@ -56,7 +56,7 @@ from .api import msa_attention_step
 from .cache import LayerCaches, allocate_pool, layer_caches, write_cache
 from .moe import fused_moe
 
-__all__ = ["M3Model", "StepTensors", "rms_norm", "apply_rope", "rope_cos_sin", "swiglu_oai"]
+__all__ = ["M3Model", "StepTensors", "rms_norm", "apply_rope", "rope_cos_sin", "swiglu_oai", "take_weight"]
 
 
 # -- building blocks (the math of transformers' modules, on [T, ...] token rows) -------------
@@ -138,7 +138,8 @@ class _Layer:
     shared_down: Optional[torch.Tensor] = None      # [hidden, I_shared]
 
 
-def _take(weights: dict, name: str) -> torch.Tensor:
+def take_weight(weights: dict, name: str) -> torch.Tensor:
+    """``weights[name]``, popped: the tensors left in ``weights`` at the end are the unexpected ones."""
     try:
         return weights.pop(name)
     except KeyError:
@@ -172,12 +173,12 @@ class M3Model:
         self.config = c = config
         self.all_reduce = all_reduce
         weights = dict(weights)
-        self.embed = _take(weights, "model.embed_tokens.weight")
+        self.embed = take_weight(weights, "model.embed_tokens.weight")
         self.dtype, self.device = self.embed.dtype, self.embed.device
-        self.norm = _take(weights, "model.norm.weight")
+        self.norm = take_weight(weights, "model.norm.weight")
         self.lm_head = None
         if lm_head:
-            self.lm_head = self.embed if c.tie_word_embeddings else _take(weights, "lm_head.weight")
+            self.lm_head = self.embed if c.tie_word_embeddings else take_weight(weights, "lm_head.weight")
         weights.pop("lm_head.weight", None)
         self.layers = [self._layer(weights, i) for i in range(c.num_hidden_layers)]
         if weights:
@@ -190,26 +191,27 @@ class M3Model:
         c, p = self.config, f"model.layers.{i}."
         sparse, moe = c.sparse_layers[i], c.moe_layers[i]
         att = p + "self_attn."
-        proj = [_take(w, att + f"{n}_proj.weight") for n in ("q", "k", "v")]
+        proj = [take_weight(w, att + f"{n}_proj.weight") for n in ("q", "k", "v")]
         extra = {}
         if sparse:
-            proj += [_take(w, att + "indexer.q_proj.weight"), _take(w, att + "indexer.k_proj.weight")]
-            extra = dict(index_q_norm=_take(w, att + "indexer.q_norm.weight"),
-                         index_k_norm=_take(w, att + "indexer.k_norm.weight"))
+            proj += [take_weight(w, att + "indexer.q_proj.weight"), take_weight(w, att + "indexer.k_proj.weight")]
+            extra = dict(index_q_norm=take_weight(w, att + "indexer.q_norm.weight"),
+                         index_k_norm=take_weight(w, att + "indexer.k_norm.weight"))
         mlp = p + "mlp."
         if moe:
-            extra.update(router=_take(w, mlp + "gate.weight"),
-                         router_bias=_take(w, mlp + "gate.e_score_correction_bias"),
-                         experts_gate_up=_take(w, mlp + "experts.gate_up_proj"),
-                         experts_down=_take(w, mlp + "experts.down_proj"),
-                         shared_gate_up=_take(w, mlp + "shared_experts.gate_up_proj.weight"),
-                         shared_down=_take(w, mlp + "shared_experts.down_proj.weight"))
+            extra.update(router=take_weight(w, mlp + "gate.weight"),
+                         router_bias=take_weight(w, mlp + "gate.e_score_correction_bias"),
+                         experts_gate_up=take_weight(w, mlp + "experts.gate_up_proj"),
+                         experts_down=take_weight(w, mlp + "experts.down_proj"),
+                         shared_gate_up=take_weight(w, mlp + "shared_experts.gate_up_proj.weight"),
+                         shared_down=take_weight(w, mlp + "shared_experts.down_proj.weight"))
         else:
-            extra.update(mlp_gate_up=_take(w, mlp + "gate_up_proj.weight"), mlp_down=_take(w, mlp + "down_proj.weight"))
-        return _Layer(sparse=sparse, moe=moe, input_norm=_take(w, p + "input_layernorm.weight"),
-                      post_attn_norm=_take(w, p + "post_attention_layernorm.weight"), qkv=torch.cat(proj),
-                      q_norm=_take(w, att + "q_norm.weight"), k_norm=_take(w, att + "k_norm.weight"),
-                      o_proj=_take(w, att + "o_proj.weight"), **extra)
+            extra.update(mlp_gate_up=take_weight(w, mlp + "gate_up_proj.weight"),
+                         mlp_down=take_weight(w, mlp + "down_proj.weight"))
+        return _Layer(sparse=sparse, moe=moe, input_norm=take_weight(w, p + "input_layernorm.weight"),
+                      post_attn_norm=take_weight(w, p + "post_attention_layernorm.weight"), qkv=torch.cat(proj),
+                      q_norm=take_weight(w, att + "q_norm.weight"), k_norm=take_weight(w, att + "k_norm.weight"),
+                      o_proj=take_weight(w, att + "o_proj.weight"), **extra)
 
     # -- forward ---------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from m3_engine.args import CheckedArgs, check_gpu_device
 from m3_engine.runner import SampleResult, SamplingBatch
 from m3_engine.scheduler import DraftPass, Step
 
+from . import tp
 from .eagle3 import Eagle3Draft, Eagle3Proposer
 from .model import StepTensors
 from .rank import DTYPES, Runner
@@ -73,7 +74,7 @@ class TorchRunner:
         self._workers = None
         all_reduce = None
         if self.tp.size > 1:
-            from . import tp   # the worker processes start now and load their slices while rank 0 loads its own
+            # the worker processes start now and load their slices while rank 0 loads its own
             self._workers = tp.Workers(self.tp, self.device, runner_args)
             all_reduce = tp.all_reduce
         aux_layers = args.draft.aux_layer_ids if args.draft is not None else ()   # eagle3: one rank (args)

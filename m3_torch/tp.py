@@ -59,6 +59,8 @@ import torch.distributed as dist
 from m3_kernels import tuning
 from m3_engine.tp import TPPlan
 
+from .rank import Runner, rank_device
+
 __all__ = ["Workers", "all_reduce", "portable", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # a collective (or start-up) that waits longer fails
@@ -296,8 +298,6 @@ def _worker_main(rank: int, plan: TPPlan, device: torch.device, runner_args: dic
     """A worker's life: join the group, load its slices, then run what rank 0 sends until "stop"."""
     try:
         conn.send(("started", os.getpid()))
-        from .rank import Runner, rank_device
-
         if backend == "nccl":
             torch.cuda.set_device(rank_device(device, rank))
         else:   # share the CPU with the other ranks instead of each taking every core

@@ -86,13 +86,13 @@ def test_sharded_reads_are_the_slices(checkpoints, monkeypatch, form, tp):
     whole = checkpoint.load_weights(model_dir, config)
     plan = TPPlan(config, tp)
     reads = []
-    get = checkpoint._Reader.get
+    get = checkpoint.TensorReader.get
 
     def recording_get(self, path, stored, dim=None, start=0, stop=0):
         reads.append((stored, dim))
         return get(self, path, stored, dim, start, stop)
 
-    monkeypatch.setattr(checkpoint._Reader, "get", recording_get)
+    monkeypatch.setattr(checkpoint.TensorReader, "get", recording_get)
     ranks = []
     for r in range(tp):
         reads.clear()
