@@ -74,9 +74,9 @@ _FP8_PARTS = ("attention", "indexer", "dense MLPs", "routed experts", "shared ex
 _LAYER = re.compile(r"^model\.layers\.\d+\.")
 
 WORKSPACE_BASIS = {
-    "step arena": "StepPlanner.workspace_layout at max_num_seqs rows, max_num_tokens tokens, max_model_len "
+    "step arena": "StepPlanner.workspace_layout at max_num_seqs rows, max_num_batched_tokens tokens, max_model_len "
                   "(index scores, selected blocks, split-K partials): exact",
-    "activations": "the largest tensors alive in one layer of an eager step of max_num_tokens tokens (residual, "
+    "activations": "the largest tensors alive in one layer of an eager step of max_num_batched_tokens tokens (residual, "
                    "normed input, then the larger of attention's q/k/v/index/output and the MLP's: router "
                    "logits, fused_moe's act and float32 weighted rows for top_k + 1 experts a token); torch "
                    "frees a layer's temporaries before the next",
@@ -131,7 +131,7 @@ class MemoryPlan:
     index_cache_dtype: str
     max_model_len: int
     max_num_seqs: int
-    max_num_tokens: int
+    max_num_batched_tokens: int
     enable_expert_parallel: bool
     vocab_parallel: bool
     weights: dict                 # part of WEIGHT_PARTS -> bytes
@@ -206,7 +206,7 @@ class MemoryPlan:
             f"MiniMax-M3 memory per GPU: tensor_parallel_size={tp.size}, weights {weights_name}, "
             f"KV cache {self.kv_cache_dtype}, index-K cache {self.index_cache_dtype}",
             f"max_model_len {self.max_model_len}, max_num_seqs {self.max_num_seqs}, "
-            f"max_num_tokens {self.max_num_tokens}",
+            f"max_num_batched_tokens {self.max_num_batched_tokens}",
             f"{experts}; {vocab}",
             f"parameters: {self.num_parameters / 1e9:.2f} B (text model; the vision tower, projectors and MTP "
             f"module of the release are not loaded)",
@@ -247,14 +247,14 @@ class MemoryPlan:
 
 def plan_memory(config: M3TextConfig, *, tensor_parallel_size: int, weight_dtype: str = "bfloat16",
                 kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto", max_model_len: int,
-                max_num_seqs: int, max_num_tokens: int | None = None, enable_expert_parallel: bool = False,
+                max_num_seqs: int, max_num_batched_tokens: int | None = None, enable_expert_parallel: bool = False,
                 vocab_parallel: bool = False, gpu_memory_bytes: int | None = None,
                 gpu_memory_utilization: float = 0.9) -> MemoryPlan:
     """The memory of one GPU of ``config`` served at ``tensor_parallel_size`` (see the module docstring).
 
     kv_cache_dtype, index_cache_dtype: "auto" (bfloat16) or "fp8", as the engine's options.
-    max_model_len, max_num_seqs, max_num_tokens: the engine's ``max_context``, ``max_batch`` and
-        ``max_num_tokens`` (default ``max(2048, max_num_seqs)``, the engine's).
+    max_model_len, max_num_seqs, max_num_batched_tokens: the engine options of these names
+        (``max_num_batched_tokens`` default ``max(2048, max_num_seqs)``, the engine's).
     gpu_memory_bytes: the GPU's memory; None: no budget, no verdict.
     """
     if not isinstance(config, M3TextConfig):
@@ -277,9 +277,10 @@ def plan_memory(config: M3TextConfig, *, tensor_parallel_size: int, weight_dtype
     if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) or \
             not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {gpu_memory_utilization!r}")
-    # the engine's own limits: pool slots, max_num_tokens default, graph batch sizes
-    limits = SchedulerConfig.from_engine_args(config, max_batch=max_num_seqs, max_context=max_model_len,
-                                              max_cache_pages=None, max_num_tokens=max_num_tokens)
+    # the engine's own limits: pool slots, max_num_batched_tokens default, graph batch sizes
+    limits = SchedulerConfig.from_engine_args(config, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                              num_gpu_blocks_override=None,
+                                              max_num_batched_tokens=max_num_batched_tokens)
 
     layout = PoolLayout.create(limits.num_slots, sparse=config.sparse_layers, num_kv_heads=tp.num_kv_heads,
                                head_dim=config.head_dim, index_head_dim=config.index_head_dim,
@@ -289,7 +290,7 @@ def plan_memory(config: M3TextConfig, *, tensor_parallel_size: int, weight_dtype
     return MemoryPlan(
         config=config, tp=tp, weight_dtype=weight_dtype, kv_cache_dtype=layout.kv_cache_dtype,
         index_cache_dtype=layout.index_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_tokens=limits.max_num_tokens, enable_expert_parallel=enable_expert_parallel,
+        max_num_batched_tokens=limits.max_num_tokens, enable_expert_parallel=enable_expert_parallel,
         vocab_parallel=vocab_parallel,
         weights=_weights(tp, weight_dtype, enable_expert_parallel=enable_expert_parallel,
                          vocab_parallel=vocab_parallel),
@@ -413,7 +414,7 @@ def main(argv=None) -> int:
     parser.add_argument("--index-cache-dtype", default="auto", help="auto (bfloat16) or fp8")
     parser.add_argument("--max-model-len", type=int, required=True)
     parser.add_argument("--max-num-seqs", type=int, required=True)
-    parser.add_argument("--max-num-tokens", type=int, default=None, help="default max(2048, max-num-seqs)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default max(2048, max-num-seqs)")
     parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument("--vocab-parallel", action="store_true",
                         help="split embeddings and lm_head over the vocabulary (default: replicated)")
@@ -425,7 +426,8 @@ def main(argv=None) -> int:
         plan = plan_memory(
             config, tensor_parallel_size=args.tensor_parallel_size, weight_dtype=args.weight_dtype,
             kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype,
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             enable_expert_parallel=args.enable_expert_parallel, vocab_parallel=args.vocab_parallel,
             gpu_memory_bytes=None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * 2 ** 30),
             gpu_memory_utilization=args.gpu_memory_utilization)
