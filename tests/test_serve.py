@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -546,6 +547,45 @@ def test_disconnect_frees_slots(server):
     after = wait_idle(server.port)
     assert after["m3_request_aborted_total"] - before["m3_request_aborted_total"] == 2
     assert after["m3_generation_tokens_total"] - before["m3_generation_tokens_total"] < 100
+
+
+def test_constrained_answers_and_n(server):
+    """Random weights under structured outputs: response_format json_schema gives JSON the schema
+    accepts, chat.completions.parse a pydantic object, a regex a match; an invalid schema is a 400;
+    n=3 gives three choices. (Tools need a longer context than this server's: their prompt is
+    ~1000 tokens of the tiny tokenizer; the fake-runner tests above cover them.)"""
+    import pydantic
+
+    class Flags(pydantic.BaseModel):
+        ok: bool
+        level: typing.Literal["low", "high"]
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 5}},
+              "required": ["ok", "n"]}
+    ask = dict(model=MODEL, messages=MESSAGES, max_tokens=60, seed=7)
+
+    async def run():
+        async with server.async_client() as c:
+            return await asyncio.gather(
+                c.chat.completions.create(**ask, response_format={
+                    "type": "json_schema", "json_schema": {"name": "flags", "schema": schema, "strict": True}}),
+                c.chat.completions.parse(**ask, response_format=Flags),
+                c.completions.create(model=MODEL, prompt="Call", max_tokens=8, seed=7,
+                                     extra_body={"structured_outputs": {"regex": "[a-z]{2,4}"}}),
+                c.completions.create(model=MODEL, prompt="Hello", max_tokens=2, n=3, seed=7,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True}))
+
+    by_schema, parsed, regex, three = asyncio.run(run())
+    value = json.loads(by_schema.choices[0].message.content)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 5, value
+    assert isinstance(parsed.choices[0].message.parsed, Flags)
+    assert re.fullmatch("[a-z]{2,4}", regex.choices[0].text) and regex.choices[0].finish_reason == "stop"
+    assert [c.index for c in three.choices] == [0, 1, 2] and three.usage.prompt_tokens == \
+        len(three.choices[0].prompt_token_ids)
+    with pytest.raises(openai.BadRequestError, match="nonsense"):
+        server.client().chat.completions.create(**ask, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
 
 
 BAD = [

@@ -399,7 +399,7 @@ def _check_unsupported(body: BaseModel, fields: dict) -> None:
 
 
 def _sampling_params(server: "_Server", body: GenerationRequest, *, max_tokens: int, logprobs: Optional[int],
-                     rename: dict, structured_outputs: Optional[StructuredOutputsParams] = None,
+                     rename: dict, constraint: Optional[StructuredOutputsParams] = None,
                      skip_special_tokens: Optional[bool] = None) -> list:
     """The ``SamplingParams`` of the request's ``n`` choices, with only the fields it sets (the engine
     gives the others the model's ``generation_config.json`` values, as for ``LLM.generate``). A
@@ -410,7 +410,7 @@ def _sampling_params(server: "_Server", body: GenerationRequest, *, max_tokens: 
     kwargs = dict(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=body.ignore_eos,
                   include_stop_str_in_output=body.include_stop_str_in_output,
                   skip_special_tokens=body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
-                  structured_outputs=structured_outputs)
+                  structured_outputs=constraint)
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(body, name)
@@ -536,7 +536,7 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
     items, echo = [], []   # one per choice: prompt 0's n choices, then prompt 1's, ... (vLLM's order)
     for text, ids in prompts:
         params = _sampling_params(server, body, max_tokens=server.max_tokens(body.max_tokens, len(ids), "max_tokens"),
-                                  logprobs=body.logprobs, rename={}, structured_outputs=constraint)
+                                  logprobs=body.logprobs, rename={}, constraint=constraint)
         shown = ((text if text is not None else (server.tokenizer.decode(ids) if server.tokenizer else ""))
                  if body.echo else "")
         for p in params:
@@ -630,7 +630,7 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     rename = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
     params = _sampling_params(server, body, max_tokens=server.max_tokens(requested, len(ids), max_tokens_param),
-                              logprobs=n_logprobs, rename=rename, structured_outputs=constraint,
+                              logprobs=n_logprobs, rename=rename, constraint=constraint,
                               skip_special_tokens=False if ChoiceOutput.parses_text(tools, server.features) else None)
     readers = [ChoiceOutput(tools, server.features, text) for _ in params]   # one per choice
     echo = ""

@@ -178,8 +178,9 @@ def structured_outputs(response_format: Optional[dict], fields: Optional[dict],
             given.append(("structured_outputs", StructuredOutputsParams(**fields)))
         except (ValueError, TypeError) as e:
             raise bad(str(e), "structured_outputs") from None
-    if tools is not None and tools.constraint is not None:
-        given.append(("tool_choice", tools.constraint))
+    constraint = tools.constraint if tools is not None else None
+    if constraint is not None:
+        given.append(("tool_choice", constraint))
     if len(given) > 1:
         raise bad(f"{given[1][0]}: cannot be combined with {given[0][0]} (a request has one output constraint)",
                   given[1][0])
