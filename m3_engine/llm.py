@@ -131,9 +131,13 @@ class LLM:
         return self._run_to_completion(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
-             chat_template: Optional[str] = None, add_generation_prompt: bool = True, use_tqdm: bool = True) -> list:
-        """Answer one conversation (a list of ``{"role", "content"}``) or a list of them, rendered
-        with the model folder's chat template (or ``chat_template``); -> ``list[RequestOutput]``."""
+             chat_template: Optional[str] = None, add_generation_prompt: bool = True, tools=None,
+             use_tqdm: bool = True) -> list:
+        """Answer one conversation (a list of ``{"role", "content"}``; assistant ``tool_calls`` and
+        ``"tool"`` results too) or a list of them, rendered with the model folder's chat template (or
+        ``chat_template``) and OpenAI ``tools`` (``[{"type": "function", "function": {...}}]``, for
+        every conversation); -> ``list[RequestOutput]``. The text is the model's raw answer: parse
+        its tool calls and thinking with :class:`m3_engine.reasoning_parser.ChatOutputParser`."""
         self._check_open()
         if self.tokenizer is None:
             raise ValueError("chat: the model folder has no tokenizer.json")
@@ -146,7 +150,7 @@ class LLM:
         for conversation in conversations:
             check_messages(conversation)
             text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         ids = self._add_all(prompts, self._params_list(sampling_params, len(prompts)))
         return self._run_to_completion(ids, use_tqdm)

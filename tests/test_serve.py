@@ -19,6 +19,7 @@ prefix cache) in a second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +43,7 @@ openai = pytest.importorskip("openai")
 from benchmarks.serve import parse_metrics                              # noqa: E402
 from m3_engine import SamplingParams, engine_class                      # noqa: E402
 from m3_engine.runner import SampleResult                               # noqa: E402
-from m3_engine.tiny_model import write_tiny_checkpoint                  # noqa: E402
+from m3_engine.tiny_model import EOS_ID, write_tiny_checkpoint          # noqa: E402
 from m3_engine.tokenizer import Tokenizer                               # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("serve")   # one worker for the module under --dist loadgroup
@@ -547,6 +549,45 @@ def test_disconnect_frees_slots(server):
     assert after["m3_generation_tokens_total"] - before["m3_generation_tokens_total"] < 100
 
 
+def test_constrained_answers_and_n(server):
+    """Random weights under structured outputs: response_format json_schema gives JSON the schema
+    accepts, chat.completions.parse a pydantic object, a regex a match; an invalid schema is a 400;
+    n=3 gives three choices. (Tools need a longer context than this server's: their prompt is
+    ~1000 tokens of the tiny tokenizer; the fake-runner tests above cover them.)"""
+    import pydantic
+
+    class Flags(pydantic.BaseModel):
+        ok: bool
+        level: typing.Literal["low", "high"]
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 5}},
+              "required": ["ok", "n"]}
+    ask = dict(model=MODEL, messages=MESSAGES, max_tokens=60, seed=7)
+
+    async def run():
+        async with server.async_client() as c:
+            return await asyncio.gather(
+                c.chat.completions.create(**ask, response_format={
+                    "type": "json_schema", "json_schema": {"name": "flags", "schema": schema, "strict": True}}),
+                c.chat.completions.parse(**ask, response_format=Flags),
+                c.completions.create(model=MODEL, prompt="Call", max_tokens=8, seed=7,
+                                     extra_body={"structured_outputs": {"regex": "[a-z]{2,4}"}}),
+                c.completions.create(model=MODEL, prompt="Hello", max_tokens=2, n=3, seed=7,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True}))
+
+    by_schema, parsed, regex, three = asyncio.run(run())
+    value = json.loads(by_schema.choices[0].message.content)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 5, value
+    assert isinstance(parsed.choices[0].message.parsed, Flags)
+    assert re.fullmatch("[a-z]{2,4}", regex.choices[0].text) and regex.choices[0].finish_reason == "stop"
+    assert [c.index for c in three.choices] == [0, 1, 2] and three.usage.prompt_tokens == \
+        len(three.choices[0].prompt_token_ids)
+    with pytest.raises(openai.BadRequestError, match="nonsense"):
+        server.client().chat.completions.create(**ask, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+
+
 BAD = [
     # (method, path, body or raw bytes, key, status, type, param, code)
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x"}, None, 401, "authentication_error", None, None),
@@ -559,7 +600,7 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, KEY, 400, None, "top_p", None),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, KEY, 400, None, "max_tokens", None),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, KEY, 400, None, "max_tokens", None),
-    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, KEY, 400, None, "n", None),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 0}, KEY, 400, None, "n", None),
     ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, KEY, 400, None, "logprobs", None),
     ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, KEY, 400, None, "stop", None),
     ("POST", "/v1/completions", {"prompt": "x", "seed": -1}, KEY, 400, None, "seed", None),
@@ -647,8 +688,13 @@ def test_bad_requests_while_streaming(server):
 # -- the app in this process, over a fake runner ------------------------------------------------------
 
 class FakeRunner:
-    """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3); ``fail_steps`` steps from now fail."""
+    """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3); a row under structured outputs
+    takes the allowed token number (seed + 7 * index) % (how many are allowed) instead (a walk like
+    random weights'); with ``script`` set, every row takes the script's token at its index (then
+    eos). ``fail_in`` steps from now fail. ``bitmasks`` collects the steps' token bitmasks."""
     fail_in: "int | None" = None
+    script: "list | None" = None
+    bitmasks: list = []
 
     @staticmethod
     def pads_decode_steps(args):
@@ -665,7 +711,18 @@ class FakeRunner:
             if FakeRunner.fail_in < 0:
                 FakeRunner.fail_in = None
                 raise RuntimeError("injected step failure")
+        if sampling.token_bitmask is not None:
+            FakeRunner.bitmasks.append(sampling.token_bitmask.copy())
         tokens = (3 + (sampling.seeds + 7 * sampling.counters) % (self.vocab - 3)).astype(np.int32)
+        if sampling.token_bitmask is not None:
+            bits = np.unpackbits(sampling.token_bitmask.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab]
+            for row, allowed in enumerate(bits):
+                if not allowed.all():
+                    choices = np.flatnonzero(allowed)
+                    tokens[row] = choices[(sampling.seeds[row] + 7 * sampling.counters[row]) % len(choices)]
+        if FakeRunner.script is not None:
+            tokens = np.array([FakeRunner.script[c] if c < len(FakeRunner.script) else EOS_ID
+                               for c in sampling.counters.tolist()], np.int32)
         rows = len(tokens)
         n = sampling.num_logprobs
         top = None if n is None else (tokens[:, None] + np.arange(max(n, 1))[None]) % self.vocab
@@ -677,13 +734,8 @@ class FakeRunner:
         pass
 
 
-@pytest.fixture(scope="module")
-def fake_server(model_dir):
-    import uvicorn
-
+def fake_llm(model_dir, **options):
     from m3_engine.llm import LLM
-    from m3_engine.server.app import create_app
-    from m3_engine.server.engine_client import EngineClient
 
     class FakeLLM(LLM):
         framework = "fake"
@@ -692,8 +744,19 @@ def fake_server(model_dir):
         def _runner_class(cls):
             return FakeRunner
 
-    llm = FakeLLM(model_dir, max_num_seqs=4, max_model_len=256, enable_prefix_caching=True)
-    app = create_app(EngineClient(llm, max_queue=8), served_model_name=[MODEL, ALIAS], api_key=KEY)
+    return FakeLLM(model_dir, **options)
+
+
+@contextlib.contextmanager
+def fake_app(llm, features=None):
+    """``llm``'s app served by uvicorn in a thread of this process: -> a :class:`Server`."""
+    import uvicorn
+
+    from m3_engine.server.app import create_app
+    from m3_engine.server.engine_client import EngineClient
+
+    app = create_app(EngineClient(llm, max_queue=8), served_model_name=[MODEL, ALIAS], api_key=KEY,
+                     features=features)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
@@ -706,13 +769,34 @@ def fake_server(model_dir):
         time.sleep(0.01)
     srv = Server(port=sock.getsockname()[1])
     srv.llm = llm
-    yield srv
-    uv.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive()
-    assert not app.state.m3.client.alive   # the lifespan stopped the engine thread
-    llm.close()
-    sock.close()
+    try:
+        yield srv
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive()
+        assert not app.state.m3.client.alive   # the lifespan stopped the engine thread
+        llm.close()
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def fake_server(model_dir):
+    """The app over a fake runner (no tool-call or reasoning parser)."""
+    with fake_app(fake_llm(model_dir, max_num_seqs=4, max_model_len=256, enable_prefix_caching=True)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def agent_server(model_dir):
+    """The app over a fake runner with chat's parsers: --enable-auto-tool-choice --tool-call-parser
+    minimax_m3 --reasoning-parser minimax_m3 (and room for a prompt with tools)."""
+    from m3_engine.server.chat import ChatFeatures
+
+    features = ChatFeatures(enable_auto_tool_choice=True, tool_call_parser="minimax_m3",
+                            reasoning_parser="minimax_m3")
+    with fake_app(fake_llm(model_dir, max_num_seqs=4, max_model_len=2048), features) as srv:
+        yield srv
 
 
 def test_failed_step_fails_its_requests_and_the_server_goes_on(fake_server):
@@ -835,6 +919,250 @@ def test_fake_context_limit_alias_version_ping_and_vllm_metrics(fake_server):
         assert m[vllm] == m[ours], (ours, vllm)
 
 
+# -- agents: tools, tool_choice, response_format, reasoning, n (fake runner) ----------------------------
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                                        "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                       "required": ["city", "days"]}}},
+    {"type": "function", "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+                       "required": ["zone"]}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def valid(arguments: dict, schema: dict) -> bool:
+    """``arguments`` fits one of TOOLS' parameter schemas (required keys, enums, integer bounds)."""
+    props = schema["properties"]
+    return set(arguments) <= set(props) and set(schema["required"]) <= set(arguments) and all(
+        (v in props[k]["enum"]) if "enum" in props[k] else
+        (isinstance(v, int) and props[k]["minimum"] <= v <= props[k]["maximum"]) for k, v in arguments.items())
+
+
+@contextlib.contextmanager
+def scripted(tok, text):
+    """The fake runner writes ``text`` (then eos) for every request while this lasts."""
+    FakeRunner.script, FakeRunner.bitmasks = tok.encode(text, add_special_tokens=False), []
+    try:
+        yield
+    finally:
+        FakeRunner.script = None
+
+
+def streamed(chunks, index=0) -> tuple:
+    """A chat stream's choice ``index`` -> (reasoning, content, tool_calls as (name, arguments dict), finish)."""
+    reasoning = content = ""
+    calls, finish = {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.index != index:
+                continue
+            delta = choice.delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                if d.id is not None:
+                    assert d.index not in calls and d.id.startswith("call_") and d.type == "function"
+                    calls[d.index] = [d.function.name, ""]
+                calls[d.index][1] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return reasoning, content, [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())], finish
+
+
+def whole(message) -> list:
+    assert all(t.id.startswith("call_") and t.type == "function" for t in message.tool_calls or [])
+    return [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls or []]
+
+
+def test_fake_auto_tool_calls_and_reasoning(agent_server, tok):
+    """tool_choice "auto" (the default with tools): M3's markup becomes tool_calls (two in one
+    message), the <mm:think> span reasoning_content, streamed or not alike; "none" leaves the
+    markup as content; an answer without calls keeps finish_reason "stop"."""
+    from m3_engine.tool_parser import NS, TOOL_CALL_END, TOOL_CALL_START, to_xml
+
+    calls = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "UTC"})]
+    markup = TOOL_CALL_START + "\n" + "".join(f'{NS}<invoke name="{name}">{to_xml(args)}{NS}</invoke>\n'
+                                              for name, args in calls) + TOOL_CALL_END
+    client = agent_server.client()
+    ask = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=400, temperature=0)
+    with scripted(tok, "<mm:think>Weather first.</mm:think>Checking." + markup):
+        answer = client.chat.completions.create(**ask)
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        plain = client.chat.completions.create(**ask, tool_choice="none")
+    c = answer.choices[0]
+    assert (c.message.reasoning_content, c.message.content, whole(c.message), c.finish_reason) == \
+        ("Weather first.", "Checking.", calls, "tool_calls")
+    assert streamed(chunks) == ("Weather first.", "Checking.", calls, "tool_calls")
+    assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]) >= 2
+    p = plain.choices[0]
+    assert (p.message.content, p.message.tool_calls, p.finish_reason) == ("Checking." + markup, None, "stop")
+    with scripted(tok, markup):   # only calls: content None
+        only = client.chat.completions.create(**ask).choices[0].message
+    assert only.content is None and whole(only) == calls and only.reasoning_content is None
+    with scripted(tok, "No tools needed."):
+        c = client.chat.completions.create(**ask).choices[0]
+    assert (c.message.content, c.message.tool_calls, c.finish_reason) == ("No tools needed.", None, "stop")
+    # a request's assistant tool_calls and tool results are rendered by the template
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    with scripted(tok, "It is noon."):
+        c = client.chat.completions.create(**{**ask, "messages": history}, extra_body={"return_token_ids": True})
+    prompt = tok.decode(c.prompt_token_ids, skip_special_tokens=False)
+    assert "<response>12:00</response>" in prompt and 'invoke name="get_time"' in prompt and "<tools>" in prompt
+    assert c.choices[0].message.content == "It is noon."
+    wait_idle(agent_server.port, timeout=10)
+
+
+def test_fake_required_and_named_tool_choice(agent_server, tok):
+    """"required" and a named function are enforced by structured outputs (a JSON array of
+    {name, parameters} / the parameters object): the walk of a random model through the mask gives
+    valid calls, streamed or not."""
+    client = agent_server.client()
+    ask = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=10)   # a seed whose walk ends
+    FakeRunner.bitmasks = []
+    required = client.chat.completions.create(**ask, tool_choice="required")
+    assert FakeRunner.bitmasks, "no structured-outputs bitmask reached the runner"
+    c = required.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    assert len(whole(c.message)) == 2 and all(valid(args, SCHEMAS[name]) for name, args in whole(c.message)), c
+    chunks = list(client.chat.completions.create(**ask, tool_choice="required", stream=True))
+    _, content, calls, finish = streamed(chunks)
+    assert (content, calls, finish) == ("", whole(c.message), "tool_calls")   # same seed: same answer
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    c = client.chat.completions.create(**ask, tool_choice=named).choices[0]
+    [(name, args)] = whole(c.message)
+    assert name == "get_weather" and valid(args, SCHEMAS[name]) and c.finish_reason == "stop"
+    assert c.message.content is None
+    _, content, calls, finish = streamed(list(client.chat.completions.create(**ask, tool_choice=named, stream=True)))
+    assert (content, calls, finish) == ("", [(name, args)], "stop")
+    # the scripted array of two calls: each element one call
+    text = '[{"name": "get_time", "parameters": {"zone": "CET"}}, {"name": "get_weather", "parameters": ' \
+           '{"city": "Rome", "days": 2}}]'
+    with scripted(tok, text):
+        c = client.chat.completions.create(**ask, tool_choice="required").choices[0]
+        _, _, calls, _ = streamed(list(client.chat.completions.create(**ask, tool_choice="required", stream=True)))
+    assert whole(c.message) == calls == [("get_time", {"zone": "CET"}), ("get_weather", {"city": "Rome", "days": 2})]
+    wait_idle(agent_server.port, timeout=10)
+
+
+def test_fake_response_format_and_structured_outputs(agent_server, tok):
+    """response_format json_schema / json_object, chat.completions.parse with a pydantic model,
+    vLLM's structured_outputs (chat and completions): the constraint reaches the engine and the
+    answers fit it."""
+    import pydantic
+
+    class Weather(pydantic.BaseModel):
+        city: str
+        days: int
+
+    client = agent_server.client()
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 5}},
+              "required": ["ok", "n"]}
+    FakeRunner.bitmasks = []
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, seed=3, response_format={
+        "type": "json_schema", "json_schema": {"name": "flags", "schema": schema, "strict": True}})
+    assert FakeRunner.bitmasks
+    value = json.loads(out.choices[0].message.content)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 5
+    with scripted(tok, '{"city": "Paris", "days": 4}'):
+        parsed = client.chat.completions.parse(model=MODEL, messages=MESSAGES, max_tokens=60, response_format=Weather)
+        obj = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60,
+                                             response_format={"type": "json_object"})
+        done = client.completions.create(model=MODEL, prompt="x", max_tokens=60,
+                                         extra_body={"response_format": {"type": "json_object"}})
+    assert parsed.choices[0].message.parsed == Weather(city="Paris", days=4)
+    assert json.loads(obj.choices[0].message.content) == json.loads(done.choices[0].text) == {"city": "Paris",
+                                                                                               "days": 4}
+    FakeRunner.bitmasks = []
+    yes_no = client.completions.create(model=MODEL, prompt="x", max_tokens=10, seed=5,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert yes_no.choices[0].text in ("yes", "no") and FakeRunner.bitmasks
+    digits = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, seed=5,
+                                            extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].message.content)
+    wait_idle(agent_server.port, timeout=10)
+
+
+def test_fake_n_choices(agent_server):
+    """n choices: own indexes, seeds seed + i (the fake's first token is 3 + seed % (vocab - 3)),
+    the prompt counted once in usage; streamed chunks carry their choice's index."""
+    client = agent_server.client()
+    vocab = agent_server.llm.config.vocab_size
+    ask = dict(model=MODEL, max_tokens=3, seed=100, n=3, extra_body={"ignore_eos": True, "return_token_ids": True})
+    chat = client.chat.completions.create(messages=MESSAGES, **ask)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert [c.token_ids[0] for c in chat.choices] == [3 + (100 + i) % (vocab - 3) for i in range(3)]
+    assert chat.usage.prompt_tokens == len(chat.prompt_token_ids) and chat.usage.completion_tokens == 9
+    done = client.completions.create(prompt=["a b", "c"], **ask)
+    assert [c.index for c in done.choices] == list(range(6))
+    assert [c.token_ids[0] for c in done.choices] == [3 + (100 + i % 3) % (vocab - 3) for i in range(6)]
+    assert done.usage.prompt_tokens == sum(len(c.prompt_token_ids) for c in done.choices[::3])
+    chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **{**ask, "n": 2}))
+    for i in range(2):
+        assert sum(len(getattr(ch.choices[0], "token_ids", None) or []) for ch in chunks
+                   if ch.choices[0].index == i) == 3
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].index == i][-1] == "length"
+    unseeded = client.completions.create(model=MODEL, prompt="a", max_tokens=3, n=2,
+                                         extra_body={"ignore_eos": True})
+    assert unseeded.choices[0].text != unseeded.choices[1].text
+    wait_idle(agent_server.port, timeout=10)
+
+
+AGENT_BAD = [
+    # (server, body, param, message)
+    ("agent", {"tools": TOOLS, "tool_choice": "maybe"}, "tool_choice", "expected"),
+    ("agent", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("agent", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not one of the tools"),
+    ("agent", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "nonsense"}}}}, "structured_outputs", "nonsense"),
+    ("agent", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ("agent", {"response_format": {"type": "xml"}}, "response_format", "xml"),
+    ("agent", {"structured_outputs": {"regex": "("}}, "structured_outputs", "parenthesis"),
+    ("agent", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ("agent", {"structured_outputs": {"pattern": "a"}}, "structured_outputs", "unknown field"),
+    ("agent", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs", "cannot be combined"),
+    ("agent", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "cannot be combined"),
+    ("agent", {"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    ("plain", {"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
+    ("plain", {"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
+]
+
+
+def test_fake_agent_bad_requests(agent_server, fake_server):
+    """Bad tools / tool_choice / response_format / structured_outputs: a 400 naming the field; "auto"
+    without --enable-auto-tool-choice is vLLM's 400; tool_choice "none" needs no flag."""
+    for which, body, param, message in AGENT_BAD:
+        srv = agent_server if which == "agent" else fake_server
+        status, got = call(srv.port, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, **body})
+        check_error(status, got, 400, "invalid_request_error", param)
+        assert message in got["error"]["message"], (body, got)
+    status, got = call(agent_server.port, "POST", "/v1/completions",
+                       {"prompt": "x", "structured_outputs": {"regex": "("}})
+    check_error(status, got, 400, None, "structured_outputs")
+    status, got = call(fake_server.port, "POST", "/v1/chat/completions",
+                       {"messages": MESSAGES, "max_tokens": 2, "tools": TOOLS[:1], "tool_choice": "none"})
+    assert status == 400 and got["error"]["code"] == "context_length_exceeded"   # the tools' prompt: rendered
+    wait_idle(agent_server.port, timeout=10)
+
+
+def test_fake_llm_chat_renders_tools(model_dir):
+    llm = fake_llm(model_dir, max_num_seqs=2, max_model_len=2048)
+    try:
+        [out] = llm.chat(MESSAGES, SamplingParams(max_tokens=1), tools=TOOLS, use_tqdm=False)
+    finally:
+        llm.close()
+    assert "<tools>" in out.prompt and '"name": "get_time"' in out.prompt
+
+
 def test_cli_flags():
     from m3_engine.args import EngineArgs, engine_options
     from m3_engine.server.cli import build_parser
@@ -843,9 +1171,12 @@ def test_cli_flags():
         "DIR", "--framework", "jax", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k",
         "--served-model-name", "a", "b", "--max-num-seqs", "4", "--max-model-len", "1024", "--dtype", "bfloat16",
         "--kv-cache-dtype", "fp8", "--index-cache-dtype", "fp8", "-tp", "2", "--max-queue", "7",
-        "--enable-prefix-caching", "--chat-template", "t.jinja"])
+        "--enable-prefix-caching", "--chat-template", "t.jinja", "--enable-auto-tool-choice", "--tool-call-parser",
+        "minimax_m3", "--reasoning-parser", "minimax_m3"])
     assert (args.framework, args.host, args.port, args.api_key, args.served_model_name, args.max_queue,
             args.chat_template) == ("jax", "0.0.0.0", 9000, "k", ["a", "b"], 7, "t.jinja")
+    assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser) == (True, "minimax_m3",
+                                                                                            "minimax_m3")
     options = engine_options(args)
     assert options["max_num_seqs"] == 4 and options["max_model_len"] == 1024 and options["dtype"] == "bfloat16"
     assert options["kv_cache_dtype"] == options["index_cache_dtype"] == "fp8"
@@ -861,6 +1192,9 @@ def test_cli_flags():
     (["/nonexistent/m3"], r"^error: MODEL_DIR: /nonexistent/m3 has no config.json"),
     (["{m}", "--max-num-seqs", "0"], r"^error: --max-num-seqs: expected an int >= 1, got 0$"),
     (["{m}", "--quantization", "fp8"], r"^error: --quantization: expected None"),
+    (["{m}", "--tool-call-parser", "hermes"], r"^error: argument --tool-call-parser: invalid choice: 'hermes'"),
+    (["{m}", "--reasoning-parser", "r1"], r"^error: argument --reasoning-parser: invalid choice: 'r1'"),
+    (["{m}", "--enable-auto-tool-choice"], r"^error: --enable-auto-tool-choice: needs --tool-call-parser"),
 ])
 def test_bad_command_line_is_one_error_line(model_dir, capsys, argv, message):
     from m3_engine.server.cli import main

@@ -15,17 +15,18 @@
   and used pages are all 0.
 
 Request fields: OpenAI's ``model``, ``prompt`` (a string, a list of strings,
-token ids, a list of token-id lists: one choice per prompt), ``messages``,
+token ids, a list of token-id lists: ``n`` choices per prompt), ``messages``,
 ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
 ``stop``, ``logprobs`` / ``top_logprobs``, ``presence_penalty``,
-``frequency_penalty``, ``n`` (1 only), ``echo``, ``stream``, ``stream_options``;
-and vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``return_token_ids`` (each choice / chunk gets
-``token_ids``, and ``prompt_token_ids``), ``add_generation_prompt`` (chat).
+``frequency_penalty``, ``n``, ``echo``, ``stream``, ``stream_options``,
+``response_format``, ``tools``, ``tool_choice`` (chat); and vLLM's extensions
+``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``return_token_ids``
+(each choice / chunk gets ``token_ids``, and ``prompt_token_ids``),
+``structured_outputs``, ``add_generation_prompt`` (chat). Tools, tool choice,
+constrained output and the reasoning split: ``m3_engine.server.chat``.
 Unknown fields are ignored; fields this engine cannot honour (``logit_bias``,
-``best_of`` > 1, ``suffix``, ``tools``, ``response_format`` other than text, ...)
-are a 400.
+``best_of`` > 1, ``suffix``, ``functions``, ...) are a 400.
 
 Semantics worth knowing:
 
@@ -41,6 +42,10 @@ Semantics worth knowing:
   names none).
 * ``usage.prompt_tokens_details.cached_tokens``: the prompt tokens the prefix
   cache served (``--enable-prefix-caching``; else 0).
+* ``n``: each choice is a request of its own (``choices[i].index`` = i; with several prompts,
+  prompt 0's choices first); a seeded request's choice ``i`` samples with ``seed + i``
+  (vLLM's rule). The prompt is tokenized once and counted once in ``usage``; its KV is
+  computed by each choice unless ``--enable-prefix-caching`` shares its full blocks.
 * ``echo`` (completions) puts the prompt text before the completion; with
   ``logprobs`` it is a 400 (the engine computes no prompt logprobs). In chat,
   ``echo`` puts the last message's content first when that message is the
@@ -90,6 +95,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling_params import SamplingParams
+from ..structured_outputs import StructuredOutputsParams
+from .chat import ChatFeatures, ChoiceOutput, merge_deltas, structured_outputs, tool_choice
 from .engine_client import EngineClient, Sink
 from .metrics import render_metrics
 
@@ -106,6 +113,7 @@ class _Server:
     client: EngineClient
     model_names: list
     api_key: Optional[str]
+    features: ChatFeatures
     in_flight: int = 0
 
     @property
@@ -165,15 +173,18 @@ class _Server:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def create_app(client: EngineClient, *, served_model_name=None, api_key: Optional[str] = None) -> FastAPI:
+def create_app(client: EngineClient, *, served_model_name=None, api_key: Optional[str] = None,
+               features: Optional[ChatFeatures] = None) -> FastAPI:
     """The FastAPI app over ``client``. Its lifespan starts the client's engine thread and stops it.
 
     served_model_name: the name, or list of names, requests may use (default: the model folder).
     api_key:           when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
                        ``Authorization: Bearer <api_key>``.
+    features:          chat's tool-call and reasoning parsers (``m3_engine.server.chat``; default: none).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    server = _Server(client=client, model_names=names or [str(client.model_dir)], api_key=api_key or None)
+    server = _Server(client=client, model_names=names or [str(client.model_dir)], api_key=api_key or None,
+                     features=features or ChatFeatures())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -388,21 +399,27 @@ def _check_unsupported(body: BaseModel, fields: dict) -> None:
 
 
 def _sampling_params(server: "_Server", body: GenerationRequest, *, max_tokens: int, logprobs: Optional[int],
-                     rename: dict) -> SamplingParams:
-    """The request's ``SamplingParams``, with only the fields it sets (the engine gives the others the
-    model's ``generation_config.json`` values, as for ``LLM.generate``)."""
-    if body.n is not None and body.n != 1:
-        raise bad(f"n: only n=1 is supported, got {body.n}", "n")
+                     rename: dict, constraint: Optional[StructuredOutputsParams] = None,
+                     skip_special_tokens: Optional[bool] = None) -> list:
+    """The ``SamplingParams`` of the request's ``n`` choices, with only the fields it sets (the engine
+    gives the others the model's ``generation_config.json`` values, as for ``LLM.generate``). A
+    seeded request's choice ``i`` samples with ``seed + i`` (vLLM's rule), so that its choices differ."""
+    n = 1 if body.n is None else body.n
+    if n < 1:
+        raise bad(f"n: expected an int >= 1, got {n}", "n")
     kwargs = dict(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=body.ignore_eos,
                   include_stop_str_in_output=body.include_stop_str_in_output,
-                  skip_special_tokens=body.skip_special_tokens)
+                  skip_special_tokens=body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+                  structured_outputs=constraint)
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(body, name)
         if value is not None:
             kwargs[name] = value
     try:
-        return SamplingParams(**kwargs)
+        if body.seed is None:
+            return [SamplingParams(**kwargs)] * n
+        return [SamplingParams(**{**kwargs, "seed": body.seed + i}) for i in range(n)]
     except (ValueError, TypeError) as e:
         param = param_of(e, rename)
         raise bad(str(e) if param is None or param == param_of(e) else f"{param}{str(e)[len(param_of(e)):]}",
@@ -423,11 +440,13 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _usage(outputs: list) -> dict:
-    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+def _usage(outputs: list, n: int) -> dict:
+    """OpenAI's usage of ``n`` choices per prompt: each prompt counted once (its choices share it);
+    ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served."""
+    prompts = outputs[::n]
+    prompt = sum(len(o.prompt_token_ids) for o in prompts)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    cached = sum(o.num_cached_tokens for o in outputs)
+    cached = sum(o.num_cached_tokens for o in prompts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -484,15 +503,15 @@ def _messages(messages: list) -> list:
     return out
 
 
-def _chat_prompt(server: _Server, messages: list, add_generation_prompt: bool) -> tuple:
-    """-> (prompt text, prompt ids) of a conversation, with the chat template (``--chat-template``'s,
-    else the model's)."""
+def _chat_prompt(server: _Server, messages: list, add_generation_prompt: bool, tools=None) -> tuple:
+    """-> (prompt text, prompt ids) of a conversation (and its OpenAI ``tools``), with the chat template
+    (``--chat-template``'s, else the model's)."""
     if server.tokenizer is None:
         raise bad("messages: this model has no tokenizer.json (chat needs one); use /v1/completions with token ids",
                   "messages")
     try:
         text = server.tokenizer.apply_chat_template(_messages(messages), chat_template=server.client.chat_template,
-                                                    add_generation_prompt=add_generation_prompt)
+                                                    add_generation_prompt=add_generation_prompt, tools=tools)
     except APIError:
         raise
     except Exception as e:   # jinja2's errors, raise_exception() of the template, our own checks
@@ -507,19 +526,23 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
     arrival = time.time()
     model = server.model_name(body.model)
     _check_unsupported(body, {"best_of": lambda v: v == 1, "suffix": lambda v: v == "",
-                              "logit_bias": lambda v: not v})
+                              "logit_bias": lambda v: not v, "prompt_logprobs": lambda v: False})
     include_usage = _stream_flags(body)
     if body.echo and body.logprobs is not None:
         raise bad("echo with logprobs: not supported (this engine computes no prompt logprobs)", "echo")
+    constraint = structured_outputs(body.response_format, body.structured_outputs)
     prompts = _completion_prompts(server, body.prompt)
     base = f"cmpl-{uuid.uuid4().hex}"
-    items = []
-    for i, (text, ids) in enumerate(prompts):
+    items, echo = [], []   # one per choice: prompt 0's n choices, then prompt 1's, ... (vLLM's order)
+    for text, ids in prompts:
         params = _sampling_params(server, body, max_tokens=server.max_tokens(body.max_tokens, len(ids), "max_tokens"),
-                                  logprobs=body.logprobs, rename={})
-        items.append((f"{base}-{i}", {"prompt_token_ids": ids, "prompt": text}, params))
-    echo = [((text if text is not None else (server.tokenizer.decode(ids) if server.tokenizer else ""))
-             if body.echo else "") for text, ids in prompts]
+                                  logprobs=body.logprobs, rename={}, constraint=constraint)
+        shown = ((text if text is not None else (server.tokenizer.decode(ids) if server.tokenizer else ""))
+                 if body.echo else "")
+        for p in params:
+            items.append((f"{base}-{len(items)}", {"prompt_token_ids": ids, "prompt": text}, p))
+            echo.append(shown)
+    n = len(items) // len(prompts)
     job = _Job(server, [r for r, _, _ in items])
     await job.start(items, arrival)
     created = int(arrival)
@@ -549,7 +572,7 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             **choice_extras(out, 0)})
         return {"id": base, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(outs)}
+                "choices": choices, "usage": _usage(outs, n)}
 
     async def events():
         sent_text = [0] * len(items)
@@ -583,38 +606,46 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
                 yield _sse(chunk)
         if include_usage:
             yield _sse({"id": base, "object": "text_completion", "created": created, "model": model,
-                        "choices": [], "usage": _usage([job.outputs[r] for r in job.request_ids])})
+                        "choices": [], "usage": _usage([job.outputs[r] for r in job.request_ids], n)})
 
     return _EventStream(_events_then_done(events(), job), on_close=job.close)
+
 
 # -- chat ------------------------------------------------------------------------------------------------
 
 async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
     arrival = time.time()
     model = server.model_name(body.model)
-    _check_unsupported(body, {
-        "logit_bias": lambda v: not v, "tools": lambda v: not v, "functions": lambda v: not v,
-        "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
-        "response_format": lambda v: v.get("type") == "text"})
+    _check_unsupported(body, {"logit_bias": lambda v: not v, "functions": lambda v: not v,
+                              "function_call": lambda v: v == "none", "prompt_logprobs": lambda v: False})
     include_usage = _stream_flags(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad("top_logprobs: needs logprobs=true", "top_logprobs")
     n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    text, ids = _chat_prompt(server, body.messages, body.add_generation_prompt)
+    tools = tool_choice(body.tools, body.tool_choice, server.features)
+    constraint = structured_outputs(body.response_format, body.structured_outputs, tools)
+    text, ids = _chat_prompt(server, body.messages, body.add_generation_prompt, tools.tools)
     server.check_ids(ids, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     rename = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
     params = _sampling_params(server, body, max_tokens=server.max_tokens(requested, len(ids), max_tokens_param),
-                              logprobs=n_logprobs, rename=rename)
+                              logprobs=n_logprobs, rename=rename, constraint=constraint,
+                              skip_special_tokens=False if ChoiceOutput.parses_text(tools, server.features) else None)
+    readers = [ChoiceOutput(tools, server.features, text) for _ in params]   # one per choice
     echo = ""
     last = body.messages[-1]
     if body.echo and last.get("role") == "assistant":
         echo = _messages([last])[0].get("content") or ""
     base = f"chatcmpl-{uuid.uuid4().hex}"
-    job = _Job(server, [base])
-    await job.start([(base, {"prompt_token_ids": ids, "prompt": text}, params)], arrival)
+    request_ids = [f"{base}-{i}" for i in range(len(params))]
+    job = _Job(server, request_ids)
+    await job.start([(r, {"prompt_token_ids": ids, "prompt": text}, p) for r, p in zip(request_ids, params)],
+                    arrival)
     created = int(arrival)
+
+    def answer_text(reader: ChoiceOutput, c) -> str:
+        return _without_stop_token(server, c) if reader.parses else c.text
 
     if not body.stream:
         try:
@@ -622,55 +653,81 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
                 return APIError(499, "the client closed the connection").response()
         finally:
             job.close()
-        out = job.outputs[base]
-        c = out.outputs[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": echo + c.text},
-                  "logprobs": None if n_logprobs is None else
-                  {"content": _chat_logprobs(server, c.token_ids, c.logprobs, n_logprobs)},
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if body.return_token_ids:
-            choice["token_ids"] = c.token_ids
+        outs = [job.outputs[r] for r in request_ids]
+        choices = []
+        for i, (out, reader) in enumerate(zip(outs, readers)):
+            c = out.outputs[0]
+            message, finish_reason = reader.message(answer_text(reader, c), c.finish_reason)
+            if echo:
+                message["content"] = echo + (message["content"] or "")
+            choice = {"index": i, "message": message,
+                      "logprobs": None if n_logprobs is None else
+                      {"content": _chat_logprobs(server, c.token_ids, c.logprobs, n_logprobs)},
+                      "finish_reason": finish_reason, "stop_reason": c.stop_reason}
+            if body.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
         response = {"id": base, "object": "chat.completion", "created": created, "model": model,
-                    "choices": [choice], "usage": _usage([out])}
+                    "choices": choices, "usage": _usage(outs, len(outs))}
         if body.return_token_ids:
-            response["prompt_token_ids"] = out.prompt_token_ids
+            response["prompt_token_ids"] = outs[0].prompt_token_ids
         return response
 
-    def chunk(delta: dict, *, finish=None, logprobs=None, extra=None) -> str:
+    def chunk(index: int, delta: dict, *, finish=None, logprobs=None, extra=None) -> str:
         c = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                           **(extra or {})}]}
         if include_usage:
             c["usage"] = None
         return _sse(c)
 
     async def events():
-        sent_text = sent_tokens = 0
-        yield chunk({"role": "assistant", "content": ""})
-        if echo:
-            yield chunk({"content": echo})
+        sent_text = [0] * len(readers)
+        sent_tokens = [0] * len(readers)
+        for i in range(len(readers)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+            if echo:
+                yield chunk(i, {"content": echo})
         while not job.done:
             for out in await job.updates():
-                c = out.outputs[0]
-                new_tokens = c.token_ids[sent_tokens:]
-                delta = c.text[sent_text:]
-                if not new_tokens and not delta and not out.finished:
+                i = job.index[out.request_id]
+                reader, c = readers[i], out.outputs[0]
+                new_tokens = c.token_ids[sent_tokens[i]:]
+                answer = answer_text(reader, c)
+                if not new_tokens and len(answer) == sent_text[i] and not out.finished:
                     continue
+                delta = reader.feed(answer[sent_text[i]:])
+                finish = None
+                if out.finished:
+                    last, finish = reader.finish(c.finish_reason)
+                    delta = merge_deltas(delta, last)
                 logprobs = None if n_logprobs is None else \
-                    {"content": _chat_logprobs(server, new_tokens, c.logprobs[sent_tokens:], n_logprobs)}
+                    {"content": _chat_logprobs(server, new_tokens, c.logprobs[sent_tokens[i]:], n_logprobs)}
                 extra = {"token_ids": new_tokens} if body.return_token_ids else {}
                 if out.finished:
                     extra["stop_reason"] = c.stop_reason
-                sent_text, sent_tokens = len(c.text), len(c.token_ids)
-                yield chunk({"content": delta} if delta or not out.finished else {},
-                            finish=c.finish_reason if out.finished else None, logprobs=logprobs, extra=extra)
+                sent_text[i], sent_tokens[i] = len(answer), len(c.token_ids)
+                if not delta and not out.finished and logprobs is None and not extra:
+                    continue   # text the parser holds back (a tag still arriving)
+                yield chunk(i, delta, finish=finish, logprobs=logprobs, extra=extra)
         if include_usage:
+            outs = [job.outputs[r] for r in request_ids]
             yield _sse({"id": base, "object": "chat.completion.chunk", "created": created,
-                        "model": model, "choices": [], "usage": _usage([job.outputs[base]])})
+                        "model": model, "choices": [], "usage": _usage(outs, len(outs))})
 
     return _EventStream(_events_then_done(events(), job), on_close=job.close)
 
 
+def _without_stop_token(server: _Server, c) -> str:
+    """A choice's text without the text of the stop token that ended it (an eos or a
+    ``stop_token_ids`` id, decoded when special tokens are kept), as vLLM's detokenizer leaves it out."""
+    if c.finish_reason != "stop" or not c.token_ids or isinstance(c.stop_reason, str):
+        return c.text
+    last = c.token_ids[-1]
+    if last != c.stop_reason and last not in server.client.eos_token_ids:
+        return c.text
+    piece = server.token_text(last)
+    return c.text[:len(c.text) - len(piece)] if piece and c.text.endswith(piece) else c.text
 
 
 async def _events_then_done(events, job: "_Job"):

@@ -6,7 +6,9 @@
 The engine flags are ``m3-generate``'s (``m3_engine.args.add_engine_flags``: one per
 ``EngineArgs`` field, vLLM's names and defaults); the server's own are ``--framework``,
 ``--host``, ``--port``, ``--api-key``, ``--served-model-name``, ``--chat-template``,
-``--max-queue``, ``--shutdown-timeout``, ``--log-level``, ``--no-access-log``. A bad command
+``--enable-auto-tool-choice``, ``--tool-call-parser``, ``--reasoning-parser`` (vLLM's; see
+``m3_engine.server.chat``), ``--max-queue``, ``--shutdown-timeout``, ``--log-level``,
+``--no-access-log``. A bad command
 line, a model folder without config.json, a port that cannot be bound or an engine option the
 engine refuses is one ``error: ...`` line on stderr and exit status 2.
 
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from ..args import ArgumentParser, EngineArgs, UsageError, add_engine_flags, engine_flags, engine_options, flag_message
 from .app import create_app
+from .chat import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatFeatures
 from .engine_client import DEFAULT_MAX_QUEUE, EngineClient
 
 __all__ = ["main", "build_parser"]
@@ -59,6 +62,13 @@ def build_parser() -> ArgumentParser:
                    help="the model name(s) requests use and /v1/models lists (default: MODEL_DIR)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file that replaces the model folder's (chat completions, /tokenize)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default when a request has tools): the model decides to call tools, '
+                   "its tool-call markup parsed into tool_calls (needs --tool-call-parser)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the model's tool-call format (MiniMax-M3's markup: minimax_m3)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split the model's thinking into reasoning_content (MiniMax-M3's <mm:think>: minimax_m3)")
     p.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE,
                    help=f"waiting requests beyond which new ones get a 503 (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
@@ -124,6 +134,10 @@ def _serve(args) -> int:
         EngineArgs(args.model, **options).check()
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise UsageError(flag_message(str(e), engine_flags())) from None
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UsageError("--enable-auto-tool-choice: needs --tool-call-parser (e.g. --tool-call-parser minimax_m3)")
+    features = ChatFeatures(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     chat_template = None
     if args.chat_template is not None:
         try:
@@ -148,7 +162,7 @@ def _serve(args) -> int:
             raise UsageError(flag_message(str(e), engine_flags())) from None
         client = EngineClient(llm, max_queue=args.max_queue, chat_template=chat_template)
         app = create_app(client, served_model_name=args.served_model_name or [str(args.model)],
-                         api_key=args.api_key)
+                         api_key=args.api_key, features=features)
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 30, lifespan="on")
         server = _uvicorn_server(config, client=client, grace=args.shutdown_timeout)

@@ -85,6 +85,7 @@ class EngineClient:
         self.tokenizer = llm.tokenizer
         self.max_model_len: int = llm.max_model_len
         self.vocab_size: int = llm.config.vocab_size
+        self.eos_token_ids = frozenset(llm.config.eos_token_ids)
         self.model_dir = llm.args.model_dir
         self.framework: Optional[str] = getattr(llm, "framework", None)
         self.generation_defaults: dict = llm.engine.generation_defaults

@@ -45,8 +45,9 @@ def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -
 
 
 def param_of(error: Exception, rename: Optional[dict] = None) -> Optional[str]:
-    """The field an engine error names (``"temperature: expected ..."`` -> ``"temperature"``)."""
-    head = str(error).split(":", 1)[0].split("[", 1)[0].strip()
+    """The field an engine error names (``"temperature: expected ..."`` -> ``"temperature"``,
+    ``"structured_outputs.json: ..."`` -> ``"structured_outputs"``)."""
+    head = str(error).split(":", 1)[0].split("[", 1)[0].split(".", 1)[0].strip()
     if not head.isidentifier():
         return None
     return (rename or {}).get(head, head)
@@ -85,6 +86,10 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    prompt_logprobs: Optional[int] = None
+    # constrained output (m3_engine.server.chat): OpenAI's, and vLLM's {json|regex|choice|grammar|json_object}
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -108,7 +113,6 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Optional[Any] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
 
 
 class TokenizeRequest(BaseModel):
