@@ -11,7 +11,7 @@
 #   bash benchmarks/device_check.sh grid OLD     # quick grid of checkout OLD, then of this one (same call)
 #   bash benchmarks/device_check.sh cute-stage   # CuTeDSL, call 1 (carry .whl-cute1): park the first wheels in /tmp/cute
 #   bash benchmarks/device_check.sh cutedsl      # CuTeDSL, call 2 within 30 s (carry .whl, .whl-cute2): install,
-#                                                #   pytest tests/test_cutedsl.py -m gpu, then benchmarks.indexer --quick
+#                                                #   pytest tests/ops/test_cutedsl.py -m gpu, then benchmarks.indexer --quick
 #   bash benchmarks/device_check.sh tp           # 2 GPUs: tensor-parallel GPU tests, then e2e.py --tp 2
 #   bash benchmarks/device_check.sh fp8          # benchmarks.fp8: the decode grid with FP8 caches beside bf16
 #   bash benchmarks/device_check.sh profile "ARGS" ...  # Nsight Compute on one msa_decode per ARGS
@@ -44,7 +44,7 @@ case "${1:-tests}" in
   tp)
     source benchmarks/device_env.sh
     python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 --timeout-method thread -rs -s \
-      tests/test_tp_torch.py tests/test_tp_jax.py 2>&1 | tee "$OUT/tp-tests.log" | tail -25
+      tests/model/test_tp_torch.py tests/model/test_tp_jax.py 2>&1 | tee "$OUT/tp-tests.log" | tail -25
     python3 -m benchmarks.e2e --tp 2 --out "$OUT/e2e-tp" 2>&1 | tee "$OUT/e2e-tp.log" | tail -40 ;;
   jax)
     source benchmarks/device_env.sh
@@ -75,7 +75,7 @@ case "${1:-tests}" in
   cutedsl)
     source benchmarks/device_env.sh
     python3 -c "import importlib.metadata as m, cutlass.cute; print('nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'))"
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cutedsl.py 2>&1 | tee "$OUT/cutedsl-tests.log" | tail -30
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_cutedsl.py 2>&1 | tee "$OUT/cutedsl-tests.log" | tail -30
     python3 -m benchmarks.indexer --quick --budget-s "${BUDGET_S:-240}" --out "$OUT/indexer" \
       2>&1 | tee "$OUT/indexer.log" | tail -40 ;;
 esac

@@ -225,7 +225,7 @@ def _scalar_index():
         scope.set_attr(tensor, "__index__", _tensor_index)
 
     patch_lang_tensor._m3_scalar_index = True
-    patch_lang_tensor.__wrapped__ = original   # Triton's own (tests/test_packaging.py restores it)
+    patch_lang_tensor.__wrapped__ = original   # Triton's own (tests/project/test_packaging.py restores it)
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 

@@ -148,7 +148,7 @@ class _LeanKernels:
     ``gpu/triton_kernels.cc``). On an H200's host that cost 5.7 us a launch with a 1.5 KB payload and
     13.7 us with 41 KB (docs/PERF.md, "The JAX launch path: payloads"), and the sparse attention kernel's payload was 41 KB:
     PTX with line info (25 KB compressed) and the TTIR (16 KB), which jaxlib only stores. Lean: 19 KB.
-    The machine code is the same (``tests/test_codegen.py`` compares ptxas' SASS of both PTX texts)."""
+    The machine code is the same (``tests/ops/test_codegen.py`` compares ptxas' SASS of both PTX texts)."""
 
     def __init__(self, lib):
         self.lib = lib
@@ -162,7 +162,7 @@ class _LeanKernels:
 
 def lean_ptx(ptx: str) -> str:
     """``ptx`` without what only a debugger reads: ``.loc`` / ``.file`` lines, ``.debug_*`` sections and
-    whole-line comments. ptxas makes the same instructions from it (tests/test_codegen.py)."""
+    whole-line comments. ptxas makes the same instructions from it (tests/ops/test_codegen.py)."""
     out, in_section = [], False
     for line in ptx.splitlines(keepends=True):
         words = line.split(maxsplit=2)

@@ -20,7 +20,7 @@ spends its time (the shared Triton kernels, ``m3_torch.fused``,
 On the CPU the attention kernels run in Triton's interpreter, but the norms,
 RoPE, router and experts are the same math in torch ops (``write_cache`` for
 the cache rows, ``grouped_mm`` for the experts): their interpreted kernels
-cost 25-110 ms a call. tests/test_fused_ops.py and tests/test_moe.py check the
+cost 25-110 ms a call. tests/ops/test_fused_ops.py and tests/ops/test_moe.py check the
 kernels against these ops.
 
 No step synchronises with the host, so decode steps are captured in CUDA

@@ -1,4 +1,4 @@
-"""For test files that are not parametrized over targets (tests/targets.py): JAX on its CPU device.
+"""For test files that are not parametrized over targets (tests/helpers/targets.py): JAX on its CPU device.
 
 Import ``_jax_device`` (an autouse fixture) into a test module and its tests not
 marked ``gpu`` run JAX on the CPU device, also on a GPU machine (where torch's

@@ -33,7 +33,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = {"m3_kernels": ROOT / "kernels", "m3_engine": ROOT / "m3_engine", "m3_torch": ROOT / "m3_torch",
             "m3_jax": ROOT / "m3_jax"}
 # the third-party frameworks, and the framework each belongs to

@@ -1,4 +1,4 @@
-"""FP8 caches (SPEC.md, "FP8 caches") beyond the op grids of tests/cases.py: the bytes cache
+"""FP8 caches (SPEC.md, "FP8 caches") beyond the op grids of tests/helpers/cases.py: the bytes cache
 writes store, how scales reach the kernels, and what FP8 index keys do to block selection.
 
 Every op with every cache-dtype mix is in the shared case list (the ``fp8_*`` cases run
@@ -314,7 +314,7 @@ def top16_overlap(context: int, num_queries: int, scores_of) -> float:
 @pytest.mark.parametrize("context", [32768, 131072])
 def test_e4m3_index_keys_keep_the_bf16_top16(context):
     """Quantising index keys to e4m3 keeps >= 14 of the 16 best blocks on average (float32 scores,
-    as the indexer computes them: tests/test_index_scores.py holds the kernel to these)."""
+    as the indexer computes them: tests/ops/test_index_scores.py holds the kernel to these)."""
     def scores_of(queries, keys):
         return torch.einsum("qd,bnd->qbn", queries.float(), keys.float()).amax(-1)
 

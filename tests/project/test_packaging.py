@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # numpy < 2.4 warns on int() of an array with ndim > 0 (this message); numpy >= 2.4 raises TypeError
 ARRAY_TO_SCALAR = "Conversion of an array with ndim > 0"
 

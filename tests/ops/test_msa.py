@@ -321,7 +321,7 @@ def test_jax_ffi_launch_runs_inside_xla_command_buffers(monkeypatch):
             assert_same_bits(to_torch(got), want.cpu())
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_conversion_pass=3")
     probe = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_PROBE], env=env, capture_output=True, text=True,
-                           timeout=240, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                           timeout=240, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert probe.returncode == 0, probe.stderr[-3000:]
     created = [line for line in probe.stderr.splitlines() if "Creating command buffer thunk" in line]
     assert sum(line.count("m3_triton_kernel_call") for line in created) == kernels, probe.stderr[-3000:]

@@ -3,7 +3,7 @@
 CPU, float32, the tiny random checkpoint of ``m3_engine.tiny_model`` (layer 0
 dense attention + dense MLP, layers 1-3 MSA + MoE, top-2 blocks of 128: the
 selection matters from 257 tokens on). The reference is
-``MiniMaxM3VLForCausalLM`` with eager attention (tests/hf_reference.py, shared
+``MiniMaxM3VLForCausalLM`` with eager attention (tests/helpers/hf_reference.py, shared
 with the torch and cross-framework tests). Tokens are compared up to the first
 step whose reference top-2 margin is below 1e-3 (a near-tie tests nothing).
 

@@ -2,7 +2,7 @@
 
 ``grid(cases)`` parametrizes a test over cases and targets (gpu targets carry
 ``pytest.mark.gpu``; GPU-only cases get no interpreter target). ``run(target,
-op, case)`` runs one public op on a case's inputs (tests/cases.py) and returns
+op, case)`` runs one public op on a case's inputs (tests/helpers/cases.py) and returns
 the outputs as CPU torch tensors; it is memoized, so the float64 references,
 and the torch run that a JAX run must equal bit for bit, are computed once per
 session whichever test asks first.

@@ -286,7 +286,7 @@ def test_tiny_checkpoint_options(tmp_path):
         write_tiny_checkpoint(tmp_path, vocab_size=100)
 
 
-# -- tests/hf_reference.py (the model tests' reference) -------------------------------------
+# -- tests/helpers/hf_reference.py (the model tests' reference) -------------------------------------
 
 def test_reference_is_the_same_model_from_both_forms(tiny, hf):
     import hf_reference

@@ -48,7 +48,7 @@ from m3_engine.tokenizer import Tokenizer                               # noqa: 
 
 pytestmark = pytest.mark.xdist_group("serve")   # one worker for the module under --dist loadgroup
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = "test-key"
 MODEL = "tiny"
 ALIAS = "tiny-alias"   # the fake server's second served name
