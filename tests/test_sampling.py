@@ -383,6 +383,38 @@ def test_rows_that_allow_one_token_or_none(framework):
     np.testing.assert_array_equal(lse[6:], inputs["logits"][np.arange(6, 12), tokens[6:]])
 
 
+@pytest.mark.parametrize("framework", ("torch", "jax"))
+def test_runners_sample_with_the_step_token_bitmask(framework):
+    """The runners' sampling of a step (``sample_logits``): SamplingBatch.token_bitmask reaches the kernel,
+    and the top-N logprobs and ranks are over the allowed tokens, like the sampled token's logprob."""
+    from m3_engine.runner import SamplingBatch
+    inputs = masked_inputs(34, 6, 100)
+    batch = SamplingBatch(**{k: v for k, v in inputs.items() if k != "logits"}, num_logprobs=3)
+    if framework == "torch":
+        from m3_torch.runner import sample_logits
+        out = sample_logits(torch.from_numpy(inputs["logits"]), batch)
+        out = {k: getattr(out, k) for k in ("tokens", "logprobs", "top_ids", "top_logprobs", "ranks")}
+    else:
+        from m3_jax.runner import sample_logits
+        from m3_jax.sampling import seed_words
+        arrays = {k: jnp.asarray(seed_words(v) if k == "seeds" else v) for k, v in inputs.items() if k != "logits"}
+        step = jax.jit(sample_logits, static_argnums=2)   # as the runner calls it: inside its jitted step
+        out = {k: np.asarray(v) for k, v in step(jnp.asarray(inputs["logits"]), arrays, 3).items()}
+    tokens = out["tokens"]
+    ref = reference(inputs)
+    greedy = inputs["temperature"] <= 0
+    np.testing.assert_array_equal(tokens[greedy], ref["greedy"][greedy])
+    assert ref["kept"][np.arange(6), tokens].all() and np.isfinite(ref["raw"][np.arange(6), tokens]).all()
+    np.testing.assert_allclose(out["logprobs"], ref["raw"][np.arange(6), tokens] - ref["lse"], rtol=1e-5, atol=1e-5)
+    order = np.argsort(-ref["raw"], axis=1, kind="stable")[:, :3]
+    np.testing.assert_array_equal(out["top_ids"], order)
+    assert np.isfinite(np.take_along_axis(ref["raw"], order, axis=1)).all()   # three allowed tokens at least
+    np.testing.assert_allclose(out["top_logprobs"], np.take_along_axis(ref["raw"], order, axis=1) - ref["lse"][:, None],
+                               rtol=1e-5, atol=1e-5)
+    chosen = ref["raw"][np.arange(6), tokens]
+    np.testing.assert_array_equal(out["ranks"], (ref["raw"] > chosen[:, None]).sum(axis=1) + 1)
+
+
 # -- arguments ---------------------------------------------------------------------------------------
 
 BAD = [
