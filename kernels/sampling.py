@@ -1,8 +1,12 @@
-"""Token sampling: penalties, temperature, top-k / top-p / min-p, one Gumbel-max draw per row.
+"""Token sampling: a token bitmask, penalties, temperature, top-k / top-p / min-p, one Gumbel-max draw per row.
 
 One program per row of logits (``BLOCK_R`` rows in the interpreter, whose cost
 is per program), looping over the vocabulary in chunks:
 
+0. (``MASKED``: structured outputs) each raw logit whose token's bit is 0 in
+   the row's bitmask becomes -inf as it is loaded, before anything below: a
+   disallowed token is a token of logit -inf everywhere, lse included. A row
+   that allows no token draws token 0 with logprob and lse -inf.
 1. (always) the raw logits' log-sum-exp; the processed logits
    ``x = penalised / temperature`` (greedy rows: ``x = penalised``) and their
    maximum. A greedy row takes its argmax here, and so does a sampling row
@@ -114,16 +118,18 @@ def sample_kernel(
     presence_ptr,      # [L] fp32 (read when HAS_PENALTIES)
     frequency_ptr,     # [L] fp32 (read when HAS_PENALTIES)
     seen_ptr,          # [L, >= V] int32, row stride stride_seen: 2 * count in output + (in prompt) (HAS_PENALTIES)
+    bitmask_ptr,       # [L, ceil(V / 32)] int32, contiguous: bit t % 32 of word t // 32 = token t allowed (MASKED)
     num_rows, vocab, stride_logits, stride_seen,
     token_ptr,         # [L] int32 out
-    logprob_ptr,       # [L] fp32 out: raw logit of the token - lse
-    lse_ptr,           # [L] fp32 out: logsumexp of the raw logits
+    logprob_ptr,       # [L] fp32 out: raw logit of the token - lse (MASKED: -inf for a disallowed token)
+    lse_ptr,           # [L] fp32 out: logsumexp of the raw logits (MASKED: of the allowed tokens')
     work_ptr,          # [L, V] fp32 scratch: x of the rows with a filter on
     HAS_PENALTIES: tl.constexpr,
     BLOCK_R: tl.constexpr,     # rows per program (1 on GPUs; the interpreter's cost is per program)
     BLOCK_V: tl.constexpr,     # chunk of the first and the last pass
     BLOCK_S: tl.constexpr,     # chunk of the search passes ([BLOCK_R, BLOCK_S, PIVOTS] comparisons)
     PIVOTS: tl.constexpr,      # thresholds tried per search pass
+    MASKED: tl.constexpr = False,   # read bitmask_ptr: disallowed tokens' logits are -inf
     PDL: tl.constexpr = False,
 ):
     release_next_grid(PDL)
@@ -154,6 +160,8 @@ def sample_kernel(
         presence = tl.load(presence_ptr + rows, mask=m_r, other=0.0)[:, None]
         frequency = tl.load(frequency_ptr + rows, mask=m_r, other=0.0)[:, None]
         seen_rows = seen_ptr + rows64[:, None] * stride_seen
+    if MASKED:
+        bitmask_rows = bitmask_ptr + rows64[:, None] * ((vocab + 31) // 32)
 
     # -- pass 1: raw lse, x and its max; the draw of unfiltered rows. Each lane (element of a chunk)
     # accumulates its own sum, maximum and argmax; rows combine their lanes once, at the end.
@@ -169,6 +177,9 @@ def sample_kernel(
         m_rv = m_r[:, None] & (cols < vocab)[None, :]
         # [BLOCK_R, BLOCK_V]
         raw = tl.load(logits_rows + cols[None, :], mask=m_rv, other=float("-inf")).to(tl.float32)
+        if MASKED:
+            words = tl.load(bitmask_rows + (cols // 32)[None, :], mask=m_rv, other=0)
+            raw = tl.where(((words >> (cols % 32)[None, :]) & 1) != 0, raw, float("-inf"))
         new_max = tl.maximum(raw_max, tl.max(raw, axis=1))
         shift = tl.maximum(new_max, -FLOAT_MAX)   # finite: no NaN from -inf - -inf
         rescale = tl.exp(tl.maximum(raw_max, -FLOAT_MAX) - shift)
@@ -254,6 +265,13 @@ def sample_kernel(
         best_id = tl.where(filtered, row_best(lane_best, lane_id, vocab), best_id)
 
     token_logit = tl.load(logits_ptr + rows64 * stride_logits + best_id, mask=m_r, other=0.0).to(tl.float32)
+    logprob = token_logit - lse
+    if MASKED:
+        # a row that allows no token draws token 0 (the argmax of a row of -inf, lse -inf): logprob -inf, not
+        # its raw logit - -inf or -inf - -inf
+        word = tl.load(bitmask_ptr + rows64 * ((vocab + 31) // 32) + best_id // 32, mask=m_r, other=0)
+        allowed = (((word >> (best_id % 32)) & 1) != 0) & (token_logit > float("-inf"))
+        logprob = tl.where(allowed, logprob, float("-inf"))
     tl.store(token_ptr + rows, best_id, mask=m_r)
-    tl.store(logprob_ptr + rows, token_logit - lse, mask=m_r)
+    tl.store(logprob_ptr + rows, logprob, mask=m_r)
     tl.store(lse_ptr + rows, lse, mask=m_r)

@@ -293,23 +293,26 @@ def fused_moe_fp8(*, x: Operand, w_gate_up: Operand, w_gate_up_scale, w_down: Op
 # -- sampling -------------------------------------------------------------------------------
 
 def sample(*, logits: Operand, temperature, top_k, top_p, min_p, seed_words, counters, penalties: Optional[tuple],
-           seen: Optional[Operand], interpret: bool) -> Launch:
+           seen: Optional[Operand], token_bitmask=None, interpret: bool) -> Launch:
     """``sampling.sample_kernel`` -> ``tokens`` int32, ``logprobs`` and ``lse`` float32, ``[L]`` each.
 
     logits: ``[L, V]``, unit column stride; per-row arrays ``[L]`` and ``seed_words [L, 2]``: contiguous.
     ``penalties`` (repetition, presence, frequency) with ``seen`` (``[L, >= V]``, unit column stride: see
-    the kernel), or None for neither. The processed logits of filtered rows go to the scratch output
+    the kernel), or None for neither. ``token_bitmask``: ``[L, ceil(V / 32)]`` int32, contiguous (the
+    ``MASKED`` variant), or None. The processed logits of filtered rows go to the scratch output
     ``sample_logits``."""
     rows, vocab = logits.shape
     cfg = tuning.sample(rows=rows, vocab=vocab, interpret=interpret)
     has_penalties = penalties is not None
     if not has_penalties:   # stand-ins, never read
         penalties, seen = (temperature,) * 3, Operand(counters, 0, (rows, 0), (0, 1))
+    masked = token_bitmask is not None
     args = (logits.ref, temperature, top_k, top_p, min_p, seed_words, counters, *penalties, seen.ref,
+            token_bitmask if masked else counters,   # counters stand in: never read unmasked
             rows, vocab, logits.strides[0], seen.strides[0])
     outputs = (dense("tokens", (rows,), "int32"), dense("logprobs", (rows,), "float32"),
                dense("lse", (rows,), "float32"), dense("sample_logits", (rows, vocab), "float32", scratch=True))
     return Launch("sampling.sample_kernel", (cdiv(rows, cfg.block_r),), args, outputs,
                   dict(HAS_PENALTIES=has_penalties, BLOCK_R=cfg.block_r, BLOCK_V=cfg.block_v,
-                       BLOCK_S=cfg.block_s, PIVOTS=cfg.pivots),
+                       BLOCK_S=cfg.block_s, PIVOTS=cfg.pivots, MASKED=masked),
                   cfg.num_warps, cfg.num_stages)

@@ -618,8 +618,9 @@ SEED_DTYPES = ("int64", "int32")
 
 
 def check_sample_call(logits, temperature, top_k, top_p, min_p, seeds, counters, penalties: dict,
-                      prompt_ids, output_ids) -> tuple:
-    """Check ``sample``'s arguments -> (L, V, has_penalties). ``penalties``: name -> array or None."""
+                      prompt_ids, output_ids, token_bitmask=None) -> tuple:
+    """Check ``sample``'s arguments -> (L, V, has_penalties). ``penalties``: name -> array or None;
+    ``token_bitmask``: None or ``[L, ceil(V / 32)]`` int32."""
     check_rank("logits", logits, 2, "[L, V]")
     check_dtype("logits", logits, FLOAT_DTYPES)
     rows, vocab = (int(s) for s in logits.shape)
@@ -643,6 +644,11 @@ def check_sample_call(logits, temperature, top_k, top_p, min_p, seeds, counters,
         check_rank(name, x, 2, f"[L, {'P' if name == 'prompt_ids' else 'O'}] padded with -1")
         check_dtype(name, x, "int32")
         check_dim(name, x, 0, rows, "L (rows of logits)")
+    if token_bitmask is not None:
+        check_rank("token_bitmask", token_bitmask, 2, "[L, ceil(V / 32)]")
+        check_dtype("token_bitmask", token_bitmask, "int32")
+        check_dim("token_bitmask", token_bitmask, 0, rows, "L (rows of logits)")
+        check_dim("token_bitmask", token_bitmask, 1, -(-vocab // 32), f"ceil(V / 32) (V = {vocab})")
     return rows, vocab, bool(given)
 
 

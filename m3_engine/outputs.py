@@ -10,8 +10,9 @@ __all__ = ["CompletionOutput", "RequestOutput", "RequestMetrics", "Logprob"]
 
 @dataclasses.dataclass
 class Logprob:
-    """One token's log-probability (raw log-softmax of the model's logits), its rank among
-    all tokens (1 = most likely) and its text."""
+    """One token's log-probability (raw log-softmax of the model's logits; with structured
+    outputs, of the logits the grammar allows), its rank among those tokens (1 = most likely)
+    and its text."""
     logprob: float
     rank: Optional[int] = None
     decoded_token: Optional[str] = None

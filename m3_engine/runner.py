@@ -88,7 +88,8 @@ class SamplingBatch:
 class SampleResult:
     """What a step returns to the engine (numpy, one entry per logits row).
 
-    tokens [L] int32; logprobs [L] float32 (the sampled token's raw logprob);
+    tokens [L] int32; logprobs [L] float32 (the sampled token's raw logprob; with a token
+    bitmask, over the allowed tokens' logits, as top_logprobs and ranks);
     with ``num_logprobs = N`` asked: top_ids [L, N] int32 and top_logprobs [L, N]
     float32 (most likely first, ties to the lower id) and ranks [L] int32 (the
     sampled token's rank, 1 = most likely).

@@ -50,7 +50,11 @@ class SamplingParams:
     ignore_eos:   keep generating past the model's end-of-sequence tokens.
     logprobs:     None (no logprobs), or N in [0, 20]: per generated token the
                   logprobs of the N most likely tokens and of the sampled one
-                  (raw log-softmax of the model's logits).
+                  (raw log-softmax of the model's logits: before penalties,
+                  temperature and filters). With ``structured_outputs`` the
+                  log-softmax is over the logits the grammar allows (the others
+                  are -inf: logprob -inf), as vLLM's, whose runner masks the
+                  logits before its sampler takes the raw logprobs.
     include_stop_str_in_output: keep the matched stop string in the text.
     repetition_penalty: > 0; tokens seen in the prompt or output get
                   ``logit / p`` (logit > 0) or ``logit * p``; 1 is off.

@@ -139,10 +139,10 @@ class Grammar:
 
     def accept(self, token: int) -> None:
         """Advance past a token the request emitted. A token the grammar forbids raises
-        ``RuntimeError``: the sampler did not apply this request's bitmask."""
+        ``RuntimeError``: the sampler (which applies the step's token bitmask) let it through."""
         if not self.matcher.accept_token(int(token)):
             raise RuntimeError(f"structured outputs: token {int(token)} was sampled but the request's grammar "
-                               f"forbids it (the sampler did not apply token_bitmask)")
+                               f"forbids it (the runner's sampler must apply SamplingBatch.token_bitmask)")
 
     def try_accept(self, token: int) -> bool:
         """Advance past a draft token if the grammar allows it; -> whether it did."""

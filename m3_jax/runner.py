@@ -27,7 +27,8 @@ shard's heads).
 :attr:`JaxRunner.compiled_steps` lists the ``StepSpec`` of every compilation.
 Sampling parameters join the key only through what changes the traced
 function: whether a row uses penalties (their id arrays padded to powers of
-two) and how many top logprobs are asked.
+two), whether a row is constrained (structured outputs: the token bitmask)
+and how many top logprobs are asked.
 
 With an EAGLE-3 draft (``speculative_config`` method "eagle3", one device)
 the jitted step also returns the target's aux hidden states, and
@@ -59,7 +60,7 @@ from . import eagle3, model, tp
 from .api import StepSpec, step_inputs
 from .cache import allocate_pool
 from .dummy_weights import dummy_params
-from .sampling import sample, seed_words
+from .sampling import apply_token_bitmask, sample, seed_words
 
 __all__ = ["JaxRunner"]
 
@@ -412,6 +413,8 @@ def _sampling_arrays(s: SamplingBatch, rows: int) -> dict:
             ids = getattr(s, name)
             width = max(next_pow2(ids.shape[1]), MIN_IDS_BUCKET)
             out[name] = _padded(np.pad(ids, [(0, 0), (0, width - ids.shape[1])], constant_values=-1), rows, -1)
+    if s.token_bitmask is not None:   # padding rows allow every token
+        out["token_bitmask"] = _padded(s.token_bitmask, rows, -1)
     return out
 
 
@@ -419,10 +422,13 @@ def sample_logits(logits, s: dict, num_logprobs):
     """The shared sampling kernel on float32 ``logits [L, V]`` (+ top-N logprobs when asked)."""
     penalties = {k: s[k] for k in ("repetition_penalty", "presence_penalty", "frequency_penalty", "prompt_ids",
                                    "output_ids") if k in s}
+    token_bitmask = s.get("token_bitmask")
     tokens, logprobs, lse = sample(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["seeds"],
-                                   s["counters"], **penalties)
+                                   s["counters"], token_bitmask=token_bitmask, **penalties)
     out = {"tokens": tokens, "logprobs": logprobs}
     if num_logprobs is not None:
+        if token_bitmask is not None:   # logprobs and ranks over the masked logits, as the sampled token's
+            logits = apply_token_bitmask(logits, token_bitmask)
         chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1)
         out["ranks"] = (jnp.sum(logits > chosen, axis=1) + 1).astype(jnp.int32)
         if num_logprobs > 0:

@@ -25,7 +25,7 @@ from . import tp
 from .eagle3 import Eagle3Draft, Eagle3Proposer
 from .model import StepTensors
 from .rank import DTYPES, Runner
-from .sampling import sample
+from .sampling import apply_token_bitmask, sample
 
 __all__ = ["TorchRunner"]
 
@@ -156,10 +156,13 @@ def sample_logits(logits: torch.Tensor, s: SamplingBatch) -> SampleResult:
         return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
     penalties = {k: dev(v) for k, v in s.penalties().items()}
+    token_bitmask = dev(s.token_bitmask)
     tokens, logprobs, lse = sample(logits, dev(s.temperature), dev(s.top_k), dev(s.top_p), dev(s.min_p),
-                                   dev(s.seeds), dev(s.counters), **penalties)
+                                   dev(s.seeds), dev(s.counters), token_bitmask=token_bitmask, **penalties)
     top_ids = top_logprobs = ranks = None
     if s.num_logprobs is not None:
+        if token_bitmask is not None:   # logprobs and ranks over the masked logits, as the sampled token's
+            logits = apply_token_bitmask(logits, token_bitmask)
         chosen = logits.gather(1, tokens.long()[:, None])
         ranks = ((logits > chosen).sum(dim=1) + 1).int().cpu().numpy()
         if s.num_logprobs > 0:

@@ -100,3 +100,29 @@ def test_engines_agree_with_fp8_caches(model_dir):
         assert jax_llm.runner.pool.dtype == np.uint8
         jax_out = generate_ids(jax_llm, prompts, max_new_tokens=2)
     assert_same_tokens(model_dir, prompts, torch_out, jax_out, 2)
+
+
+@pytest.mark.long   # ~15 s on the interpreter (JAX compiles each step); test_sampling covers the runners' hunk
+def test_engines_agree_on_a_constrained_request(model_dir):
+    """Structured outputs through both runners (the token bitmask in the sampling kernel): a seeded
+    sampled request constrained to a choice gives the same tokens, one of the choices, and logprobs over
+    the allowed tokens only (the final eos, the one token allowed there, has logprob 0)."""
+    pytest.importorskip("xgrammar")
+    from m3_engine import SamplingParams
+    from m3_engine.structured_outputs import StructuredOutputsParams
+
+    choices = ["yes", "no", "maybe"]
+    params = SamplingParams(seed=7, temperature=0.8, max_tokens=8, logprobs=2,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    outs = []
+    with tuning.override(target_programs=1, sparse_target_programs=1):
+        for llm in (m3_torch.LLM(model_dir, max_num_seqs=1, max_model_len=128),
+                    m3_jax.LLM(model_dir, max_num_seqs=1, max_model_len=128)):
+            out = llm.generate([prompt(5, seed=5)], params, use_tqdm=False)[0].outputs[0]
+            assert out.text in choices and out.finish_reason == "stop", (out.text, out.finish_reason)
+            assert out.logprobs[-1][out.token_ids[-1]].logprob == 0.0
+            outs.append(out)
+    assert outs[0].token_ids == outs[1].token_ids
+    for t, j in zip(outs[0].logprobs, outs[1].logprobs):
+        assert list(t) == list(j)
+        np.testing.assert_allclose([v.logprob for v in t.values()], [v.logprob for v in j.values()], atol=1e-4)

@@ -2,7 +2,7 @@
 the tiny model's tokenizer, the step's token bitmask, and the engine over a stand-in runner.
 
 The runs sample greedily from random logits masked by the NumPy reference
-(``apply_token_bitmask``, what the sampling kernel will do), so whatever the "model" prefers,
+(``apply_token_bitmask``, what the sampling kernel does), so whatever the "model" prefers,
 the text must be valid: JSON with the schema's fields, a full regex match, one of the choices,
 a sentence of the grammar; and the matcher must end on the eos token. The mask is built for a
 model vocabulary (520) wider than the tokenizer's (512): the ids past it are never allowed.
@@ -182,7 +182,7 @@ def test_random_logits_follow_the_constraint(backend, tokenizer, case):
 
 def test_a_forbidden_token_is_an_error(backend, tokenizer):
     grammar = backend.grammar(StructuredOutputsParams(choice=["yes"]), stop_token_ids=[EOS_ID])
-    with pytest.raises(RuntimeError, match="did not apply token_bitmask"):
+    with pytest.raises(RuntimeError, match="must apply SamplingBatch.token_bitmask"):
         grammar.accept(tokenizer.encode("no", add_special_tokens=False)[0])
 
 
@@ -216,7 +216,7 @@ def test_verify_rows_follow_the_drafts_and_roll_back(backend, tokenizer):
 # -- the engine over a stand-in runner --------------------------------------------------------------
 
 class MaskedRandomRunner:
-    """A "model" of random logits; samples greedily after the step's token bitmask (as the kernel will)."""
+    """A "model" of random logits; samples greedily after the step's token bitmask (as the kernel does)."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.rng, self.masked_steps = tokenizer, np.random.default_rng(0), 0

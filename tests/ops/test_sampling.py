@@ -5,6 +5,8 @@ under ``jax.jit``); the ``gpu`` test runs the compiled one at the full
 vocabulary. The reference computes the penalised logits, each row's kept set
 (greedy: the argmax) and the raw logsumexp; a sampled token must lie in its
 row's kept set, and the draws must follow softmax(x / T) on it (chi-square).
+A token bitmask (structured outputs) makes the reference's raw logits -inf
+where it disallows a token (``apply_token_bitmask``), before all of that.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import torch
 
 import m3_jax
 import m3_torch
+from m3_engine.structured_outputs import apply_token_bitmask
 from jax_helpers import _jax_device  # noqa: F401  (autouse: CPU tests run on JAX's CPU device)
 
 FRAMEWORKS = ("torch", "jax", "jax-jit")
 PER_ROW = ("temperature", "top_k", "top_p", "min_p", "seeds", "counters")
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "prompt_ids", "output_ids")
+KEYWORDS = PENALTIES + ("token_bitmask",)
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -82,17 +86,20 @@ def run(framework: str, inputs: dict, device="cpu"):
     """``sample`` of ``framework`` on ``inputs`` -> (tokens, logprobs, lse) as numpy arrays."""
     if framework == "torch":
         t = {k: _torch(v, device) for k, v in inputs.items()}
-        out = m3_torch.sample(t["logits"], *(t[k] for k in PER_ROW), **{k: t[k] for k in PENALTIES if k in t})
+        out = m3_torch.sample(t["logits"], *(t[k] for k in PER_ROW), **{k: t[k] for k in KEYWORDS if k in t})
         return tuple(o.cpu().numpy() for o in out)
     j = {k: _jax(k, v) for k, v in inputs.items()}
     fn = jax.jit(m3_jax.sample) if framework == "jax-jit" else m3_jax.sample
-    out = fn(j["logits"], *(j[k] for k in PER_ROW), **{k: j[k] for k in PENALTIES if k in j})
+    out = fn(j["logits"], *(j[k] for k in PER_ROW), **{k: j[k] for k in KEYWORDS if k in j})
     return tuple(np.asarray(o) for o in out)
 
 
 def reference(inputs: dict) -> dict:
-    """float64: penalised logits [L, V], the kept set [L, V] (greedy rows: the argmax), raw lse [L]."""
+    """float64: raw logits [L, V] (-inf where ``token_bitmask`` disallows a token), penalised logits [L, V],
+    the kept set [L, V] (greedy rows: the argmax), raw lse [L]."""
     raw = inputs["logits"].astype(np.float64)
+    if "token_bitmask" in inputs:
+        raw = apply_token_bitmask(raw, inputs["token_bitmask"])
     rows, vocab = raw.shape
     pen = raw.copy()
     if "output_ids" in inputs:
@@ -127,7 +134,7 @@ def reference(inputs: dict) -> dict:
         kept[r] = keep
     m = raw.max(axis=1, keepdims=True)
     lse = m[:, 0] + np.log(np.exp(raw - m).sum(axis=1))
-    return {"penalised": pen, "kept": kept, "lse": lse, "greedy": np.argmax(pen, axis=1)}
+    return {"raw": raw, "penalised": pen, "kept": kept, "lse": lse, "greedy": np.argmax(pen, axis=1)}
 
 
 def check(inputs: dict, out, ref=None) -> dict:
@@ -143,7 +150,7 @@ def check(inputs: dict, out, ref=None) -> dict:
     outside = ~ref["kept"][np.arange(rows), tokens]
     assert not outside.any(), f"rows {np.flatnonzero(outside)} drew tokens outside their kept set"
     np.testing.assert_allclose(lse, ref["lse"], rtol=1e-5)
-    raw = inputs["logits"].astype(np.float64)[np.arange(rows), tokens]
+    raw = ref["raw"][np.arange(rows), tokens]
     np.testing.assert_allclose(logprobs, raw - ref["lse"], rtol=1e-5, atol=1e-5)
     return ref
 
@@ -314,6 +321,100 @@ def test_torch_any_row_stride():
         assert g.numpy().tobytes() == w.tobytes()
 
 
+# -- the token bitmask (structured outputs) ---------------------------------------------------------
+
+def pack_bitmask(allowed: np.ndarray) -> np.ndarray:
+    """allowed [L, V] bool -> the token bitmask [L, ceil(V / 32)] int32, with the bits past V set (the
+    kernel ignores them)."""
+    rows, vocab = allowed.shape
+    bits = np.ones((rows, 32 * -(-vocab // 32)), bool)
+    bits[:, :vocab] = allowed
+    return np.packbits(bits, axis=1, bitorder="little").view("<i4")
+
+
+def masked_inputs(seed, rows, vocab, dtype="float32"):
+    """``mixed_inputs`` with a token bitmask: each row allows ~15% of the tokens, never its unmasked greedy
+    token; the last row allows every token."""
+    inputs = mixed_inputs(seed, rows, vocab, dtype=dtype)
+    allowed = np.random.default_rng(seed).random((rows, vocab)) < 0.15
+    allowed[np.arange(rows), reference(inputs)["greedy"]] = False
+    allowed[-1] = True
+    inputs["token_bitmask"] = pack_bitmask(allowed)
+    return inputs
+
+
+@pytest.mark.parametrize("framework", ("torch", "jax"))
+def test_masked_rows_draw_allowed_tokens_only(framework):
+    # rows of every kind (greedy, plain, each filter, all filters; penalties), each drawn at 16 counters;
+    # V = 300 is not a multiple of 32
+    base = masked_inputs(30, 7, 300)
+    inputs = take_rows(base, np.repeat(np.arange(7), 16))
+    inputs["counters"] = np.tile(np.arange(16, dtype=np.int32), 7)
+    tokens, *_ = out = run(framework, inputs)
+    ref = check(inputs, out)   # greedy rows: the argmax over the allowed tokens; the others: in the kept set
+    assert np.isfinite(ref["raw"][np.arange(len(tokens)), tokens]).all(), "a disallowed token was drawn"
+    unmasked = reference({k: v for k, v in inputs.items() if k != "token_bitmask"})
+    assert (tokens[:96:16] != unmasked["greedy"][:96:16]).all()
+    assert sum(len(set(tokens[r:r + 16])) > 1 for r in range(16, 96, 16)) >= 4   # the sampled rows vary
+
+
+def test_masked_torch_and_jax_give_the_same_bits():
+    inputs = masked_inputs(31, 12, 700, dtype="bfloat16")
+    want = run("torch", inputs)
+    check(inputs, want)
+    for framework in ("jax", "jax-jit"):
+        got = run(framework, inputs)
+        for g, w in zip(got, want):
+            assert g.tobytes() == w.tobytes(), framework
+
+
+@pytest.mark.parametrize("framework", ("torch", "jax"))
+def test_rows_that_allow_one_token_or_none(framework):
+    # every kind of row twice: rows 0-5 allow no token, rows 6-8 token 31 (a sign bit), rows 9-11 token 99
+    # (in the last, partial word of V = 100)
+    inputs = mixed_inputs(32, 12, 100)
+    allowed = np.zeros((12, 100), bool)
+    allowed[6:9, 31] = allowed[9:, 99] = True
+    inputs["token_bitmask"] = pack_bitmask(allowed)
+    tokens, logprobs, lse = run(framework, inputs)
+    np.testing.assert_array_equal(tokens, [0] * 6 + [31] * 3 + [99] * 3)
+    assert np.isneginf(logprobs[:6]).all() and np.isneginf(lse[:6]).all()
+    np.testing.assert_array_equal(logprobs[6:], 0.0)
+    np.testing.assert_array_equal(lse[6:], inputs["logits"][np.arange(6, 12), tokens[6:]])
+
+
+@pytest.mark.parametrize("framework", ("torch", "jax"))
+def test_runners_sample_with_the_step_token_bitmask(framework):
+    """The runners' sampling of a step (``sample_logits``): SamplingBatch.token_bitmask reaches the kernel,
+    and the top-N logprobs and ranks are over the allowed tokens, like the sampled token's logprob."""
+    from m3_engine.runner import SamplingBatch
+    inputs = masked_inputs(34, 6, 100)
+    batch = SamplingBatch(**{k: v for k, v in inputs.items() if k != "logits"}, num_logprobs=3)
+    if framework == "torch":
+        from m3_torch.runner import sample_logits
+        out = sample_logits(torch.from_numpy(inputs["logits"]), batch)
+        out = {k: getattr(out, k) for k in ("tokens", "logprobs", "top_ids", "top_logprobs", "ranks")}
+    else:
+        from m3_jax.runner import sample_logits
+        from m3_jax.sampling import seed_words
+        arrays = {k: jnp.asarray(seed_words(v) if k == "seeds" else v) for k, v in inputs.items() if k != "logits"}
+        step = jax.jit(sample_logits, static_argnums=2)   # as the runner calls it: inside its jitted step
+        out = {k: np.asarray(v) for k, v in step(jnp.asarray(inputs["logits"]), arrays, 3).items()}
+    tokens = out["tokens"]
+    ref = reference(inputs)
+    greedy = inputs["temperature"] <= 0
+    np.testing.assert_array_equal(tokens[greedy], ref["greedy"][greedy])
+    assert ref["kept"][np.arange(6), tokens].all() and np.isfinite(ref["raw"][np.arange(6), tokens]).all()
+    np.testing.assert_allclose(out["logprobs"], ref["raw"][np.arange(6), tokens] - ref["lse"], rtol=1e-5, atol=1e-5)
+    order = np.argsort(-ref["raw"], axis=1, kind="stable")[:, :3]
+    np.testing.assert_array_equal(out["top_ids"], order)
+    assert np.isfinite(np.take_along_axis(ref["raw"], order, axis=1)).all()   # three allowed tokens at least
+    np.testing.assert_allclose(out["top_logprobs"], np.take_along_axis(ref["raw"], order, axis=1) - ref["lse"][:, None],
+                               rtol=1e-5, atol=1e-5)
+    chosen = ref["raw"][np.arange(6), tokens]
+    np.testing.assert_array_equal(out["ranks"], (ref["raw"] > chosen[:, None]).sum(axis=1) + 1)
+
+
 # -- arguments ---------------------------------------------------------------------------------------
 
 BAD = [
@@ -330,6 +431,9 @@ BAD = [
     ("presence_penalty", lambda x: x["presence_penalty"].astype(np.float16), TypeError,
      "presence_penalty: expected dtype float32"),
     ("frequency_penalty", lambda x: None, ValueError, "frequency_penalty missing"),
+    ("token_bitmask", lambda x: np.full((5, 3), -1, np.int32), ValueError,
+     "token_bitmask: expected ceil(V / 32) (V = 64) = 2"),
+    ("token_bitmask", lambda x: np.full((5, 2), -1, np.float32), TypeError, "token_bitmask: expected dtype int32"),
 ]
 
 
@@ -376,6 +480,21 @@ def test_gpu_full_vocabulary(dtype):
     np.testing.assert_array_equal(again[0], want[0][::-1])
     # the compiled kernel draws from the same kept sets as the interpreter (exact thresholds)
     assert (ref["kept"].sum(axis=1) > 1).sum() >= 40
+    if not _jax_gpu_ready():
+        pytest.skip("needs a JAX GPU backend and jax_triton for the JAX half")
+    for framework in ("jax", "jax-jit"):
+        with jax.default_device(jax.devices("gpu")[0]):
+            got = run(framework, inputs)
+        for g, w in zip(got, want):
+            assert g.tobytes() == w.tobytes(), framework
+
+
+@pytest.mark.gpu
+def test_gpu_masked_full_vocabulary():
+    inputs = masked_inputs(33, 64, 200064, dtype="bfloat16")
+    want = run("torch", inputs, device="cuda")
+    ref = check(inputs, want)
+    assert np.isfinite(ref["raw"][np.arange(64), want[0]]).all(), "a disallowed token was drawn"
     if not _jax_gpu_ready():
         pytest.skip("needs a JAX GPU backend and jax_triton for the JAX half")
     for framework in ("jax", "jax-jit"):
