@@ -30,7 +30,7 @@ depend on the values: every request reads its top-16 blocks). Writes e2e.json
 and e2e.md to --out. ``--tiny`` runs the tiny test model on the CPU (Triton's
 interpreter), to check the script, not to measure.
 
-``--tp N``: tensor parallelism, TP=N against TP=1 (issue #14). Batches 8, 32,
+``--tp N``: tensor parallelism, TP=N against TP=1. Batches 8, 32,
 64 at a 32k context (``--tiny``: batches 1, 2 at 256 tokens on the CPU, gloo),
 torch then JAX for each TP size, each engine built with
 ``tensor_parallel_size``:

@@ -7,7 +7,7 @@ back-to-back calls timed as a whole (steady-state throughput: host dispatch
 overlaps the GPU) and as blocking single calls; then eight steps on eight input
 sets per call on both sides (a CUDA graph, one jitted function), which compares
 the device time of the two launch paths. The summary puts JAX against torch as
-issue #30's targets do: back to back (JAX jit / torch graph) and blocking (JAX
+the JAX-speed targets do: back to back (JAX jit / torch graph) and blocking (JAX
 jit blocking / torch graph blocking), within 1.05x at batch >= 8 and 1.25x below.
 ``--launch``: the JAX custom call(s) timed (``m3_jax._triton_call.LAUNCH_TARGET``):
 ``legacy`` (jax-triton 0.3.1's ``triton_kernel_call``, the default), ``ffi``
@@ -49,7 +49,7 @@ CONTEXTS = (1024, 4096, 16384, 65536, 131072)
 # at batch 1-32, every context.
 GRID = [(1, b, c) for b in (1, 4, 8, 32, 64) for c in CONTEXTS] + [(1, 128, 16384), (1, 128, 131072)] + \
        [(n, b, c) for n in (2, 4, 8) for b in (1, 4, 8, 32) for c in CONTEXTS]
-TARGETS = ((8, 1.05), (1, 1.25))   # (smallest batch, JAX / torch at most), issue #30
+TARGETS = ((8, 1.05), (1, 1.25))   # (smallest batch, JAX / torch at most): the JAX-speed targets
 
 
 def target(batch: int) -> float:

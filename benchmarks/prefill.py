@@ -4,7 +4,7 @@
 
 One request of T prompt tokens (no cached prefix), M3 shapes (64 q heads,
 4 KV heads, D = Di = 128, 4 index heads, topk 16, bf16), eager timing (each
-launch runs for milliseconds). Floors, as issue #15 states them: FLOPs over
+launch runs for milliseconds). Floors: FLOPs over
 the bf16 matmul rate measured in the same run.
 
 * dense: causal ``T (T + 1) / 2`` query-key pairs x 64 heads x 4 D FLOPs,

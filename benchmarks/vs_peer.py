@@ -6,7 +6,7 @@ RESULTS_JSON: a ``benchmarks.run`` output covering the anchors' cases (M3, n in 
 batch 1-128, 1k-128k: ``--ns 1,2,4,8 --batches 1,4,8,32,64,128 --contexts
 1024,4096,16384,65536,131072 --configs M3 --no-prefill --no-baselines``). Both sides are put
 against the anchors' floor (scaled to each run's copy bandwidth), so % of floor compares runs
-of different bandwidths; the time ratio is printed too. Each row is checked against issue #15's
+of different bandwidths; the time ratio is printed too. Each row is checked against the decode
 targets: level with the peer's % of floor (within 3 points, the run-to-run noise) everywhere; at
 batch <= 8 and context >= 16k, 1.5x the peer or 85% of the floor, whichever is lower; at
 contexts <= 2k, 1.3x the peer or 85% of the floor.
@@ -35,7 +35,7 @@ def anchors(path):
 
 
 def target(batch, context, peer_us, floor_us):
-    """The time issue #15 asks for in this row (of its two bars the lower one, i.e. the longer
+    """The decode target's time for this row (of its two bars the lower one, i.e. the longer
     time), or None where only 'level' applies."""
     if batch <= 8 and context >= 16384:
         return max(peer_us / 1.5, floor_us / 0.85)
@@ -79,7 +79,7 @@ def main():
           f"Ours: `{meta['command']}`, copy bandwidth {meta['copy_tbps']:.2f} TB/s. Peer: BENCH_ANCHORS.md "
           f"(copy bandwidth {peer_tbps} TB/s there). % of floor: the anchors' floor (bytes / copy bandwidth; for "
           "n > 1 each request's 16 blocks once), scaled to this run's bandwidth. The time ratio (peer us / ours) "
-          "drifts with the bandwidth of each run. Target: issue #15's time for the row (level with the peer's % of floor "
+          "drifts with the bandwidth of each run. Target: the decode target's time for the row (level with the peer's % of floor "
           "within 3 points everywhere; batch <= 8 and >= 16k: 1.5x the peer or 85% of the floor, whichever "
           "is lower; <= 2k: 1.3x the peer or 85% of the floor).", "",
           f"{len(rows)} cases; geometric mean peer us / ours {geo:.2f}x; target met in "

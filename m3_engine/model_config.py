@@ -15,7 +15,7 @@ transformers 5.23's ``MiniMaxM3VLTextConfig`` reads it:
   ``torch_dtype`` for ``dtype``;
 * keys that are absent take the config class's defaults (the full M3 sizes).
 
-One rule differs from transformers on purpose (issue #11): the RoPE width.
+One rule differs from transformers on purpose: the RoPE width.
 transformers 5.23 rotates ``head_dim * rope_parameters["partial_rotary_factor"]``
 channels (all when absent) and ignores ``rotary_dim``, while M3 checkpoints
 carry ``rotary_dim`` (64 of 128). Here: ``partial_rotary_factor`` when given,
@@ -286,7 +286,7 @@ def read_json(path: Path) -> Any:
 # -- helpers ---------------------------------------------------------------------------
 
 def _rope(text: Mapping, head_dim: int) -> tuple[float, int]:
-    """-> (rope_theta, rotary_dim) by the rule of issue #11 (see the module docstring)."""
+    """-> (rope_theta, rotary_dim) by the RoPE-width rule of the module docstring."""
     params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":

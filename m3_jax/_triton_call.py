@@ -102,7 +102,7 @@ def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, input_out
 #: The custom call the GPU kernels lower to, one of ``LAUNCH_TARGETS``. "triton_kernel_call" (the default):
 #: jax-triton 0.3.1's own lowering, a legacy custom call XLA launches from the host, one by one.
 #: "triton_kernel_call_ffi" (jaxlib >= 0.10.1): jaxlib's XLA FFI handler with the command-buffer trait, so XLA
-#: records the kernels into the CUDA graphs of a jitted step. On an H200 (docs/PERF.md, "Session 10") that
+#: records the kernels into the CUDA graphs of a jitted step. On an H200 (docs/PERF.md, "The JAX launch path") that
 #: made back-to-back steps 5-17% faster but a blocking step 7-27% slower and the JAX engine's decode step
 #: 1.24x slower at batch 1: XLA updates a command buffer before every launch whose buffers moved (new
 #: outputs, uploads), and each FFI command's update is host time the launch waits for. Kept for

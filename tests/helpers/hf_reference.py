@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-NEAR_TIE = 1e-3  # issue #11: token equality is asserted up to the first step whose top-2 margin is below this
+NEAR_TIE = 1e-3  # token equality is asserted up to the first step whose top-2 margin is below this
 
 __all__ = ["reference_model", "reference_prompt_logits", "reference_generate", "Reference", "checked_steps",
            "assert_tokens_match", "NEAR_TIE"]

@@ -7,7 +7,7 @@ tokens are compared up to the first step where the reference's top-2 logit
 margin is below 1e-3 (``hf_reference.assert_tokens_match``).
 
 CPU budget: every prompt token costs a few interpreted Triton programs per
-layer, so the prompts of issue #11 (1, 127, 129, 700 tokens) run ONCE, in one
+layer, so the model tests' prompts (1, 127, 129, 700 tokens) run ONCE, in one
 batch, and the batching / slot-reuse runs use shorter prompts.
 """
 

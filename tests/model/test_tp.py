@@ -18,7 +18,7 @@ def tiny_config(**overrides) -> M3TextConfig:
 
 @pytest.mark.parametrize("tp, q, kv, replicas", [(1, 64, 4, 1), (2, 32, 2, 1), (4, 16, 1, 1), (8, 8, 1, 2)])
 def test_m3_heads_per_rank(tp, q, kv, replicas):
-    """Issue #14's rule: 64/tp query heads, max(1, 4/tp) KV (= index-q) heads, replicated once tp > 4."""
+    """The split of the heads: 64/tp query heads, max(1, 4/tp) KV (= index-q) heads, replicated once tp > 4."""
     plan = TPPlan(M3, tp)
     assert (plan.num_q_heads, plan.num_kv_heads, plan.kv_replicas) == (q, kv, replicas)
     local = plan.local_config

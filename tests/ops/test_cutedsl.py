@@ -1,4 +1,4 @@
-"""backend="cutedsl" (the CuTeDSL indexer scorer, issue #13).
+"""backend="cutedsl" (the CuTeDSL indexer scorer).
 
 CPU: the backend switch and its errors in both frameworks, one backend check
 per scoring call, and (when nvidia-cutlass-dsl is importable) compiling the

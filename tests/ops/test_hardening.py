@@ -1,4 +1,4 @@
-"""Hardening (issue #10): the values the kernels survive and the calls the ops refuse.
+"""Hardening: the values the kernels survive and the calls the ops refuse.
 
 * Stale cache rows (NaN/Inf past ``seq_len`` in a request's last page, and whole
   pages of other data behind the table's unused entries) never reach an output.

@@ -242,7 +242,7 @@ def test_prefill_plan_replaces_cu_seqlens(target):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, batch, hq, hk", [(2, 4, 64, 4), (8, 128, 8, 1)])   # M3; a TP8 rank
 def test_cuda_graph_capture_after_jax_ran(n, batch, hq, hk):
-    """Issue #15: captures of our steps failed (cudaErrorStreamCaptureInvalidated) in processes that had run
+    """A regression: captures of our steps failed (cudaErrorStreamCaptureInvalidated) in processes that had run
     JAX, at these shapes with 1k contexts. JAX runs our kernels on the GPU first (its runtime threads stay
     alive), then msa_decode is captured as the engine captures (capture_error_mode="thread_local") and
     replays new lengths like an eager call."""
@@ -294,7 +294,7 @@ jax.block_until_ready(step(q, *rest))
 
 @pytest.mark.gpu
 def test_jax_ffi_launch_runs_inside_xla_command_buffers(monkeypatch):
-    """Issue #15, the measured alternative launch path (``m3_jax._triton_call.LAUNCH_TARGET``): the JAX
+    """The measured alternative launch path (``m3_jax._triton_call.LAUNCH_TARGET``): the JAX
     kernels lowered to jaxlib's command-buffer-compatible FFI custom call (``triton_kernel_call_ffi``)
     are recorded by XLA into a command buffer (a CUDA graph) instead of being launched one by one from
     the host: a child process jits two msa_decode calls with XLA's command-buffer pass logging, and the
