@@ -45,8 +45,8 @@ __all__ = ["EngineCore", "CoreOutput", "TokenLogprobs"]
 class TokenLogprobs:
     """One generated token's logprobs: the ``top_ids`` / ``top_logprobs`` asked for (most likely
     first), and the sampled token's own ``logprob`` and ``rank`` (1 = most likely)."""
-    top_ids: list
-    top_logprobs: list
+    top_ids: list[int]
+    top_logprobs: list[float]
     logprob: float
     rank: int
 
@@ -58,8 +58,8 @@ class CoreOutput:
     grammar, "length"; ``stop_reason`` the stop token id). The request's cache and speculative
     decoding numbers are its totals so far."""
     request_id: str
-    new_token_ids: list
-    new_logprobs: Optional[list] = None     # list[TokenLogprobs], one per new token
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[TokenLogprobs]] = None     # one per new token, when the request asked
     finish_reason: Optional[str] = None
     stop_reason: Optional[int] = None
     num_cached_tokens: int = 0              # prompt tokens served by the prefix cache
@@ -145,6 +145,9 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def unfinished_request_ids(self) -> list:
+        return list(self._requests)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)

@@ -11,7 +11,7 @@ seeded and greedy, logprobs, echo, stop strings and stop tokens) go to the serve
 ``LLM.generate`` of the same framework in this process with the same parameters (computed while the
 server starts; every selected framework's server starts at once, see ``Launch``): seeded and
 greedy sampling through the server give the same tokens. ``fake_server`` runs the app in this
-process over the real engine with a fake model runner (no framework, instantaneous steps) for what
+process (its engine process with a fake model runner: no framework, instantaneous steps) for what
 the real model cannot be made to do on demand (a step that fails, a burst of 64 clients, the
 prefix cache) in a second.
 """
@@ -31,7 +31,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -39,8 +38,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from benchmarks.serve import parse_metrics                              # noqa: E402
+from engine_helpers import FAIL_SEED                                    # noqa: E402
 from m3_engine import SamplingParams, engine_class                      # noqa: E402
-from m3_engine.runner import SampleResult                               # noqa: E402
 from m3_engine.tiny_model import write_tiny_checkpoint                  # noqa: E402
 from m3_engine.tokenizer import Tokenizer                               # noqa: E402
 
@@ -644,56 +643,19 @@ def test_bad_requests_while_streaming(server):
         client.chat.completions.create(model="nope", messages=MESSAGES)
 
 
-# -- the app in this process, over a fake runner ------------------------------------------------------
-
-class FakeRunner:
-    """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3); ``fail_steps`` steps from now fail."""
-    fail_in: "int | None" = None
-
-    @staticmethod
-    def pads_decode_steps(args):
-        return False
-
-    def __init__(self, args):
-        self.vocab = args.config.vocab_size
-
-    def execute(self, step, sampling):
-        FakeRunner.last_temperature = sampling.temperature.tolist()
-        time.sleep(0.005)
-        if FakeRunner.fail_in is not None:
-            FakeRunner.fail_in -= 1
-            if FakeRunner.fail_in < 0:
-                FakeRunner.fail_in = None
-                raise RuntimeError("injected step failure")
-        tokens = (3 + (sampling.seeds + 7 * sampling.counters) % (self.vocab - 3)).astype(np.int32)
-        rows = len(tokens)
-        n = sampling.num_logprobs
-        top = None if n is None else (tokens[:, None] + np.arange(max(n, 1))[None]) % self.vocab
-        return SampleResult(tokens=tokens, logprobs=np.full(rows, -0.5, np.float32),
-                            top_ids=top, top_logprobs=None if n is None else np.full(top.shape, -0.5, np.float32),
-                            ranks=None if n is None else np.ones(rows, np.int32))
-
-    def close(self):
-        pass
-
+# -- the app in this process, its engine process over a fake runner ----------------------------------
 
 @pytest.fixture(scope="module")
 def fake_server(model_dir):
+    """The app in this process (uvicorn in a thread); its engine process runs ``engine_helpers.FakeLLM``."""
     import uvicorn
 
-    from m3_engine.llm import LLM
     from m3_engine.server.app import create_app
     from m3_engine.server.engine_client import EngineClient
 
-    class FakeLLM(LLM):
-        framework = "fake"
-
-        @classmethod
-        def _runner_class(cls):
-            return FakeRunner
-
-    llm = FakeLLM(model_dir, max_num_seqs=4, max_model_len=256, enable_prefix_caching=True)
-    app = create_app(EngineClient(llm, max_queue=8), served_model_name=[MODEL, ALIAS], api_key=KEY)
+    client = EngineClient("engine_helpers:FakeLLM", model_dir,
+                          dict(max_num_seqs=4, max_model_len=256, enable_prefix_caching=True), max_queue=8)
+    app = create_app(client, served_model_name=[MODEL, ALIAS], api_key=KEY)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
@@ -705,22 +667,21 @@ def fake_server(model_dir):
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.01)
     srv = Server(port=sock.getsockname()[1])
-    srv.llm = llm
+    srv.engine_client = client
     yield srv
     uv.should_exit = True
     thread.join(30)
     assert not thread.is_alive()
-    assert not app.state.m3.client.alive   # the lifespan stopped the engine thread
-    llm.close()
+    assert not client.alive and client.process.process.exitcode == 0   # the lifespan stopped the engine
+    client.close()
     sock.close()
 
 
 def test_failed_step_fails_its_requests_and_the_server_goes_on(fake_server):
     client = fake_server.client()
     for failures in (1, 2, 3):   # one failed step after another: each fails its request; the third makes
-        FakeRunner.fail_in = 0   # /health answer 503
-        with pytest.raises(openai.InternalServerError, match="injected step failure"):
-            client.completions.create(model=MODEL, prompt="a", max_tokens=5)
+        with pytest.raises(openai.InternalServerError, match="injected step failure"):   # /health answer 503
+            client.completions.create(model=MODEL, prompt="a", max_tokens=5, seed=FAIL_SEED)
         status, health = call(fake_server.port, "GET", "/health", key=None)
         assert status == (503 if failures == 3 else 200) and "injected" in health["last_error"], health
         assert health["failed_steps"] == failures
@@ -729,11 +690,10 @@ def test_failed_step_fails_its_requests_and_the_server_goes_on(fake_server):
     status, health = call(fake_server.port, "GET", "/health", key=None)
     assert status == 200 and health["failed_steps"] == 0
     # mid-stream: the chunks so far arrive, then an error event that the client raises
-    FakeRunner.fail_in = 3
     chunks = []
     with pytest.raises(openai.APIError, match="injected step failure"):
         for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=50, stream=True,
-                                                    extra_body={"ignore_eos": True}):
+                                                    seed=FAIL_SEED + 3, extra_body={"ignore_eos": True}):
             chunks.append(chunk)
     assert 1 <= len(chunks) <= 4
     m = wait_idle(fake_server.port, timeout=10)
@@ -746,16 +706,17 @@ def test_fake_generation_defaults_fill_only_absent_fields(fake_server):
     """The model's generation_config values fill the fields a request leaves out, and only those:
     an explicit temperature equal to the class default (1.0) stays; an absent max_tokens is the
     model's max_new_tokens."""
-    defaults = fake_server.llm.engine.generation_defaults
+    defaults = fake_server.engine_client.generation_defaults   # the fake runner's logprob is -temperature
     saved = dict(defaults)
     defaults.update(temperature=0.25, max_tokens=3)
     try:
         client = fake_server.client()
-        out = client.completions.create(model=MODEL, prompt="a", extra_body={"ignore_eos": True})
-        assert out.usage.completion_tokens == 3 and FakeRunner.last_temperature == [0.25]
+        out = client.completions.create(model=MODEL, prompt="a", logprobs=0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3 and out.choices[0].logprobs.token_logprobs == [-0.25] * 3
         out = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, max_tokens=5,
-                                             extra_body={"ignore_eos": True})
-        assert out.usage.completion_tokens == 5 and FakeRunner.last_temperature == [1.0]
+                                             logprobs=True, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 5
+        assert [c.logprob for c in out.choices[0].logprobs.content] == [-1.0] * 5
     finally:
         defaults.clear()
         defaults.update(saved)
