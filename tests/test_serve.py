@@ -796,6 +796,63 @@ def test_fake_context_limit_alias_version_ping_and_vllm_metrics(fake_server):
         assert m[vllm] == m[ours], (ours, vllm)
 
 
+def test_fake_disconnect_aborts_in_the_engine(fake_server):
+    """A client that closes its stream, or leaves while waiting for a non-streamed answer, has its
+    request aborted in the engine process: nothing runs there any more."""
+    before = metrics(fake_server.port)
+    stream = fake_server.client().completions.create(model=MODEL, prompt="go on", max_tokens=200, stream=True,
+                                                     extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    wait_idle(fake_server.port, timeout=10)
+    body = json.dumps({"model": MODEL, "prompt": "go on", "max_tokens": 200, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", fake_server.port))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    wait_for(fake_server.port, lambda m: m["m3_num_requests_running"] == 1, "the request running", timeout=10)
+    sock.close()
+    after = wait_idle(fake_server.port, timeout=10)
+    assert after["m3_request_aborted_total"] - before["m3_request_aborted_total"] == 2
+    assert after["m3_generation_tokens_total"] - before["m3_generation_tokens_total"] < 2 * 200
+
+
+@pytest.mark.long
+def test_engine_process_death(model_dir, tmp_path):
+    """The engine process killed mid-stream: the stream ends with an error event, a non-streamed
+    request gets a 500, /health answers 503, and the server exits with status 1 within seconds."""
+    srv = Server("torch", model_dir, tmp_path / "server.log")
+    try:
+        health = srv.wait_ready()
+        client = srv.client()
+        result = {}
+
+        def plain():
+            try:
+                client.completions.create(model=MODEL, prompt="wait", max_tokens=200, extra_body={"ignore_eos": True})
+            except openai.APIStatusError as e:
+                result["status"], result["message"] = e.status_code, e.message
+
+        thread = threading.Thread(target=plain)
+        thread.start()
+        stream = client.completions.create(model=MODEL, prompt="go on", max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        wait_for(srv.port, lambda m: m["m3_num_requests_running"] == 2, "both requests running")
+        os.kill(health["engine_pid"], signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="engine process was killed by SIGKILL"):
+            for chunk in chunks:
+                assert chunk.choices[0].finish_reason is None
+        status, health = call(srv.port, "GET", "/health", key=None)
+        assert status == 503 and "SIGKILL" in health["error"], health
+        thread.join(30)
+        assert result.get("status") == 500 and "SIGKILL" in result["message"], result
+        assert srv.proc.wait(timeout=15) == 1, srv.log.read_text()[-4000:]
+        assert "error: the engine process was killed by SIGKILL" in srv.log.read_text()
+    finally:
+        srv.kill()
+
+
 def test_cli_flags():
     from m3_engine.args import EngineArgs, engine_options
     from m3_engine.server.cli import build_parser

@@ -37,8 +37,12 @@ import traceback
 from pathlib import Path
 from typing import Optional, Union
 
-import msgspec
-import zmq
+try:   # without the server's packages, name the extra that installs them
+    import msgspec
+    import zmq
+except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(f"m3-serve needs pyzmq and msgspec ({e.name} is missing): "
+                              "pip install 'm3-msa-kernels[server]'", name=e.name) from None
 
 from ..engine_core import CoreOutput, EngineCore
 from ..sampling_params import SamplingParams
