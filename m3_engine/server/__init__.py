@@ -13,8 +13,11 @@ One module per concern:
 * ``protocol``:      OpenAI's request bodies (pydantic) and error body (``APIError``).
 * ``app``:           ``create_app``: the routes, streaming (server-sent events); every
                      endpoint, field and rule is in its docstring.
-* ``engine_client``: ``EngineClient``, what the routes talk to: the engine behind one thread
-                     (add, abort, each request's outputs, health, load).
+* ``engine_client``: ``EngineClient``, what the routes talk to: the front end of the engine
+                     (add, abort, detokenization and stop strings, each request's outputs,
+                     health, load).
+* ``core_process``:  the engine core in a process of its own: its start, its ZMQ sockets
+                     and msgspec messages, its loop.
 * ``metrics``:       ``/metrics`` (Prometheus text, our names and vLLM's).
 * ``cli``:           the command line (``main``): flags, model load, uvicorn, shutdown.
 

@@ -7,8 +7,8 @@
   and ``vocab_size``), ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes).
 * ``GET /health``: 200 ``{"status": "ok", "running", "waiting", "unfinished",
   "kv_pages_used", "kv_pages_total", "in_flight", "failed_steps", "last_error",
-  ...the engine's stats}``; 503 when the engine thread is not running or the last
-  3 steps all failed. ``GET``/``POST /ping``: 200 (empty) or 503 alike (vLLM's).
+  "engine_pid", ...the engine's stats}``; 503 when the engine process is not running
+  or the last 3 steps all failed. ``GET``/``POST /ping``: 200 (empty) or 503 alike (vLLM's).
   ``GET /version``: ``{"version": ...}`` (vLLM's shape; this package's version).
 * ``GET /metrics``: Prometheus text (``m3_engine.server.metrics``; our names and
   vLLM's). After a load the pool is empty again when running, waiting, in-flight
@@ -175,7 +175,7 @@ class _Server:
 
 def create_app(client: EngineClient, *, served_model_name=None, api_key: Optional[str] = None,
                features: Optional[ChatFeatures] = None) -> FastAPI:
-    """The FastAPI app over ``client``. Its lifespan starts the client's engine thread and stops it.
+    """The FastAPI app over ``client``. Its lifespan starts reading the client's engine and stops it.
 
     served_model_name: the name, or list of names, requests may use (default: the model folder).
     api_key:           when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
@@ -190,7 +190,7 @@ def create_app(client: EngineClient, *, served_model_name=None, api_key: Optiona
     async def lifespan(app):
         client.start()
         yield
-        await asyncio.to_thread(client.stop)
+        await client.stop()
 
     app = FastAPI(title="m3-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.m3 = server

@@ -12,10 +12,14 @@ The engine flags are ``m3-generate``'s (``m3_engine.args.add_engine_flags``: one
 line, a model folder without config.json, a port that cannot be bound or an engine option the
 engine refuses is one ``error: ...`` line on stderr and exit status 2.
 
-SIGTERM (and SIGINT) stop the server cleanly: no new connections; open requests may finish
-for ``--shutdown-timeout`` seconds, then the engine thread aborts what is left (each gets a
-503 error body or error event, then ``[DONE]``) and stops; ``llm.close()`` ends
-tensor-parallel workers; exit status 0.
+The engine runs in a process of its own (``m3_engine.server.core_process``), started before
+the port is served; an engine that fails to load is one ``error: ...`` line too (exit status
+2 for a bad option or model folder, 1 otherwise). SIGTERM (and SIGINT) stop the server
+cleanly: no new connections; open requests may finish for ``--shutdown-timeout`` seconds, then
+what is left is aborted (each gets a 503 error body or error event, then ``[DONE]``) and the
+engine process stops (``llm.close()`` there ends tensor-parallel workers); exit status 0. An
+engine process that dies on its own fails every open request with a 500, ``/health`` answers
+503, and the server stops ``DEAD_EXIT_DELAY`` seconds later with exit status 1.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from pathlib import Path
 from ..args import ArgumentParser, EngineArgs, UsageError, add_engine_flags, engine_flags, engine_options, flag_message
 from .app import create_app
 from .chat import REASONING_PARSERS, TOOL_CALL_PARSERS, ChatFeatures
+from .core_process import EngineStartError
 from .engine_client import DEFAULT_MAX_QUEUE, EngineClient
 
 __all__ = ["main", "build_parser"]
 
 FRAMEWORKS = ("torch", "jax")
+DEAD_EXIT_DELAY = 2.0   # seconds /health answers 503 after the engine process died, before the server stops
 
 
 def _non_negative_int(text: str) -> int:
@@ -99,7 +105,7 @@ def _uvicorn_server(config, *, client: EngineClient, grace: float):
         async def shutdown(self, sockets=None):
             async def drain():
                 await asyncio.sleep(grace)
-                await asyncio.to_thread(client.stop)
+                await client.stop()
 
             task = asyncio.ensure_future(drain())
             try:
@@ -152,30 +158,39 @@ def _serve(args) -> int:
         sock = _listen(args.host, args.port)   # before loading: a busy port fails at once
     except OSError as e:
         raise UsageError(f"--host/--port: cannot listen on {args.host}:{args.port}: {e}") from None
-    from .. import engine_class
-
-    llm = None
+    client = None
     try:
         try:
-            llm = engine_class(args.framework)(args.model, **options)
-        except (ValueError, TypeError, FileNotFoundError) as e:
-            raise UsageError(flag_message(str(e), engine_flags())) from None
-        client = EngineClient(llm, max_queue=args.max_queue, chat_template=chat_template)
+            client = EngineClient(f"m3_{args.framework}:LLM", args.model, options, max_queue=args.max_queue,
+                                  chat_template=chat_template)
+        except EngineStartError as e:
+            if e.user_error:
+                raise UsageError(flag_message(str(e), engine_flags())) from None
+            sys.stderr.write(f"error: the engine did not start: {' '.join(str(e).split())}\n")
+            return 1
         app = create_app(client, served_model_name=args.served_model_name or [str(args.model)],
                          api_key=args.api_key, features=features)
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 30, lifespan="on")
         server = _uvicorn_server(config, client=client, grace=args.shutdown_timeout)
+
+        def engine_died(reason: str) -> None:
+            asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY, setattr, server, "should_exit", True)
+
+        client.on_dead = engine_died
         host, port = sock.getsockname()[:2]
-        sc = llm.scheduler_config
-        print(f"m3-serve: {args.framework} engine over {args.model} (max_num_seqs {sc.max_batch}, max_model_len "
-              f"{llm.max_model_len}, {sc.num_slots} KV pages); listening on http://{host}:{port}", flush=True)
+        print(f"m3-serve: {args.framework} engine over {args.model} (max_num_seqs {client.max_num_seqs}, "
+              f"max_model_len {client.max_model_len}, {client.num_kv_pages} KV pages); listening on "
+              f"http://{host}:{port}", flush=True)
         server.run(sockets=[sock])
+        if client.dead:
+            sys.stderr.write(f"error: {client.dead}\n")
+            return 1
         if server.started is False and not server.should_exit:
             return 1
     finally:
-        if llm is not None:
-            llm.close()
+        if client is not None:
+            client.close()
         sock.close()
     return 0
 

@@ -1,35 +1,45 @@
-"""``EngineClient``: what the HTTP routes of ``m3-serve`` talk to: the engine behind one thread.
+"""``EngineClient``: what the HTTP routes of ``m3-serve`` talk to: the engine core in its own process.
 
-ONE engine thread owns the engine (it is not thread-safe): HTTP handlers (the asyncio
-loop) send it ``add`` / ``abort`` commands through a thread-safe queue (:meth:`EngineClient.add`,
-:meth:`EngineClient.abort`), and it hands each request's ``RequestOutput``s back through that
-HTTP request's :class:`Sink` (an asyncio queue; one ``loop.call_soon_threadsafe`` per step for
-all of the step's outputs). Between commands it runs engine steps while any request is
-unfinished and blocks on the queue when idle, so every connection shares the continuous batch.
-A failed engine step fails the requests then unfinished (their sinks get an ``APIError``) and
-the loop goes on. :meth:`EngineClient.stop` aborts what is left (a 503 to each) and ends the
-thread. ``/health`` and ``/metrics`` read :attr:`EngineClient.snapshot`, a copy of the engine's
-load made by the engine thread after every step.
+The engine core (scheduler, runner, sampling) runs in a process of its own
+(``m3_engine.server.core_process``); this side, on the server's event loop, is the front end:
+:meth:`EngineClient.add` applies the model's generation defaults, registers each request with
+the :class:`~m3_engine.output_processor.OutputProcessor` (detokenization, stop strings) and sends
+the group's token ids to the core; :meth:`EngineClient.abort` aborts requests there. A reader
+task (``zmq.asyncio``) takes the core's one message per step, turns its token ids into
+``RequestOutput``s (text, stop strings: a stop string's request is then finished in the core)
+and hands each HTTP request's outputs to its :class:`Sink` (an asyncio queue). The core's
+answer to an add comes first on that sink: ``("added", None)`` or ``("error", APIError)``.
 
-The routes use nothing else of the engine: its model facts (``tokenizer``, ``max_model_len``,
-``vocab_size``, ``generation_defaults``, ...) are plain attributes, the commands and outputs
-plain data, so the engine can move to a process of its own behind this same interface.
+A failed engine step fails the requests then unfinished (their sinks get an ``APIError`` 500)
+and the core goes on. The engine process ending on its own (a crash, a kill) is seen at once
+(its sentinel is watched by the event loop): every open request gets a 500 (streams: an error
+event), ``/health`` answers 503, and ``on_dead`` is called (``m3-serve`` then stops with exit
+status 1). :meth:`EngineClient.stop` fails what is left with a 503 and stops the process.
+``/health`` and ``/metrics`` read :attr:`EngineClient.snapshot`, the core's load as of its last
+message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
-import threading
 import time
 import traceback
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ..output_processor import OutputProcessor
+from ..tokenizer import load_tokenizer
+from .core_process import (AbortRequests, AddRequests, CoreRequest, EngineOutputs, EngineProcess, params_to_wire)
 from .metrics import Metrics
 from .protocol import APIError, bad, param_of
 
-__all__ = ["EngineClient", "Sink", "push_all", "DEFAULT_MAX_QUEUE"]
+__all__ = ["EngineClient", "Sink", "DEFAULT_MAX_QUEUE"]
 
 log = logging.getLogger("uvicorn.error")   # uvicorn's configured logger: our lines look like its own
 
@@ -38,209 +48,179 @@ UNHEALTHY_AFTER = 3   # consecutive failed engine steps after which health() is 
 
 
 class Sink:
-    """Where the engine thread sends one HTTP request's events: ``("added", None)``,
-    ``("output", RequestOutput)`` or ``("error", APIError)``. Lives on the event loop."""
+    """Where one HTTP request's events go: ``("added", None)``, ``("output", RequestOutput)`` or
+    ``("error", APIError)``. Lives on the event loop."""
 
     def __init__(self):
-        self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def push(self, kind: str, value=None) -> None:   # any thread
-        push_all([(self, kind, value)])
-
-
-def push_all(events) -> None:
-    """Hand ``(sink, kind, value)`` events to their sinks' event loops (any thread): one thread-safe
-    call per loop, not per event (each is a write to the loop's wake-up pipe; a decode step of 64
-    streams made 64 of them)."""
-    by_loop: dict = {}
-    for sink, kind, value in events:
-        by_loop.setdefault(sink.loop, []).append((sink.queue, (kind, value)))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:   # the event loop is closed: nobody is listening any more
-            pass
-
-
-def _put_all(items) -> None:
-    for q, event in items:
-        q.put_nowait(event)
+    def push(self, kind: str, value=None) -> None:
+        self.queue.put_nowait((kind, value))
 
 
 class EngineClient:
-    """The engine of ``llm`` (an ``m3_torch.LLM`` / ``m3_jax.LLM``) behind its own thread, which
-    runs ``add`` / ``abort`` commands from the HTTP handlers and engine steps while requests are
-    unfinished, and blocks when idle. It does not close ``llm``: its owner does.
+    """The engine of ``llm_class(model_dir, **options)`` in a process of its own, started now (this
+    blocks until the model is loaded; a failed start raises
+    :class:`~m3_engine.server.core_process.EngineStartError`). :meth:`start` (on the event loop)
+    begins reading its outputs; :meth:`stop` or :meth:`close` ends it.
 
+    llm_class:     ``"module:Name"`` of the ``LLM`` class, e.g. ``"m3_torch:LLM"``.
     max_queue:     the most requests that may wait (queued, not yet in the batch); an ``add``
                    that would go beyond it is refused with a 503.
     chat_template: a Jinja chat template that replaces the model folder's (None: the folder's).
+    on_dead:       called with the reason when the engine process ends on its own.
     """
 
-    def __init__(self, llm, *, max_queue: Optional[int] = DEFAULT_MAX_QUEUE, chat_template: Optional[str] = None,
-                 metrics: Optional[Metrics] = None):
-        self.engine = llm.engine
+    def __init__(self, llm_class: str, model_dir, options: dict, *, max_queue: Optional[int] = DEFAULT_MAX_QUEUE,
+                 chat_template: Optional[str] = None, metrics: Optional[Metrics] = None,
+                 on_dead: Optional[Callable[[str], None]] = None):
+        self.model_dir = Path(model_dir)
+        self.process = EngineProcess(llm_class, model_dir, options, max_queue=max_queue)
+        try:
+            self.tokenizer = load_tokenizer(self.model_dir)
+        except BaseException:
+            self.process.close()
+            raise
         # what the routes need of the model, fixed while the server runs
-        self.tokenizer = llm.tokenizer
-        self.max_model_len: int = llm.max_model_len
-        self.vocab_size: int = llm.config.vocab_size
-        self.eos_token_ids = frozenset(llm.config.eos_token_ids)
-        self.model_dir = llm.args.model_dir
-        self.framework: Optional[str] = getattr(llm, "framework", None)
-        self.generation_defaults: dict = llm.engine.generation_defaults
+        facts = self.process.facts
+        self.framework: Optional[str] = facts["framework"]
+        self.max_model_len: int = facts["max_model_len"]
+        self.vocab_size: int = facts["vocab_size"]
+        self.max_num_seqs: int = facts["max_num_seqs"]
+        self.num_kv_pages: int = facts["num_kv_pages"]
+        self.generation_defaults: dict = facts["generation_defaults"]
+        self.eos_token_ids = frozenset(facts["eos_token_ids"])
         self.chat_template = chat_template
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict = {}           # engine request id -> Sink (unfinished requests only)
-        self._token_times: dict = {}     # engine request id -> (time, tokens) of its last output (TPOT)
-        self._lock = threading.Lock()
+        self.on_dead = on_dead
+        self.processor = OutputProcessor(self.tokenizer)
+        self._sinks: dict = {}           # request id -> Sink (unfinished requests only)
+        self._groups: dict = {}          # group number -> (Sink, request ids) until the core answers
+        self._numbers = itertools.count()
+        self._token_times: dict = {}     # request id -> (time, tokens) of its last output (TPOT)
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="m3-engine", daemon=True)
+        self._stopped = False
+        self._reader: Optional[asyncio.Task] = None
+        self._closing: Optional[asyncio.Future] = None   # stop()'s closing of the process
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.error: Optional[str] = None     # the last failed step's error
         self.failed_steps = 0                # failed steps since the last good one
-        self.dead: Optional[str] = None      # why the engine thread ended abnormally
+        self.dead: Optional[str] = None      # why the engine process ended on its own
         self.snapshot: dict = {}
-        self._publish()
+        self._publish(facts["stats"])
 
-    # -- any thread ------------------------------------------------------------------------------
+    # -- the event loop --------------------------------------------------------------------------
 
     def start(self) -> None:
-        if not self._thread.is_alive() and self._accepting:
-            self._thread.start()
+        """Read the engine's outputs and watch its process (call on the event loop that serves)."""
+        if self._reader is not None or self._stopped:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._output = zmq.asyncio.Socket.from_socket(self.process.output)
+        self._reader = self._loop.create_task(self._read())
+        self._loop.add_reader(self.process.sentinel, self._process_ended)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.dead is None and self.process.is_alive()
 
     def add(self, items: list, sink: Sink, arrival: float) -> None:
-        """Queue ``[(request_id, prompt, SamplingParams), ...]`` as one group (all are added or none);
-        the sink then gets ``("added", None)`` or ``("error", APIError)`` first."""
-        with self._lock:
-            if not self._accepting or self.dead:
-                raise APIError(503, "the server is shutting down" if not self.dead else
-                               f"the engine is not running ({self.dead})", type="service_unavailable_error",
-                               code="engine_unavailable")
-            self._commands.put(("add", items, sink, arrival))
+        """Send ``[(request_id, {"prompt_token_ids": ids, "prompt": text or None}, SamplingParams), ...]``
+        as one group (all are added or none); the sink then gets ``("added", None)`` or
+        ``("error", APIError)`` first."""
+        if self.dead or not self._accepting:
+            raise APIError(503, f"the engine is not running ({self.dead})" if self.dead else
+                           "the server is shutting down", type="service_unavailable_error",
+                           code="engine_unavailable")
+        group = next(self._numbers)
+        requests = []
+        for request_id, prompt, params in items:
+            params = params.with_defaults(self.generation_defaults)
+            ids = prompt["prompt_token_ids"]
+            self.processor.add_request(request_id, prompt.get("prompt"), ids, params, arrival_time=arrival)
+            self._sinks[request_id] = sink
+            requests.append(CoreRequest(request_id, ids, params_to_wire(params)))
+        self._groups[group] = (sink, [r.request_id for r in requests])
+        if not self.process.send(AddRequests(group, requests)):
+            self._drop([r.request_id for r in requests])
+            del self._groups[group]
+            raise APIError(503, "the engine is not running", type="service_unavailable_error",
+                           code="engine_unavailable")
 
     def abort(self, request_ids: list) -> None:
         """Abort these requests (unknown or finished ones are ignored)."""
-        with self._lock:
-            if self._accepting and request_ids:
-                self._commands.put(("abort", list(request_ids)))
+        live = [r for r in request_ids if r in self._sinks]
+        if live:
+            self._drop(live)
+            self.metrics.aborted += len(live)
+            self.process.send(AbortRequests(live))
 
     def health(self) -> tuple:
-        """-> ``(healthy, detail)``: unhealthy when the engine thread is not running or the last
+        """-> ``(healthy, detail)``: unhealthy when the engine process is not running or the last
         ``UNHEALTHY_AFTER`` steps all failed (a step that fails now and then is reported in
         ``last_error`` only: its requests failed, the engine serves on)."""
-        detail = {**self.snapshot, "failed_steps": self.failed_steps, "last_error": self.error}
-        if self.dead or not self.alive:
-            return False, {**detail, "error": self.dead or "the engine thread is not running"}
+        detail = {**self.snapshot, "failed_steps": self.failed_steps, "last_error": self.error,
+                  "engine_pid": self.process.pid}
+        if not self.alive:
+            return False, {**detail, "error": self.dead or "the engine process is not running"}
         if self.failed_steps >= UNHEALTHY_AFTER:
             return False, {**detail, "error": f"the last {self.failed_steps} engine steps failed"}
         return True, detail
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Abort what is left (its clients get a 503 error) and end the thread. Idempotent."""
-        with self._lock:
-            if self._accepting:
-                self._accepting = False
-                self._commands.put(("stop",))
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+    async def stop(self, timeout: float = 60.0) -> None:
+        """Fail what is left (its clients get a 503 error) and stop the engine process. Idempotent."""
+        if self._closing is None:
+            self._stopped = True
+            self._accepting = False
+            self._fail_all(APIError(503, "the server is shutting down", type="service_unavailable_error",
+                                    code="shutting_down"))
+            self._stop_reading()
+            self._closing = asyncio.ensure_future(asyncio.to_thread(self.process.close, timeout))
+        await asyncio.shield(self._closing)
 
-    # -- the engine thread -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the engine process (blocks; for a server that never ran its event loop). Idempotent."""
+        self._stopped = True
+        self.process.close()
 
-    def _run(self) -> None:
-        try:
-            while True:
-                idle = not self.engine.has_unfinished_requests()
-                try:
-                    command = self._commands.get() if idle else self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
-                while command is not None:
-                    if command[0] == "stop":
-                        self._fail_all(APIError(503, "the server is shutting down", type="service_unavailable_error",
-                                                code="shutting_down"))
-                        self._publish()
-                        return
-                    self._command(command)
-                    try:
-                        command = self._commands.get_nowait()
-                    except queue.Empty:
-                        command = None
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                self._publish()
-        except BaseException as e:   # a bug here: fail everyone rather than leave them waiting forever
-            self.dead = f"{type(e).__name__}: {e}"
-            log.error("m3-serve: the engine thread failed:\n%s", traceback.format_exc())
-            with self._lock:
-                self._accepting = False
-            error = APIError(500, f"the engine thread failed: {self.dead}", type="internal_server_error")
-            for sink in set(self._sinks.values()):
-                sink.push("error", error)
-            self._sinks.clear()
-            while True:   # commands that came in meanwhile
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if command[0] == "add":
-                    command[2].push("error", error)
+    # -- the engine's messages -------------------------------------------------------------------
 
-    def _command(self, command) -> None:
-        if command[0] == "abort":
-            live = [r for r in command[1] if r in self._sinks]
-            for r in live:
-                self._sinks.pop(r, None)
-                self._token_times.pop(r, None)
-            if live:
-                self.engine.abort_request(live)
-                self.metrics.aborted += len(live)
-            return
-        _, items, sink, arrival = command
-        waiting = self.engine.stats["waiting_requests"]
-        if self.max_queue is not None and waiting + len(items) > self.max_queue:
-            self.metrics.refused += len(items)
-            sink.push("error", APIError(
-                503, f"the server is busy: {waiting} requests are waiting and this one brings {len(items)} more "
-                     f"(--max-queue {self.max_queue}); retry later", type="service_unavailable_error",
-                code="queue_full"))
-            return
-        added = []
-        try:
-            for request_id, prompt, params in items:
-                added.append(self.engine.add_request(request_id, prompt, params, arrival_time=arrival))
-        except (ValueError, TypeError) as e:
-            self.engine.abort_request(added)
-            sink.push("error", bad(str(e), param=param_of(e)))
-            return
-        except Exception as e:
-            self.engine.abort_request(added)
-            log.error("m3-serve: add_request failed:\n%s", traceback.format_exc())
-            sink.push("error", APIError(500, f"{type(e).__name__}: {e}", type="internal_server_error"))
-            return
-        for request_id in added:
-            self._sinks[request_id] = sink
-        sink.push("added")
+    async def _read(self) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineOutputs)
+        while True:
+            frame = await self._output.recv()
+            try:
+                self._handle(decoder.decode(frame), time.time())
+            except Exception as e:   # a bug here: fail everyone rather than leave them waiting forever
+                log.error("m3-serve: the engine's outputs could not be handled:\n%s", traceback.format_exc())
+                self._engine_lost(f"the engine's outputs could not be handled: {type(e).__name__}: {e}")
+                self.process.close(timeout=5)
+                return
 
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            self.metrics.step_errors += 1
-            self.failed_steps += 1
-            self.error = f"{type(e).__name__}: {e}"
-            log.error("m3-serve: an engine step failed; its requests fail with a 500:\n%s", traceback.format_exc())
-            self._fail_all(APIError(500, f"the engine failed in a step: {self.error}", type="internal_server_error",
-                                    code="engine_step_failed"))
-            return
-        self.failed_steps = 0
-        now = time.time()
-        events = []
+    def _handle(self, message: EngineOutputs, now: float) -> None:
+        self._publish(message.stats)
+        for group in message.added:
+            sink, _ = self._groups.pop(group)
+            sink.push("added")
+        for refusal in message.rejected:
+            sink, request_ids = self._groups.pop(refusal.group)
+            self._drop(request_ids)
+            if refusal.code == "queue_full":
+                self.metrics.refused += len(request_ids)
+                sink.push("error", APIError(refusal.status, refusal.message, type="service_unavailable_error",
+                                            code=refusal.code))
+            elif refusal.status == 400:
+                sink.push("error", bad(refusal.message, param=param_of(ValueError(refusal.message))))
+            else:
+                sink.push("error", APIError(refusal.status, refusal.message, type="internal_server_error"))
+        if message.failed is not None:
+            self._step_failed(message.failed.error, message.failed.request_ids)
+        elif message.stepped:
+            self.failed_steps = 0
+        outputs, stopped = self.processor.process(message.outputs, now)
+        if stopped:   # a stop string ended them: the core does not know
+            self.process.send(AbortRequests(stopped, "stop"))
         for out in outputs:
             request_id = out.request_id
             sink = self._sinks.get(request_id)
@@ -248,8 +228,7 @@ class EngineClient:
             count = len(out.outputs[0].token_ids)
             if count:
                 if last is None:
-                    first = out.metrics.first_token_time or now
-                    self.metrics.ttft.observe(first - out.metrics.arrival_time)
+                    self.metrics.ttft.observe(out.metrics.first_token_time - out.metrics.arrival_time)
                 elif count > last[1]:   # a verify step may bring several tokens: each gets its share
                     for _ in range(count - last[1]):
                         self.metrics.tpot.observe((now - last[0]) / (count - last[1]))
@@ -261,26 +240,63 @@ class EngineClient:
                 self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
                 self.metrics.e2e.observe(now - out.metrics.arrival_time)
             if sink is not None:
-                events.append((sink, "output", out))
-        push_all(events)
+                sink.push("output", out)
+
+    def _step_failed(self, error: str, request_ids: list) -> None:
+        self.metrics.step_errors += 1
+        self.failed_steps += 1
+        self.error = error
+        log.error("m3-serve: an engine step failed; its requests fail with a 500: %s", error)
+        failure = APIError(500, f"the engine failed in a step: {error}", type="internal_server_error",
+                           code="engine_step_failed")
+        self.metrics.aborted += len(request_ids)
+        for sink in {id(s): s for s in (self._sinks.get(r) for r in request_ids) if s is not None}.values():
+            sink.push("error", failure)
+        self._drop(request_ids)
+
+    def _process_ended(self) -> None:
+        """The event loop saw the engine process end: fail everything; tell ``on_dead`` unless we stopped it."""
+        self._loop.remove_reader(self.process.sentinel)
+        if self._stopped:
+            return
+        reason = f"the engine process {self.process.death()}"
+        log.error("m3-serve: %s", reason)
+        self._engine_lost(reason)
+
+    def _engine_lost(self, reason: str) -> None:
+        self.dead = reason
+        self._accepting = False
+        self._fail_all(APIError(500, f"{reason}; the server stops", type="internal_server_error", code="engine_dead"))
+        self._stop_reading()
+        if self.on_dead is not None:
+            self.on_dead(reason)
 
     def _fail_all(self, error: APIError) -> None:
-        """Abort every unfinished request and send its client ``error``."""
-        request_ids = list(self._sinks)
-        try:
-            self.engine.abort_request(request_ids)
-        except Exception:
-            log.error("m3-serve: aborting the requests failed too:\n%s", traceback.format_exc())
-        self.metrics.aborted += len(request_ids)
-        for sink in {id(s): s for s in self._sinks.values()}.values():
+        """Send every open request (and every add not answered yet) ``error`` and forget them."""
+        sinks = {id(s): s for s in self._sinks.values()}
+        sinks.update({id(s): s for s, _ in self._groups.values()})
+        self.metrics.aborted += len(self._sinks)
+        for sink in sinks.values():
             sink.push("error", error)
-        self._sinks.clear()
-        self._token_times.clear()
+        self._drop(list(self._sinks))
+        self._groups.clear()
 
-    def _publish(self) -> None:
-        """A consistent copy of the engine's load for ``/health`` and ``/metrics`` (other threads)."""
-        stats = self.engine.stats
+    def _drop(self, request_ids: list) -> None:
+        now = time.time()
+        for r in request_ids:
+            self._sinks.pop(r, None)
+            self._token_times.pop(r, None)
+            self.processor.abort_request(r, now)
+
+    def _stop_reading(self) -> None:
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.process.sentinel)
+
+    def _publish(self, stats: dict) -> None:
+        """A consistent copy of the engine's load for ``/health`` and ``/metrics``."""
         self.snapshot = dict(running=stats["running_requests"], waiting=stats["waiting_requests"],
-                             unfinished=self.engine.get_num_unfinished_requests(),
-                             kv_pages_total=stats["total_pages"],
-                             kv_pages_used=stats["total_pages"] - stats["free_pages"], **stats)
+                             unfinished=stats["unfinished"], kv_pages_total=stats["total_pages"],
+                             kv_pages_used=stats["total_pages"] - stats["free_pages"],
+                             **{k: v for k, v in stats.items() if k != "unfinished"})

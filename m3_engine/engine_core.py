@@ -1,0 +1,302 @@
+"""``EngineCore``: the token side of the engine (vLLM's engine core): scheduler, runner, sampling.
+
+    core.add_request("r0", [1, 450, 4996], SamplingParams(max_tokens=8))
+    while core.has_unfinished_requests():
+        outputs = core.execute_step()      # CoreOutput: the new token ids of each request that moved
+        core.propose_drafts()              # EAGLE-3's draft pass for the next step (else nothing)
+
+It takes token ids and resolved ``SamplingParams`` (the model's generation defaults already
+applied) and gives token ids, logprobs as numbers and finish reasons; it never sees text.
+Text (detokenization, stop strings) is the front end's: ``m3_engine.output_processor``, used
+by ``LLMEngine`` in the same process and by ``m3-serve`` in its HTTP process while this core
+runs in a process of its own (``m3_engine.server.core_process``). A stop string found by the
+front end ends its request in the core with :meth:`finish_request`.
+
+One step: the scheduler picks the rows (``m3_engine.scheduler``), the runner runs the model
+and the shared sampling kernel on them (``m3_engine.runner``), the scheduler takes the new
+tokens (end-of-sequence, stop tokens, length). A request with ``structured_outputs`` gets its
+rows' token bitmask filled before the step (``SamplingBatch.token_bitmask``) and its matcher
+advanced by its new tokens after it (``m3_engine.structured_outputs``). With an EAGLE-3 draft
+model, :meth:`propose_drafts` runs the draft (``runner.propose``) for the drafts the next step
+verifies; it comes after the front end finished the requests its stop strings ended (the
+scheduler drafts for unfinished requests only). A request that finishes frees its cache pages at
+once. Not thread-safe: one thread drives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from .runner import Runner, SampleResult, SamplingBatch
+from .sampling_params import MAX_SEED, SamplingParams
+from .scheduler import Scheduler, Step
+from .structured_outputs import Grammar, StructuredOutputsBackend, fill_bitmask
+from .tokenizer import Tokenizer
+
+__all__ = ["EngineCore", "CoreOutput", "TokenLogprobs"]
+
+
+@dataclasses.dataclass
+class TokenLogprobs:
+    """One generated token's logprobs: the ``top_ids`` / ``top_logprobs`` asked for (most likely
+    first), and the sampled token's own ``logprob`` and ``rank`` (1 = most likely)."""
+    top_ids: list[int]
+    top_logprobs: list[float]
+    logprob: float
+    rank: int
+
+
+@dataclasses.dataclass
+class CoreOutput:
+    """What one step did to one request: the tokens it emitted (several after a verify step), their
+    logprobs when asked, and its end (``finish_reason`` "stop" for eos, a stop token or a completed
+    grammar, "length"; ``stop_reason`` the stop token id). The request's cache and speculative
+    decoding numbers are its totals so far."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[TokenLogprobs]] = None     # one per new token, when the request asked
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int] = None
+    num_cached_tokens: int = 0              # prompt tokens served by the prefix cache
+    first_scheduled_time: Optional[float] = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    draft_time: float = 0.0
+
+
+class _CoreRequest:
+    """The core's view of one request (the scheduler keeps its own: ids, slots, cache)."""
+
+    def __init__(self, request_id: str, prompt_ids: list, params: SamplingParams, seed: int, scheduler_id: int,
+                 grammar: Optional[Grammar]):
+        self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.seed, self.scheduler_id, self.grammar = seed, scheduler_id, grammar
+        self.token_ids: list = []          # what the penalties count
+        self.num_cached_tokens = 0
+        self.first_scheduled_time: Optional[float] = None
+
+
+class EngineCore:
+    """Token ids in, :class:`CoreOutput`s out, over one runner.
+
+    runner:    a framework's :class:`m3_engine.runner.Runner`.
+    scheduler: the :class:`m3_engine.scheduler.Scheduler` over the runner's pool.
+    tokenizer: the model folder's, or None; structured outputs need it (xgrammar's vocabulary).
+    seed:      requests without a seed draw ``seed`` mixed with their arrival number.
+    """
+
+    def __init__(self, runner: Runner, scheduler: Scheduler, *, tokenizer: Optional[Tokenizer], seed: int = 0):
+        self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.seed = seed
+        self._requests: dict[str, _CoreRequest] = {}       # request id -> unfinished request
+        self._by_scheduler_id: dict[int, _CoreRequest] = {}
+        self._arrivals = itertools.count()
+        self._structured: Optional[StructuredOutputsBackend] = None   # built by the first constrained request
+        self._draft_work: Optional[tuple] = None   # EAGLE-3: (step, tokens) of the step the draft pass follows
+        self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list, params: SamplingParams) -> None:
+        """Queue a request: its prompt's token ids (checked by the scheduler) and its resolved
+        sampling parameters. Bad input raises here, before anything is queued."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id: expected a string, got {type(request_id).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        grammar = self._grammar(params)   # compiles the constraint: a bad one raises before anything is queued
+        scheduler_id = self.scheduler.add_request(prompt_ids, params.max_tokens, stop_token_ids=params.stop_token_ids,
+                                                  ignore_eos=params.ignore_eos)
+        number = next(self._arrivals)   # only accepted requests count: they key the unseeded requests' seeds
+        if params.seed is None:
+            seed = int(np.random.SeedSequence([self.seed, number]).generate_state(1, np.uint64)[0]) & MAX_SEED
+        else:
+            seed = params.seed
+        request = _CoreRequest(request_id, prompt_ids, params, seed, scheduler_id, grammar)
+        self._requests[request_id] = request
+        self._by_scheduler_id[scheduler_id] = request
+
+    def _grammar(self, params: SamplingParams) -> Optional[Grammar]:
+        """A constrained request's matcher (the backend is built on the first one); None without
+        ``structured_outputs``."""
+        if params.structured_outputs is None:
+            return None
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: needs the model folder's tokenizer (tokenizer.json)")
+            self._structured = StructuredOutputsBackend(self.tokenizer, vocab_size=self.scheduler.vocab_size)
+        return self._structured.grammar(params.structured_outputs,
+                                        stop_token_ids=[*self.scheduler.eos_token_ids, *params.stop_token_ids])
+
+    def finish_request(self, request_ids: Union[str, Sequence[str]], reason: str = "abort") -> None:
+        """End these requests now and free their pages: ``"abort"``, or ``"stop"`` for a stop string
+        the front end found. Unknown or finished ids are ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self._requests.pop(request_id, None)
+            if request is not None:
+                self.scheduler.finish_request(request.scheduler_id, reason)
+                self._forget(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def unfinished_request_ids(self) -> list:
+        return list(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def stats(self) -> dict:
+        """Counters since start-up and the state now: requests, tokens, speculative decoding, pool pages,
+        prefix cache."""
+        s, blocks = self.scheduler, self.scheduler.blocks
+        return dict(self._counts, **s.spec_stats, running_requests=s.num_running, waiting_requests=s.num_waiting,
+                    total_pages=s.config.num_slots, free_pages=s.num_free_slots,
+                    prefix_cache_hit_tokens=blocks.hit_tokens, prefix_cache_query_tokens=blocks.query_tokens,
+                    prefix_cache_hit_rate=blocks.hit_tokens / max(blocks.query_tokens, 1),
+                    cached_blocks=blocks.num_cached, evictable_blocks=blocks.num_evictable)
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def execute_step(self) -> list:
+        """Run one model step; -> a :class:`CoreOutput` for each request that got tokens in it.
+        With an EAGLE-3 draft model, :meth:`propose_drafts` must follow before the next step."""
+        if self._draft_work is not None:
+            raise RuntimeError("execute_step: the last step's draft pass has not run (call propose_drafts() first)")
+        if not self.scheduler.has_unfinished():
+            return []
+        step = self.scheduler.schedule()
+        rows = [self._by_scheduler_id[int(i)] for i in step.request_ids]
+        now = time.time()
+        for r, _ in step.rows:
+            request = self._by_scheduler_id[r.id]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                request.num_cached_tokens = r.num_cached   # prompt tokens served by the prefix cache
+        try:
+            result = self.runner.execute(step, self._sampling_batch(step, rows))
+        except BaseException:
+            self.scheduler.cancel(step)
+            raise
+        self._counts["prompt_tokens"] += sum(q for r, q in step.rows if not r.prefilled)
+        finished = set(self.scheduler.update(step, result.tokens))
+        self._counts["steps"] += 1
+        outputs = []
+        for (r, _), count in zip(step.rows, step.num_logits.tolist()):
+            if count:
+                outputs.append(self._emit(self._by_scheduler_id[r.id], r, result, r.id in finished))
+        if self.scheduler.eagle3:
+            self._draft_work = (step, result.tokens)
+        return outputs
+
+    def propose_drafts(self) -> None:
+        """EAGLE-3: run the draft model after the last step (its K/V rows for the step's tokens, and
+        the drafts the next step verifies), timed as the requests' draft time; nothing otherwise.
+        Call it once the requests that a stop string ended are finished."""
+        if self._draft_work is None:
+            return
+        step, tokens = self._draft_work
+        self._draft_work = None
+        work = self.scheduler.draft_pass(step, tokens)
+        start = time.perf_counter()
+        drafts = self.runner.propose(work)
+        self.scheduler.set_drafts(work, drafts, time.perf_counter() - start)
+
+    def step(self) -> list:
+        """:meth:`execute_step` then :meth:`propose_drafts`, for a caller without stop strings."""
+        outputs = self.execute_step()
+        self.propose_drafts()
+        return outputs
+
+    def _emit(self, request: _CoreRequest, r, result: SampleResult, finished: bool) -> CoreOutput:
+        """The scheduler request ``r``'s new tokens: token ids, logprobs, the grammar advanced (one
+        token at a time: a grammar that completes inside an accepted run of drafts ends the output
+        where plain decoding would have); the request is finished when it ends."""
+        out = CoreOutput(request.request_id, [], [] if request.params.logprobs is not None else None,
+                         num_cached_tokens=request.num_cached_tokens,
+                         first_scheduled_time=request.first_scheduled_time,
+                         num_draft_tokens=r.spec_draft_tokens, num_accepted_tokens=r.spec_accepted_tokens,
+                         num_verify_steps=r.spec_verify_steps, draft_time=r.spec_draft_time)
+        reason = stop_reason = None
+        for j, token in enumerate(r.emitted):
+            i = r.emitted_row + j
+            request.token_ids.append(token)
+            out.new_token_ids.append(token)
+            self._counts["generation_tokens"] += 1
+            if out.new_logprobs is not None:
+                out.new_logprobs.append(self._logprobs(result, i, request.params.logprobs))
+            if request.grammar is not None:
+                request.grammar.accept(token)
+            if j == len(r.emitted) - 1 and finished:
+                reason, stop_reason = r.finish_reason, r.stop_reason
+            if request.grammar is not None and request.grammar.is_terminated and reason != "stop":
+                # the grammar ended on a stop token the scheduler let through (ignore_eos), or on the last
+                # token max_tokens allowed: the output is complete
+                self.scheduler.finish_request(r.id, "stop")   # no-op when the scheduler finished it already
+                reason, stop_reason = "stop", None
+            if reason is not None:
+                break
+        if reason is not None:
+            out.finish_reason, out.stop_reason = reason, stop_reason
+            del self._requests[request.request_id]
+            self._forget(request)
+        return out
+
+    def _forget(self, request: _CoreRequest) -> None:
+        self._by_scheduler_id.pop(request.scheduler_id, None)
+        self.scheduler.forget(request.scheduler_id)
+        self._counts["finished_requests"] += 1
+
+    @staticmethod
+    def _logprobs(result: SampleResult, i: int, n: int) -> TokenLogprobs:
+        return TokenLogprobs(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(),
+                             float(result.logprobs[i]), int(result.ranks[i]))
+
+    def _sampling_batch(self, step: Step, rows: list) -> SamplingBatch:
+        params = [r.params for r in rows]
+        penalties = any(p.has_penalties for p in params)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+
+        def ids(lists):
+            out = np.full((len(lists), max(map(len, lists), default=0) or 1), -1, np.int32)
+            for i, x in enumerate(lists):
+                out[i, :len(x)] = x
+            return out
+
+        return SamplingBatch(
+            temperature=np.array([p.temperature for p in params], np.float32),
+            top_k=np.array([max(p.top_k, 0) for p in params], np.int32),
+            top_p=np.array([p.top_p for p in params], np.float32),
+            min_p=np.array([p.min_p for p in params], np.float32),
+            seeds=np.array([r.seed for r in rows], np.int64),
+            counters=np.asarray(step.output_index, np.int32),
+            repetition_penalty=np.array([p.repetition_penalty for p in params], np.float32) if penalties else None,
+            presence_penalty=np.array([p.presence_penalty for p in params], np.float32) if penalties else None,
+            frequency_penalty=np.array([p.frequency_penalty for p in params], np.float32) if penalties else None,
+            prompt_ids=ids([r.prompt_ids for r in rows]) if penalties else None,
+            output_ids=ids(self._outputs_so_far(step)) if penalties else None,
+            num_logprobs=max(asked) if asked else None,
+            token_bitmask=self._token_bitmask(step, rows))
+
+    def _token_bitmask(self, step: Step, rows: list) -> Optional[np.ndarray]:
+        """Structured outputs: the step's token bitmask, None when no row is constrained."""
+        if all(r.grammar is None for r in rows):
+            return None
+        grammars = [self._by_scheduler_id[r.id].grammar for r, _ in step.rows]
+        return fill_bitmask(list(zip(grammars, step.num_logits.tolist(), step.drafts)), self.scheduler.vocab_size)
+
+    def _outputs_so_far(self, step: Step) -> list:
+        """Per logits row, the output its penalties count: a verify row's position ``j`` counts the
+        request's tokens and the drafts before ``j`` (what it has generated if they are accepted)."""
+        out = []
+        for (r, _), count, drafts in zip(step.rows, step.num_logits.tolist(), step.drafts):
+            tokens = self._by_scheduler_id[r.id].token_ids
+            out += [tokens + list(drafts[:j]) for j in range(count)]
+        return out
