@@ -27,7 +27,8 @@ import numpy as np
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .runner import Runner, SampleResult, SamplingBatch
 from .sampling_params import MAX_SEED, SamplingParams
-from .scheduler import Scheduler, Step
+from .scheduler import Scheduler
+from .step_inputs import Step
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["LLMEngine", "PromptType"]

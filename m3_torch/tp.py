@@ -90,7 +90,7 @@ class Workers:
 
     plan:        the tensor-parallel plan (``plan.size`` ranks).
     device:      rank 0's device (CUDA: NCCL, ranks on consecutive devices; CPU: gloo).
-    runner_args: the keyword arguments of ``m3_torch.rank.Runner`` every rank shares.
+    runner_args: the keyword arguments of ``m3_torch.rank.RankRunner`` every rank shares.
     timeout:     collectives and start-up steps that wait longer raise.
 
     Construction starts the workers and joins the group; :meth:`wait_ready`
@@ -296,14 +296,14 @@ def _worker_main(rank: int, plan: TPPlan, device: torch.device, runner_args: dic
     """A worker's life: join the group, load its slices, then run what rank 0 sends until "stop"."""
     try:
         conn.send(("started", os.getpid()))
-        from .rank import Runner, rank_device
+        from .rank import RankRunner, rank_device
 
         if backend == "nccl":
             torch.cuda.set_device(rank_device(device, rank))
         else:   # share the CPU with the other ranks instead of each taking every core
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.size))
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=plan.size, timeout=timeout)
-        runner = Runner(tp=plan, rank=rank, device=device, all_reduce=all_reduce, **runner_args)
+        runner = RankRunner(tp=plan, rank=rank, device=device, all_reduce=all_reduce, **runner_args)
         conn.send(("ready", None))
         while True:
             try:

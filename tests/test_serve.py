@@ -40,6 +40,7 @@ openai = pytest.importorskip("openai")
 
 from benchmarks.serve import parse_metrics                              # noqa: E402
 from m3_engine import SamplingParams, engine_class                      # noqa: E402
+from m3_engine.buckets import StepBuckets                               # noqa: E402
 from m3_engine.runner import SampleResult                               # noqa: E402
 from m3_engine.tiny_model import write_tiny_checkpoint                  # noqa: E402
 from m3_engine.tokenizer import Tokenizer                               # noqa: E402
@@ -647,12 +648,9 @@ class FakeRunner:
     """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3); ``fail_steps`` steps from now fail."""
     fail_in: "int | None" = None
 
-    @staticmethod
-    def pads_decode_steps(args):
-        return False
-
     def __init__(self, args):
         self.vocab = args.config.vocab_size
+        self.buckets = StepBuckets.from_config(args.scheduler, args.speculative, pad_prefill=False, pad_decode=False)
 
     def execute(self, step, sampling):
         FakeRunner.last_temperature = sampling.temperature.tolist()
