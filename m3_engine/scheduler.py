@@ -63,8 +63,8 @@ import numpy as np
 from .block_manager import BlockManager, block_hashes
 from .model_config import M3TextConfig
 from .speculative import SpeculationGate, SpeculativeConfig, ngram_draft, num_accepted
-from .step_inputs import Step, StepBuilder
 from .buckets import StepBuckets
+from .step_inputs import Step, StepBuilder
 from m3_kernels.planner import PAGE_SIZE, StepConfig
 
 __all__ = ["SchedulerConfig", "Scheduler", "DraftPass", "Request", "DEFAULT_MAX_CONTEXT",

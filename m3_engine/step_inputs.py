@@ -92,11 +92,6 @@ class Step:
         return self.plan.num_rows
 
     @property
-    def q_lens(self) -> np.ndarray:
-        """[R] int32 query tokens per row."""
-        return np.diff(self.cu_seqlens_q)
-
-    @property
     def is_decode(self) -> bool:
         """Generation rows only (one token each, or ``k + 1`` when verifying): the step a CUDA graph /
         a compiled decode step replays."""
