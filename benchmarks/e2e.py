@@ -70,7 +70,7 @@ import torch
 import m3_torch
 from m3_kernels.planner import PAGE_SIZE
 from m3_engine.runner import SamplingBatch
-from m3_engine.scheduler import Step
+from m3_engine.step_inputs import Step
 from m3_engine import checkpoint
 from m3_engine.model_config import M3TextConfig
 from m3_engine.tiny_model import tiny_text_config

@@ -1,6 +1,6 @@
 """What ``benchmarks/e2e.py --tp N`` runs on EVERY rank of a torch engine (``LLM.collective_rpc``).
 
-Each function gets the rank's ``m3_torch.engine.Runner``; the ranks run them at
+Each function gets the rank's ``m3_torch.rank.RankRunner``; the ranks run them at
 the same time, so the collectives inside (the model's all-reduces, captured in
 CUDA graphs) pair up. A module of its own: spawned workers import it by name.
 """

@@ -451,7 +451,7 @@ def jax_step(llm, step, reps: int) -> dict:
     from m3_jax.runner import _sampling_arrays, pack_inputs
 
     runner = llm.runner
-    batch, spec, maps, _ = runner._layout(step)
+    batch, spec, maps = runner._layout(step)
     flat, packing = pack_inputs((batch, maps, _sampling_arrays(SamplingBatch.greedy(len(step.logits_indices)),
                                                                len(batch.logits_rows))))
     inputs = (runner._put(flat),)

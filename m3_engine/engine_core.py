@@ -34,7 +34,8 @@ import numpy as np
 
 from .runner import Runner, SampleResult, SamplingBatch
 from .sampling_params import MAX_SEED, SamplingParams
-from .scheduler import Scheduler, Step
+from .scheduler import Scheduler
+from .step_inputs import Step
 from .structured_outputs import Grammar, StructuredOutputsBackend, fill_bitmask
 from .tokenizer import Tokenizer
 

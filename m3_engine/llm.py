@@ -14,7 +14,6 @@ frameworks accept and refuse the same things with the same messages.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
@@ -25,7 +24,7 @@ from .model_config import read_json
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from m3_kernels.planner import StepPlanner
+from .step_inputs import StepBuilder
 from .tokenizer import check_messages, load_tokenizer
 
 __all__ = ["LLM", "generation_defaults"]
@@ -64,17 +63,15 @@ class LLM:
         self._closed = True
         check_option_names(options)
         self.args: CheckedArgs = EngineArgs(model, **options).check()
-        args, runner_class = self.args, self._runner_class()
-        if not runner_class.pads_decode_steps(args):
-            args = self.args = _replace_scheduler(args, graph_batch_sizes=())
+        args = self.args
         self.config, self.tp, self.scheduler_config = args.config, args.tp, args.scheduler
-        sc = args.scheduler
         self.tokenizer = load_tokenizer(args.model_dir)
         defaults = generation_defaults(args.model_dir)
-        self.planner = StepPlanner(args.step_config())   # one rank's heads: every rank runs the plans made here
-        self.runner = runner_class(args)
+        self.runner = self._runner_class()(args)
         self._closed = False
-        self.engine = LLMEngine(self.runner, Scheduler(sc, self.config, planner=self.planner,
+        builder = StepBuilder(self.runner.buckets, args.step_config())   # the padding the runner declares
+        self.planner = builder.planner   # one rank's heads: every rank runs the plans made here
+        self.engine = LLMEngine(self.runner, Scheduler(args.scheduler, self.config, builder=builder,
                                                        speculative=args.speculative),
                                 tokenizer=self.tokenizer, seed=args.seed, generation_defaults=defaults)
 
@@ -229,7 +226,3 @@ def _as_prompt_list(prompts) -> list:
     if hasattr(prompts, "tolist"):   # a numpy array of ids
         return _as_prompt_list(prompts.tolist())
     raise TypeError(f"prompts: expected a string, token ids, a dict or a list of these, got {type(prompts).__name__}")
-
-
-def _replace_scheduler(args: CheckedArgs, **changes) -> CheckedArgs:
-    return dataclasses.replace(args, scheduler=dataclasses.replace(args.scheduler, **changes))

@@ -5,12 +5,16 @@ the engine (``m3_engine.engine.LLMEngine``) drives either through these calls
 only, so everything a request does outside the model step lives once, here in
 ``m3_engine``:
 
+    runner.buckets: StepBuckets                       # how the engine pads its steps for this runner
     runner.execute(step, sampling) -> SampleResult   # one step: model forward + sampling, on every rank
     runner.propose(work) -> drafts [n, k] int32       # EAGLE-3 only: the draft model after that step
     runner.close()                                    # free the device state (and end TP workers)
 
-``step`` is the scheduler's :class:`m3_engine.scheduler.Step` (numpy metadata:
-ids, positions, slot mapping, block table, lengths, the planner's plan);
+``buckets`` (``m3_engine.buckets.StepBuckets``, set by the runner from the
+options) is the padding the runner wants: the engine builds every step with it
+(``m3_engine.step_inputs``), so ``step`` (a :class:`m3_engine.step_inputs.Step`:
+ids, positions, slot mapping, block table, lengths, the planner's plan) comes
+already padded and planned, and the runner consumes it as it is;
 ``sampling`` holds one entry per logits row of the step. A runner owns the
 weights on its device(s), the KV pool, CUDA graphs or jitted steps, tensor
 parallelism, and launches the shared sampling kernel (``m3_torch.sample`` /
@@ -31,7 +35,9 @@ from typing import Optional, Protocol
 
 import numpy as np
 
-from .scheduler import DraftPass, Step
+from .buckets import StepBuckets
+from .scheduler import DraftPass
+from .step_inputs import Step
 
 __all__ = ["Runner", "SamplingBatch", "SampleResult"]
 
@@ -103,6 +109,8 @@ class SampleResult:
 
 class Runner(Protocol):
     """A framework's model runner (see the module docstring)."""
+
+    buckets: StepBuckets
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult: ...
 

@@ -5,7 +5,7 @@ The engine (``m3_engine.engine.LLMEngine``) drives one loop::
     scheduler = Scheduler(SchedulerConfig(max_batch=8, max_context=4096, num_slots=256), model_config)
     ids = scheduler.add_requests(prompts, max_new_tokens=16)   # validates everything first
     while scheduler.has_unfinished():
-        step = scheduler.schedule()                  # numpy metadata of one step
+        step = scheduler.schedule()                  # one step's rows, built into arrays (m3_engine.step_inputs)
         logits = model(step)                         # [len(step.logits_indices), vocab]: framework code
         scheduler.update(step, sample(logits))       # one new token per logits row
     outputs = [scheduler.output(i) for i in ids]     # the new tokens of each request
@@ -36,11 +36,8 @@ Policy (vLLM-like, deterministic):
   takes its tokens back; with prefix caching the last cached block of a
   prompt is recomputed (as vLLM does: the draft's row at a block's last
   position depends on the token after the block).
-* **Padding**: a pure generation step is padded to the smallest of
-  ``graph_batch_sizes`` that fits (rows with ``seq_len = 0``, as many tokens
-  as the other generation rows: token id 0, position 0, ``slot_mapping = -1``; CUDA graphs / a jitted decode
-  step replay at that size). Steps with context rows are never padded here
-  (an engine that compiles them per bucket pads them itself).
+* **Padding**: not decided here: the step builder (``m3_engine.step_inputs``)
+  pads each step by the engine's one policy (``m3_engine.buckets``).
 * **Stops**: a request finishes at one of its stop token ids or (unless it
   ignores them) the config's eos ids (kept in its output), after
   ``max_new_tokens`` tokens, or when its KV cache is full (``len(prompt) +
@@ -66,9 +63,11 @@ import numpy as np
 from .block_manager import BlockManager, block_hashes
 from .model_config import M3TextConfig
 from .speculative import SpeculationGate, SpeculativeConfig, ngram_draft, num_accepted
-from m3_kernels.planner import PAGE_SIZE, StepConfig, StepPlan, StepPlanner
+from .buckets import StepBuckets
+from .step_inputs import Step, StepBuilder
+from m3_kernels.planner import PAGE_SIZE, StepConfig
 
-__all__ = ["SchedulerConfig", "Scheduler", "Step", "DraftPass", "Request", "DEFAULT_MAX_CONTEXT",
+__all__ = ["SchedulerConfig", "Scheduler", "DraftPass", "Request", "DEFAULT_MAX_CONTEXT",
            "default_graph_batch_sizes"]
 
 DEFAULT_MAX_CONTEXT = 8192   # an engine's max_context when none is given (capped by the model's positions)
@@ -84,14 +83,15 @@ def default_graph_batch_sizes(max_batch: int) -> tuple:
 class SchedulerConfig:
     """Engine limits, fixed at start-up.
 
-    max_batch:         rows per step (padding rows included).
+    max_batch:         rows per step (padding rows not counted: ``m3_engine.buckets``).
     max_context:       KV tokens per request (prompt + generated tokens in the cache).
     num_slots:         pool slots (pages of 128 tokens); >= ceil(max_context / 128).
-    max_num_tokens:    query tokens per step (padding included); default
+    max_num_tokens:    query tokens per step (padding tokens not counted); default
                        ``max(2048, max_batch)``.
     prefill_chunk:     prompt tokens per request per step; default ``max_num_tokens``.
-    graph_batch_sizes: batch sizes pure generation steps are padded to (sorted
-                       on construction; each <= max_batch).
+    graph_batch_sizes: batch sizes pure generation steps are padded to where the runner
+                       pads them (``StepBuckets.decode_batch_sizes``; sorted on
+                       construction; each <= max_batch).
     enable_prefix_caching: reuse the cached full blocks of earlier requests'
                        tokens (``m3_engine.block_manager``).
     """
@@ -216,72 +216,6 @@ class Request:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Step:
-    """The host metadata of one step: rows ``[0, num_context)`` are context (prefill)
-    rows, the rest generation rows (padding rows last). ``T = plan.num_tokens``,
-    ``R = plan.num_rows`` (padding included).
-
-    input_ids:      [T] int32 token ids (0 for padding tokens).
-    positions:      [T] int32 position of each token in its request (0 for padding).
-    slot_mapping:   [T] int32 ``slot * 128 + offset`` where the token's K/V/index-K
-                    go (``write_cache``); -1 for padding tokens.
-    block_table:    [R, max_blocks] int32 slot ids per row; -1 past a row's slots
-                    and in padding rows.
-    seq_lens:       [R] int32 KV length per row, this step's tokens included (0: padding).
-    cu_seqlens_q:   [R + 1] int32 query-token offsets of the rows.
-    logits_indices: [L] int32 token rows whose logits are sampled, in row order: the
-                    last token of each row that ends its prompt or generates; every
-                    token of a verify row (speculative decoding).
-    request_ids:    [L] int32 the request of each logits row.
-    output_index:   [L] int32 how many tokens that request has generated before this
-                    one (with ``request_ids``: a per-token key for seeded sampling
-                    that does not depend on batching; a verify row's position ``j``
-                    has the request's output length + ``j``).
-    plan:           the ``planner.StepPlan`` of the step (spans, block bounds,
-                    graph padding, prefill maps).
-    rows:           ``((request, q_len), ...)`` of the real rows.
-    num_logits:     [real rows] int32 logits rows of each real row (0, 1, or ``k + 1``
-                    for a verify row).
-    drafts:         per real row, the draft tokens it verifies (empty: not a verify row).
-    """
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    block_table: np.ndarray
-    seq_lens: np.ndarray
-    cu_seqlens_q: np.ndarray
-    logits_indices: np.ndarray
-    request_ids: np.ndarray
-    output_index: np.ndarray
-    plan: StepPlan
-    rows: tuple = dataclasses.field(repr=False, default=())
-    num_logits: np.ndarray = dataclasses.field(repr=False, default=None)
-    drafts: tuple = dataclasses.field(repr=False, default=())
-
-    @property
-    def num_verify_rows(self) -> int:
-        return sum(1 for d in self.drafts if len(d))
-
-    @property
-    def num_context(self) -> int:
-        """Context rows (the row prefix), the padding context row included."""
-        return self.plan.context.num_rows
-
-    @property
-    def num_tokens(self) -> int:
-        return self.plan.num_tokens
-
-    @property
-    def num_rows(self) -> int:
-        return self.plan.num_rows
-
-    @property
-    def is_decode(self) -> bool:
-        """Generation rows only (one token each): the step a CUDA graph / jitted decode replays."""
-        return self.plan.context.num_rows == 0
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
 class DraftPass:
     """What an EAGLE-3 draft model runs after a step (:meth:`Scheduler.draft_pass`): a first pass
     over the step's token rows, then ``k - 1`` one-token steps for the ``n`` requests that draft.
@@ -318,13 +252,14 @@ class Scheduler:
 
     config: the engine limits.
     model:  the model config (heads, topk, vocabulary, eos ids).
-    planner: a ``planner.StepPlanner``; default: built from ``model`` and
-             ``config`` (all heads on one rank).
+    builder: the ``m3_engine.step_inputs.StepBuilder`` that turns each step's rows into
+             its arrays and plan; default: all heads on one rank, pure generation steps
+             padded to ``config.graph_batch_sizes``, steps with context rows not padded.
     speculative: a ``SpeculativeConfig`` (``m3_engine.speculative``): generation rows
              verify drafts when a step speculates; None: never.
     """
 
-    def __init__(self, config: SchedulerConfig, model: M3TextConfig, *, planner: StepPlanner | None = None,
+    def __init__(self, config: SchedulerConfig, model: M3TextConfig, *, builder: StepBuilder | None = None,
                  speculative: SpeculativeConfig | None = None):
         self.config = config
         self.speculative = speculative
@@ -337,11 +272,11 @@ class Scheduler:
         self.num_steps = 0   # steps updated so far (speculation's probes go by it)
         self.vocab_size = model.vocab_size
         self.eos_token_ids = frozenset(model.eos_token_ids)
-        self.planner = planner or StepPlanner(StepConfig(
-            num_q_heads=model.num_attention_heads, num_kv_heads=model.num_key_value_heads,
-            head_dim=model.head_dim, max_batch=config.max_batch, max_num_tokens=config.max_num_tokens,
-            max_blocks=config.max_blocks, topk=model.index_topk_blocks,
-            graph_batch_sizes=config.graph_batch_sizes))
+        self.builder = builder or StepBuilder(
+            StepBuckets.from_config(config, speculative, pad_prefill=False, pad_decode=True),
+            StepConfig(num_q_heads=model.num_attention_heads, num_kv_heads=model.num_key_value_heads,
+                       head_dim=model.head_dim, max_batch=config.max_batch, max_num_tokens=config.max_num_tokens,
+                       max_blocks=config.max_blocks, topk=model.index_topk_blocks))
         self.requests: dict[int, Request] = {}
         self._waiting: list[Request] = []   # FCFS, not admitted
         self._running: list[Request] = []   # admitted, in admission order
@@ -494,7 +429,7 @@ class Scheduler:
             rows_left, tokens_left = rows_left - 1, tokens_left - q
         if not generation and not context:  # unreachable: construction guarantees one request fits
             raise RuntimeError("schedule: nothing fits in a step (this is a bug)")
-        self._pending = self._build(context, generation, drafts)
+        self._pending = self.builder.build(context + generation, len(context), drafts)
         return self._pending
 
     def _propose(self, candidates: list, tokens_left: int) -> dict:
@@ -557,60 +492,6 @@ class Scheduler:
         cache_tokens = min(len(r.prompt) + r.max_new_tokens - 1 + self.num_speculative_tokens,
                            self.config.max_context)
         return -(-cache_tokens // PAGE_SIZE)
-
-    def _build(self, context, generation, drafts: dict) -> Step:
-        """The step's arrays for these rows, vectorised over rows (host time of a decode step at
-        batch 64 and 1024 block-table columns, schedule + update: ~0.6 ms on a 2-core CI machine).
-        ``drafts``: request id -> drafts, for the verify rows (each with ``k + 1`` tokens)."""
-        cfg = self.config
-        rows = context + generation
-        q_lens = [q for _, q in rows]
-        seq_lens = [r.num_cached + q for r, q in rows]
-        plan = self.planner.plan(seq_lens, q_lens=q_lens, num_context=len(context))
-        pad_rows = plan.generation.num_padding_rows  # graph padding: generation rows like the others
-        q_lens += [plan.generation.decode_query_len] * pad_rows
-        seq_lens += [0] * pad_rows
-        T, R = plan.num_tokens, plan.num_rows
-        cu = np.zeros(R + 1, np.int32)
-        cu[1:] = np.cumsum(q_lens)
-
-        # the real rows (rows [0, n); graph padding rows follow): sizes and slots
-        n = len(rows)
-        q = np.array([k for _, k in rows], np.int64)
-        cached = np.array([r.num_cached for r, _ in rows], np.int64)
-        block_table = np.empty((R, cfg.max_blocks), np.int32)
-        block_table[:n] = [r.table_row for r, _ in rows]
-        block_table[n:] = -1
-
-        # every real token: its row, its index in the step, its position
-        row_of = np.repeat(np.arange(n), q)
-        local = np.arange(len(row_of)) - np.repeat(np.cumsum(q) - q, q)
-        token = cu[row_of] + local
-        pos = cached[row_of] + local
-        input_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slot_mapping = np.full(T, -1, np.int32)
-        row_drafts = tuple(tuple(drafts[r.id].tolist()) if r.id in drafts else () for r, _ in rows)
-        input_ids[token] = np.concatenate([_verify_tokens(r, k, drafts[r.id]) if r.id in drafts else
-                                           r.output[-1:] if r.prefilled else r.prompt[r.num_cached:r.num_cached + k]
-                                           for r, k in rows])  # generation rows: the token sampled last
-        positions[token] = pos
-        slot_mapping[token] = block_table[row_of, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-
-        # the last token of each row that ends its prompt or generates samples the next token; every
-        # token of a verify row samples (position j checks draft j; the last one gives the bonus token)
-        verify = np.array([r.id in drafts for r, _ in rows], bool)
-        samples = cached + q >= np.array([len(r.prompt) for r, _ in rows])
-        num_logits = np.where(verify, q, samples).astype(np.int32)
-        first = np.where(verify, cu[:n], cu[1:n + 1] - 1)
-        local = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
-        return Step(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_table=block_table,
-                    seq_lens=np.asarray(seq_lens, np.int32), cu_seqlens_q=cu,
-                    logits_indices=(np.repeat(first, num_logits) + local).astype(np.int32),
-                    request_ids=np.repeat(np.array([r.id for r, _ in rows], np.int32), num_logits),
-                    output_index=(np.repeat(np.array([len(r.output) for r, _ in rows], np.int32), num_logits)
-                                  + local).astype(np.int32),
-                    plan=plan, rows=tuple(rows), num_logits=num_logits, drafts=row_drafts)
 
     def update(self, step: Step, next_tokens: Sequence[int]) -> list[int]:
         """Feed back the tokens sampled from ``step``'s logits rows (``[L]`` ints, in
@@ -675,10 +556,11 @@ class Scheduler:
         k, cu = self.num_speculative_tokens, step.cu_seqlens_q
         ids = np.zeros(step.num_tokens, np.int32)
         ids[:-1] = step.input_ids[1:]        # the next token of the row (each row's last token: below)
+        ids[step.slot_mapping < 0] = 0       # padding tokens
         drafting = []                        # (request, its last valid token row)
-        for i, ((r, q), count) in enumerate(zip(step.rows, step.num_logits.tolist())):
+        for (r, q), row, count in zip(step.rows, step.row_index.tolist(), step.num_logits.tolist()):
             if not count:   # a prompt chunk that does not end the prompt: the next chunk's first token
-                ids[cu[i] + q - 1] = r.prompt[r.num_cached]
+                ids[cu[row] + q - 1] = r.prompt[r.num_cached]
             elif (not r.finished and self._has_room(r) and len(r.output) + 1 < r.max_new_tokens
                   and r.gate.wants_drafts(self.num_steps)):   # the next step's _propose asks the same
                 drafting.append((r, int(step.logits_indices[r.emitted_row + len(r.emitted) - 1])))
@@ -722,14 +604,6 @@ class Scheduler:
         self._running.remove(r)
         self.blocks.release(r.slots.tolist())
         r.slots, r.table_row = r.slots[:0], None
-
-
-def _verify_tokens(r: Request, q: int, drafts: np.ndarray) -> np.ndarray:
-    """A verify row's ``q`` input tokens: the token sampled last, the drafts, then that last token
-    again as padding (padding positions are never accepted: only ``len(drafts)`` are checked)."""
-    out = np.full(q, r.output[-1], np.int32)
-    out[1:1 + len(drafts)] = drafts
-    return out
 
 
 def _check_budget(max_new_tokens) -> None:

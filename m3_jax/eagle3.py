@@ -18,8 +18,8 @@ torch twin, ``m3_torch/eagle3.py``; the format and conventions are in
 :class:`Eagle3Proposer` is the draft inside an engine (``m3_jax.runner``):
 after each target step it runs the scheduler's
 :class:`~m3_engine.scheduler.DraftPass` as two jitted functions, the first
-pass over the target step's rows as the runner padded them (compiled per the
-step's bucket) and the chain (compiled per padded batch size).
+pass over the target step's rows as the step builder padded them (compiled per
+the step's shape) and the chain (compiled per padded batch size).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from m3_engine.buckets import StepBuckets
 from m3_engine.eagle3 import (LAYER, Eagle3Config, draft_pool_layout, draft_step_config, draft_to_target_ids,
                               expected_eagle3_shapes, load_eagle3_weights)
 from m3_engine.model_config import M3TextConfig
@@ -205,63 +206,54 @@ def to_target_ids(params: Mapping, draft_ids):
 # -- in an engine ------------------------------------------------------------------------------
 
 class TargetStep(NamedTuple):
-    """A target step as the JAX runner ran it (padded to its buckets), and its aux hidden states.
+    """A target step as the JAX runner ran it, and its aux hidden states.
 
-    batch:       the padded :class:`~m3_jax.model.StepBatch` (numpy).
-    seq_lens, q_lens, num_context: the padded rows (what its plan was made of).
-    token_index: [T] the padded row of each of the scheduler step's tokens.
-    aux:         [T_padded, 3 * target_hidden] on the device.
+    batch: the step's :class:`~m3_jax.model.StepBatch` (numpy; padded as the step was built).
+    aux:   [T, 3 * target_hidden] on the device.
     """
     batch: StepBatch
-    seq_lens: np.ndarray
-    q_lens: np.ndarray
-    num_context: int
-    token_index: np.ndarray
     aux: jax.Array
 
 
 class Eagle3Proposer:
     """An EAGLE-3 draft inside the JAX engine: its params, its pool (the target pool's slots), its
-    planners and two jitted functions (pool donated).
+    planner and two jitted functions (pool donated).
 
     config, params: the draft (:func:`load_params`), on the engine's device.
     num_slots:      the target pool's slots; dtype, kv_cache_dtype: the pool's (as the target's).
-    step_config:    the engine's planner config (decode steps, graph batch sizes: the chain's buckets).
-    prefill_config: the runner's planner config for steps with context rows (padded there).
+    step_config:    the config of the engine's planner (the padded steps' limits).
+    buckets:        the engine's padding policy (the chain's batch sizes: its decode batch sizes).
     num_speculative_tokens: ``k``.
     device:         the engine's device (None: JAX's default).
     """
 
     def __init__(self, config: Eagle3Config, params: dict, *, num_slots: int, dtype: str, step_config: StepConfig,
-                 prefill_config: StepConfig, num_speculative_tokens: int, kv_cache_dtype: str = "auto", device=None):
+                 buckets: StepBuckets, num_speculative_tokens: int, kv_cache_dtype: str = "auto", device=None):
         self.config, self.params, self.k, self.device = config, params, num_speculative_tokens, device
-        self.step_config = step_config
+        self.step_config, self.buckets = step_config, buckets
         self.layout = pool_layout(config, num_slots, dtype, kv_cache_dtype=kv_cache_dtype)
         self.pool = allocate_pool(self.layout, device)
-        self._decode_planner = StepPlanner(draft_step_config(config, step_config))
-        self._prefill_planner = StepPlanner(draft_step_config(config, prefill_config))
+        self.planner = StepPlanner(draft_step_config(config, step_config))
         self._first = jax.jit(self._first_pass, static_argnames=("spec",), donate_argnames=("pool",))
         self._chain = jax.jit(self._chain_steps, static_argnames=("spec",), donate_argnames=("pool",))
 
     def propose(self, work: DraftPass, target: TargetStep) -> np.ndarray:
         """Run ``work`` after its target step ``target`` -> the drafts ``[n, k]`` int32 of ``work.request_ids``."""
-        cfg, n = self.step_config, work.num_requests
-        planner = self._decode_planner if target.num_context == 0 else self._prefill_planner
-        spec, maps = self._spec(planner.plan(target.seq_lens, q_lens=target.q_lens, num_context=target.num_context))
-        ids = np.zeros(len(target.batch.input_ids), np.int32)
-        ids[target.token_index] = work.input_ids
-        rows = np.zeros(cfg.max_batch, np.int32)   # one shape: the first pass compiles per target bucket only
-        rows[:n] = target.token_index[work.rows]
+        step, n = work.step, work.num_requests
+        spec, maps = self._spec(self.planner.plan(step.seq_lens, cu_seqlens_q=step.cu_seqlens_q,
+                                                  num_context=step.num_context))
+        rows = np.zeros(self.buckets.max_batch, np.int32)   # one shape: the first pass compiles per step shape only
+        rows[:n] = work.rows
         # host arrays as they are: jit's dispatch copies them to the draft's device (faster than device_put)
-        h, self.pool = self._first(self.params, self.pool, target.batch._replace(input_ids=ids), maps, target.aux,
-                                   rows, spec=spec)
+        h, self.pool = self._first(self.params, self.pool, target.batch._replace(input_ids=work.input_ids), maps,
+                                   target.aux, rows, spec=spec)
         if n == 0:
             return np.zeros((0, self.k), np.int32)
-        size = next((b for b in cfg.graph_batch_sizes if b >= n), n)   # the chain's bucket
+        size = self.buckets.generation_rows(n)   # the chain's batch, padded as a decode step
         chain = {name: np.pad(getattr(work, name), [(0, 0), (0, size - n)], constant_values=fill)
                  for name, fill in (("positions", 0), ("slot_mapping", -1), ("seq_lens", 0))}
         chain["block_table"] = np.pad(work.block_table, [(0, size - n), (0, 0)], constant_values=-1)
-        spec, _ = self._spec(self._decode_planner.plan([1] * size, q_lens=[1] * size, num_context=0))
+        spec, _ = self._spec(self.planner.plan([1] * size, q_lens=[1] * size, num_context=0))
         drafts, self.pool = self._chain(self.params, self.pool, h, chain, spec=spec)
         return np.asarray(drafts)[:n]
 

@@ -1,23 +1,22 @@
 """The JAX model runner behind ``m3_jax.LLM`` (the engine itself is ``m3_engine``).
 
 The framework-neutral scheduler (``m3_engine.scheduler``) decides each step
-(admission, slots, chunked prefill, mixed steps, decode padding); this module
-only moves its numpy metadata to the device and runs ONE jitted function,
+(admission, slots, chunked prefill, mixed steps) and the step builder
+(``m3_engine.step_inputs``) pads and plans it by this runner's
+:attr:`JaxRunner.buckets` (``m3_engine.buckets``: every step padded); this
+module only moves the built arrays to the device and runs ONE jitted function,
 model forward + the shared sampling kernel (``m3_jax.sample``), with the pool
 donated (cache writes in place). What the compile cache is keyed by:
 
-* **pure decode steps**: the scheduler's graph batch size (``graph_batch_sizes``
-  = 1, 2, 4, 8, then multiples of 16 up to ``max_batch``, as ``m3_torch``'s CUDA
-  graphs). The generation span always spans the whole block table
-  (``max_context / 128`` columns), so no length ever recompiles: one
-  compilation per batch size.
-* **steps with context rows** (prefill, mixed): re-padded here, on the host,
-  to buckets: context tokens to the next of 8, 12, 16, 24, 32, 48, ...
-  (powers of two and 1.5x them, capped at ``max_num_tokens``) by one padding
-  context row (``seq_len = 0``: its tokens see nothing, write nothing), context
-  rows to a power of two (empty rows), generation rows to a graph batch size.
-  With the context span's block bound and row tile (powers of two) that is the
-  key: it depends on buckets, never on lengths.
+* **pure decode steps**: the graph batch size (``graph_batch_sizes`` = 1, 2, 4,
+  8, then multiples of 16 up to ``max_batch``, as ``m3_torch``'s CUDA graphs).
+  The generation span always spans the whole block table (``max_context / 128``
+  columns), so no length ever recompiles: one compilation per batch size.
+* **steps with context rows** (prefill, mixed): context tokens padded to a
+  bucket (8, 12, 16, 24, 32, 48, ...) by one padding context row, context rows
+  to a power of two, generation rows to a graph batch size. With the context
+  span's block bound and row tile (powers of two) that is the key: it depends
+  on buckets, never on lengths.
 
 With ``tensor_parallel_size=N`` the same jitted function runs the model step
 in ``shard_map`` over a mesh of N devices (``m3_jax.tp``); the scheduler,
@@ -50,10 +49,11 @@ import numpy as np
 
 from m3_engine import checkpoint
 from m3_engine.args import CheckedArgs, check_gpu_device
+from m3_engine.buckets import StepBuckets
 from m3_engine.dummy_weights import dummy_dtype
 from m3_engine.runner import SampleResult, SamplingBatch
-from m3_engine.scheduler import DraftPass, Step
-from m3_kernels import planner
+from m3_engine.scheduler import DraftPass
+from m3_engine.step_inputs import Step
 from m3_kernels.maps import next_pow2
 
 from . import eagle3, model, tp
@@ -64,7 +64,6 @@ from .sampling import apply_token_bitmask, sample, seed_words
 
 __all__ = ["JaxRunner"]
 
-MIN_TOKEN_BUCKET = 8
 MIN_IDS_BUCKET = 16   # penalty id arrays are padded to powers of two from here
 
 
@@ -109,10 +108,6 @@ def resolve_devices(args: CheckedArgs) -> list:
 class JaxRunner:
     """The JAX side of an engine (``m3_engine.runner.Runner``). ``args``: the checked options."""
 
-    @staticmethod
-    def pads_decode_steps(args: CheckedArgs) -> bool:
-        return True   # decode steps are padded to the batch sizes the jitted step is compiled for
-
     def __init__(self, args: CheckedArgs):
         if args.enforce_eager:
             raise ValueError("enforce_eager: the JAX engine always runs jitted steps (expected False)")
@@ -122,15 +117,8 @@ class JaxRunner:
         self.device = devices[0]
         self.mesh = tp.make_mesh(devices) if self.tp.size > 1 else None
         self.scheduler_config = sc = args.scheduler
-        heads = dict(num_q_heads=self.tp.num_q_heads, num_kv_heads=self.tp.num_kv_heads, head_dim=config.head_dim,
-                     max_blocks=sc.max_blocks, topk=config.index_topk_blocks)
-        # steps with context rows are re-planned after padding: room for the padding rows and tokens
-        # (padding generation rows verifying drafts have k + 1 tokens)
-        n = 1 + (args.speculative.num_speculative_tokens if args.speculative is not None else 0)
-        self._prefill_planner = planner.StepPlanner(planner.StepConfig(
-            max_batch=next_pow2(sc.max_batch + 1) + sc.max_batch,
-            max_num_tokens=sc.max_num_tokens + sc.max_batch * n, **heads))
-        self._token_buckets = _token_buckets(sc.max_num_tokens)
+        # every step padded: each shape is one compilation, so the set must be bounded
+        self.buckets = StepBuckets.from_config(sc, args.speculative, pad_prefill=True, pad_decode=True)
         dtype = args.dtype
         with self._on_device():
             if args.load_format == "dummy":   # random weights drawn on the device(s) (m3_jax.dummy_weights)
@@ -164,7 +152,7 @@ class JaxRunner:
                     target_lm_head=self.params.get("lm_head.weight", embed))
                 self.proposer = eagle3.Eagle3Proposer(
                     draft_config, draft_params, num_slots=sc.num_slots, dtype=self.dtype,
-                    step_config=args.step_config(), prefill_config=self._prefill_planner.config,
+                    step_config=self.buckets.planner_config(args.step_config()), buckets=self.buckets,
                     num_speculative_tokens=args.speculative.num_speculative_tokens,
                     kv_cache_dtype=args.kv_cache_dtype, device=self.device)
 
@@ -173,7 +161,7 @@ class JaxRunner:
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
         if self.pool is None:
             raise RuntimeError("this LLM is closed (close() was called)")
-        batch, spec, maps, padded = self._layout(step)
+        batch, spec, maps = self._layout(step)
         num_logits = len(step.logits_indices)
         flat, packing = pack_inputs((batch, maps, _sampling_arrays(sampling, _num_logits(spec))))
         with self._on_device():
@@ -181,7 +169,7 @@ class JaxRunner:
                                                     packing=packing, num_logprobs=sampling.num_logprobs)
         host = np.asarray(jax.device_get(flat_out))   # one wait for every output
         if self.proposer is not None:
-            self._last = (step, eagle3.TargetStep(batch, *padded, aux=aux))
+            self._last = (step, eagle3.TargetStep(batch, aux))
         out = unpack_outputs(host, _num_logits(spec), sampling.num_logprobs)
         out = {k: v[:num_logits] for k, v in out.items()}
         return SampleResult(tokens=out["tokens"], logprobs=out["logprobs"], top_ids=out.get("top_ids"),
@@ -220,50 +208,14 @@ class JaxRunner:
         return (pack_outputs(out, num_logprobs), aux), pool
 
     def _layout(self, step: Step):
-        """The scheduler's step as (StepBatch of numpy arrays, StepSpec, PrefillMaps | None, padded), padded
-        to buckets; ``padded``: the padded rows' ``(seq_lens, q_lens, num_context)`` and the padded token
-        row of each of the step's tokens (what an EAGLE-3 draft replans the step from)."""
-        max_blocks = self.scheduler_config.max_blocks
-        if step.is_decode:  # padded to a graph batch size by the scheduler
-            spec, maps = step_inputs(step.plan)
-            rows = _padded(step.logits_indices, _num_logits(spec))
-            batch = model.StepBatch(step.input_ids, step.positions, step.slot_mapping, step.block_table,
-                                    step.seq_lens, rows)
-            padded = (step.seq_lens, np.diff(step.cu_seqlens_q), 0, np.arange(step.num_tokens))
-            return batch, dataclasses.replace(spec, generation_max_blocks=max_blocks), maps, padded
-
-        cu, R, Rc = step.cu_seqlens_q, step.num_rows, step.num_context
-        q_lens, seq_lens = np.diff(cu), step.seq_lens
-        Tc, Rg = int(cu[Rc]), R - Rc
-        Tc_pad = next(b for b in self._token_buckets + (Tc,) if b >= Tc) - Tc
-        Rc_new = next_pow2(Rc + (Tc_pad > 0))
-        Rg_new = next((g for g in self.scheduler_config.graph_batch_sizes if g >= Rg), Rg) if Rg else 0
-        # rows: context | padding context row (Tc_pad tokens) | empty context rows | generation | padding rows
-        empty = Rc_new - Rc - (Tc_pad > 0)
-        n = step.plan.generation.decode_query_len or 1   # tokens per generation row (k + 1 when verifying)
-        new_q = _int32(q_lens[:Rc], [Tc_pad] * (Tc_pad > 0), [0] * empty, q_lens[Rc:], [n] * (Rg_new - Rg))
-        new_seq = _int32(seq_lens[:Rc], [0] * (Rc_new - Rc), seq_lens[Rc:], [0] * (Rg_new - Rg))
-        table = np.full((Rc_new + Rg_new, max_blocks), -1, np.int32)
-        table[:Rc], table[Rc_new:Rc_new + Rg] = step.block_table[:Rc], step.block_table[Rc:]
-        T_new = Tc + Tc_pad + Rg_new * n
-        ctx_end, gen_start = Tc, Tc + Tc_pad
-
-        def tokens(x, fill):
-            out = np.full(T_new, fill, np.int32)
-            out[:ctx_end], out[gen_start:gen_start + Rg * n] = x[:Tc], x[Tc:]
-            return out
-
-        rows = step.logits_indices
-        rows = np.where(rows < Tc, rows, rows + Tc_pad).astype(np.int32)
-        plan = self._prefill_planner.plan(new_seq, q_lens=new_q, num_context=Rc_new)
-        spec, maps = step_inputs(plan)
-        batch = model.StepBatch(tokens(step.input_ids, 0), tokens(step.positions, 0), tokens(step.slot_mapping, -1),
-                                table, new_seq, _padded(rows, _num_logits(spec)))
-        if Rg_new:
-            spec = dataclasses.replace(spec, generation_max_blocks=max_blocks)
-        token_index = np.arange(step.num_tokens)
-        padded = (new_seq, new_q, Rc_new, np.where(token_index < Tc, token_index, token_index + Tc_pad))
-        return batch, spec, maps, padded
+        """The step, already padded and planned (``m3_engine.step_inputs``), as the jitted step takes it:
+        (StepBatch of numpy arrays, StepSpec, PrefillMaps | None)."""
+        spec, maps = step_inputs(step.plan)
+        if spec.generation_rows:   # the generation span reads the whole table: no length recompiles a step
+            spec = dataclasses.replace(spec, generation_max_blocks=self.scheduler_config.max_blocks)
+        batch = model.StepBatch(step.input_ids, step.positions, step.slot_mapping, step.block_table, step.seq_lens,
+                                _padded(step.logits_indices, _num_logits(spec)))
+        return batch, spec, maps
 
     # -- devices ----------------------------------------------------------------------------------
 
@@ -384,20 +336,6 @@ def _padded(a: np.ndarray, rows: int, fill=0) -> np.ndarray:
     out = np.full((rows,) + a.shape[1:], fill, a.dtype)
     out[:len(a)] = a
     return out
-
-
-def _int32(*parts) -> np.ndarray:
-    return np.concatenate([np.asarray(p, np.int32) for p in parts])
-
-
-def _token_buckets(max_num_tokens: int) -> tuple:
-    """Context-token buckets: 8, 12, 16, 24, 32, 48, ... (powers of two and 1.5x them, so padding wastes
-    at most a third), up to ``max_num_tokens``, which is the last one."""
-    buckets, b = set(), MIN_TOKEN_BUCKET
-    while b < max_num_tokens:
-        buckets |= {b, b * 3 // 2}
-        b *= 2
-    return tuple(sorted(x for x in buckets if x < max_num_tokens)) + (max_num_tokens,)
 
 
 def _sampling_arrays(s: SamplingBatch, rows: int) -> dict:

@@ -1,10 +1,10 @@
 """One rank of the torch model runner: its weights, its pool, its CUDA graphs.
 
-:class:`Runner` is what every rank holds: rank 0's lives in
+:class:`RankRunner` is what every rank holds: rank 0's lives in
 :class:`m3_torch.runner.TorchRunner`, the others' in the worker processes of
 ``m3_torch.tp``; all run the same steps (the plans are made for one rank's
-heads). On a GPU, pure decode steps (padded by the scheduler to
-``graph_batch_sizes``) replay CUDA graphs, one per (padded batch, block-table
+heads). On a GPU, pure decode steps (padded to ``graph_batch_sizes`` by the
+step builder, ``m3_engine.step_inputs``) replay CUDA graphs, one per (padded batch, block-table
 bound): the first step of each runs eagerly (its result is used; it compiles
 the kernels and builds the persistent maps and workspaces), then the graph is
 captured for the next ones. Prefill and mixed steps run eagerly. On a CPU
@@ -24,7 +24,7 @@ import torch._dynamo  # noqa: F401
 
 from m3_engine import checkpoint
 from m3_engine.dummy_weights import dummy_dtype
-from m3_engine.scheduler import Step
+from m3_engine.step_inputs import Step
 from m3_engine.tp import TPPlan
 from m3_kernels.pool import PoolLayout
 
@@ -32,7 +32,7 @@ from .cache import allocate_pool, layer_caches
 from .dummy_weights import iter_dummy_weights
 from .model import M3Model, StepTensors
 
-__all__ = ["Runner", "rank_device", "DTYPES"]
+__all__ = ["RankRunner", "rank_device", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,7 +42,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return device if device.type == "cpu" else torch.device("cuda", device.index + rank)
 
 
-class Runner:
+class RankRunner:
     """One rank's part of an engine: its weights (its slices under tensor parallelism),
     its pool (its KV heads, the whole index-K), its decode graphs. Rank 0's lives in
     :class:`m3_torch.runner.TorchRunner`, the others' in the worker processes of ``m3_torch.tp``; all run the
@@ -138,7 +138,7 @@ class _DecodeGraphs:
 
     FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table")
 
-    def __init__(self, runner: Runner):
+    def __init__(self, runner: RankRunner):
         self.runner = runner
         self.mempool = torch.cuda.graph_pool_handle()
         self.inputs: dict = {}   # (batch, n) -> (pinned host buffer, its views, device buffer, StepTensors, copy event)

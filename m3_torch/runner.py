@@ -1,10 +1,13 @@
 """The torch model runner behind ``m3_torch.LLM`` (the engine itself is ``m3_engine``).
 
 :class:`TorchRunner` puts the weights and the pool on the device (rank 0's
-:class:`m3_torch.rank.Runner`, plus ``tensor_parallel_size - 1`` worker
+:class:`m3_torch.rank.RankRunner`, plus ``tensor_parallel_size - 1`` worker
 processes from ``m3_torch.tp``), runs each step the engine schedules (CUDA
 graphs for pure decode steps on a GPU) and samples with the shared sampling
-kernel (``m3_torch.sample``) on rank 0, which holds ``lm_head``. With an
+kernel (``m3_torch.sample``) on rank 0, which holds ``lm_head``. Its
+:attr:`TorchRunner.buckets` pads pure decode steps to ``graph_batch_sizes``
+where CUDA graphs replay them (a GPU, without ``enforce_eager``) and nothing
+else: prefill and mixed steps run eagerly at their own shape. With an
 EAGLE-3 draft (one rank) each step also returns the target's aux hidden
 states, and :meth:`TorchRunner.propose` runs the draft on them, eagerly
 (``m3_torch.eagle3.Eagle3Proposer``).
@@ -18,13 +21,15 @@ import numpy as np
 import torch
 
 from m3_engine.args import CheckedArgs, check_gpu_device
+from m3_engine.buckets import StepBuckets
 from m3_engine.runner import SampleResult, SamplingBatch
-from m3_engine.scheduler import DraftPass, Step
+from m3_engine.scheduler import DraftPass
+from m3_engine.step_inputs import Step
 
 from . import tp
 from .eagle3 import Eagle3Draft, Eagle3Proposer
 from .model import StepTensors
-from .rank import DTYPES, Runner
+from .rank import DTYPES, RankRunner
 from .sampling import apply_token_bitmask, sample
 
 __all__ = ["TorchRunner"]
@@ -57,18 +62,16 @@ def resolve_device(args: CheckedArgs) -> torch.device:
 class TorchRunner:
     """The torch side of an engine (``m3_engine.runner.Runner``). ``args``: the checked options."""
 
-    @staticmethod
-    def pads_decode_steps(args: CheckedArgs) -> bool:
-        """Decode steps are padded to graph batch sizes only where CUDA graphs replay them."""
-        return resolve_device(args).type == "cuda" and not args.enforce_eager
-
     def __init__(self, args: CheckedArgs):
         self.tp = args.tp
         self.device = resolve_device(args)
         sc = args.scheduler
+        # decode steps are padded to graph batch sizes only where CUDA graphs replay them
+        self.buckets = StepBuckets.from_config(sc, args.speculative, pad_prefill=False,
+                                               pad_decode=self.device.type == "cuda" and not args.enforce_eager)
         runner_args = dict(model_dir=str(args.model_dir), dtype=DTYPES[args.dtype] if args.dtype else None,
                            num_slots=sc.num_slots, max_blocks=sc.max_blocks,
-                           cuda_graphs=bool(sc.graph_batch_sizes) and self.device.type == "cuda",
+                           cuda_graphs=bool(self.buckets.decode_batch_sizes),
                            kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype,
                            load_format=args.load_format, seed=args.seed)
         self._workers = None
@@ -79,7 +82,7 @@ class TorchRunner:
             all_reduce = tp.all_reduce
         aux_layers = args.draft.aux_layer_ids if args.draft is not None else ()   # eagle3: one rank (args)
         try:
-            self.rank0 = Runner(tp=self.tp, rank=0, device=self.device, all_reduce=all_reduce,
+            self.rank0 = RankRunner(tp=self.tp, rank=0, device=self.device, all_reduce=all_reduce,
                                 aux_layers=aux_layers, **runner_args)
             if self._workers is not None:
                 if self.rank0.graphs is not None:   # freed before the group goes, also when a step fails
@@ -96,7 +99,8 @@ class TorchRunner:
         if args.draft is not None:
             draft = Eagle3Draft.load(args.speculative.model, args.config, dtype=self.dtype, device=self.device,
                                      target_embed=self.model.embed, target_lm_head=self.model.lm_head)
-            self.proposer = Eagle3Proposer(draft, num_slots=sc.num_slots, step_config=args.step_config(),
+            self.proposer = Eagle3Proposer(draft, num_slots=sc.num_slots,
+                                           step_config=self.buckets.planner_config(args.step_config()),
                                            num_speculative_tokens=args.speculative.num_speculative_tokens,
                                            kv_cache_dtype=args.kv_cache_dtype)
         self._aux = None   # eagle3: (the last step, its aux hidden states)
@@ -141,7 +145,7 @@ class TorchRunner:
         return self.rank0.step_tensors(step, logits_rows)
 
     def collective_rpc(self, fn: Callable, *args) -> list:
-        """``[fn(runner, *args) for every rank's Runner]``, rank 0's first: a debugging and test hook.
+        """``[fn(runner, *args) for every rank's RankRunner]``, rank 0's first: a debugging and test hook.
         ``fn`` must be picklable by reference (a module-level function)."""
         if self._workers is None:
             return [fn(self.rank0, *args)]

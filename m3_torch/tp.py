@@ -59,7 +59,7 @@ import torch.distributed as dist
 from m3_kernels import tuning
 from m3_engine.tp import TPPlan
 
-from .rank import Runner, rank_device
+from .rank import RankRunner, rank_device
 
 __all__ = ["Workers", "all_reduce", "portable", "DEFAULT_TIMEOUT"]
 
@@ -92,7 +92,7 @@ class Workers:
 
     plan:        the tensor-parallel plan (``plan.size`` ranks).
     device:      rank 0's device (CUDA: NCCL, ranks on consecutive devices; CPU: gloo).
-    runner_args: the keyword arguments of ``m3_torch.rank.Runner`` every rank shares.
+    runner_args: the keyword arguments of ``m3_torch.rank.RankRunner`` every rank shares.
     timeout:     collectives and start-up steps that wait longer raise.
 
     Construction starts the workers and joins the group; :meth:`wait_ready`
@@ -303,7 +303,7 @@ def _worker_main(rank: int, plan: TPPlan, device: torch.device, runner_args: dic
         else:   # share the CPU with the other ranks instead of each taking every core
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.size))
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=plan.size, timeout=timeout)
-        runner = Runner(tp=plan, rank=rank, device=device, all_reduce=all_reduce, **runner_args)
+        runner = RankRunner(tp=plan, rank=rank, device=device, all_reduce=all_reduce, **runner_args)
         conn.send(("ready", None))
         while True:
             try:

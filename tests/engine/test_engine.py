@@ -32,6 +32,7 @@ import m3_jax
 import m3_torch
 from m3_engine import SamplingParams
 from m3_engine.tiny_model import BOS_ID, EOS_ID, write_tiny_checkpoint
+from m3_kernels import planner
 
 import hf_reference
 
@@ -333,6 +334,26 @@ def test_prompt_forms(eng):
     assert all(o.outputs[0].logprobs[0].keys() == first.logprobs[0].keys() for o in outs)
     assert all(o.outputs[0].text == first.text for o in outs)
     assert _idle(eng.llm)
+
+
+def test_steps_are_padded_and_planned_once(eng, monkeypatch):
+    """The step builder pads each step with the runner's policy (``runner.buckets``: JAX pads the
+    prefill step to a token bucket, torch runs it as it is) and plans it once; the runner plans
+    nothing. Every step's shape is one the policy lists."""
+    planned, plan = [], planner.StepPlanner.plan
+    monkeypatch.setattr(planner.StepPlanner, "plan", lambda self, *a, **kw: planned.append(self) or plan(self, *a, **kw))
+    steps, execute = [], eng.llm.runner.execute
+    monkeypatch.setattr(eng.llm.runner, "execute", lambda step, sampling: steps.append(step) or execute(step, sampling))
+    [out] = eng.llm.generate(FIRST[0], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(steps) == 2 and not steps[0].is_decode and steps[1].is_decode
+    assert len(planned) == 2 and all(p is eng.llm.planner for p in planned)
+    prompt_len = len(out.prompt_token_ids)
+    assert steps[0].num_tokens == (8 if eng.framework == "jax" else prompt_len) and prompt_len < 8
+    shapes = set(eng.llm.runner.buckets.shapes())
+    for step in steps:
+        p = step.plan
+        assert (p.context.num_rows, p.context.num_tokens, p.generation.num_rows, p.generation.decode_query_len) \
+            in shapes
 
 
 def test_eos_and_single_prompts(eng):

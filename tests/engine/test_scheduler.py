@@ -5,14 +5,18 @@ into a fake paged cache at ``slot_mapping`` and, for each logits row, reads the
 row's whole sequence back through ``block_table`` / ``seq_lens`` and hashes it
 into the next token. Freed slots are poisoned. Any mistake in positions, slots,
 tables, chunking or slot reuse changes the tokens against a one-prompt-at-a-time
-reference.
+reference. The steps are built (``m3_engine.step_inputs``) with torch's padding
+(decode steps only) or JAX's (every step: ``pad_prefill``).
 """
 
 import numpy as np
 import pytest
 
+from m3_engine.buckets import StepBuckets
 from m3_engine.model_config import M3TextConfig
 from m3_engine.scheduler import Scheduler, SchedulerConfig
+from m3_engine.step_inputs import StepBuilder
+from m3_kernels.planner import StepConfig
 
 PAGE = 128
 VOCAB, EOS = 1000, 999
@@ -25,9 +29,17 @@ def model_config(**overrides):
     return M3TextConfig.from_dict(dict(text, **overrides))
 
 
-def scheduler(**limits):
-    limits = dict(dict(max_batch=4, max_context=1024, num_slots=16, max_num_tokens=256), **limits)
-    return Scheduler(SchedulerConfig(**limits), model_config())
+def scheduler(pad_prefill=False, **limits):
+    """A scheduler of these limits; ``pad_prefill``: its steps padded as JAX's (every step), else as
+    the default (decode steps only)."""
+    config = SchedulerConfig(**dict(dict(max_batch=4, max_context=1024, num_slots=16, max_num_tokens=256), **limits))
+    model = model_config()
+    if not pad_prefill:
+        return Scheduler(config, model)
+    heads = StepConfig(num_q_heads=4, num_kv_heads=2, head_dim=32, max_batch=config.max_batch,
+                       max_num_tokens=config.max_num_tokens, max_blocks=config.max_blocks, topk=2)
+    buckets = StepBuckets.from_config(config, None, pad_prefill=True, pad_decode=True)
+    return Scheduler(config, model, builder=StepBuilder(buckets, heads))
 
 
 def next_token(seen: np.ndarray) -> int:
@@ -53,10 +65,14 @@ def check_step(s, step):
     assert step.input_ids.shape == step.positions.shape == step.slot_mapping.shape == (T,)
     assert step.block_table.shape == (R, cfg.max_blocks) and step.seq_lens.shape == (R,)
     assert step.cu_seqlens_q[0] == 0 and step.cu_seqlens_q[-1] == T and len(step.cu_seqlens_q) == R + 1
-    assert R <= cfg.max_batch and T <= cfg.max_num_tokens
+    buckets = s.builder.buckets
+    assert R <= buckets.max_rows and T <= buckets.max_tokens
+    real_rows = len(step.rows)
+    assert real_rows <= cfg.max_batch and sum(q for _, q in step.rows) <= cfg.max_num_tokens
     q_lens = np.diff(step.cu_seqlens_q)
     # context rows first, generation rows (one token each) last
     assert (q_lens[step.num_context:] == 1).all()
+    np.testing.assert_array_equal(q_lens[step.row_index], [q for _, q in step.rows])
     assert plan.context.num_rows == step.num_context and plan.num_rows == R
     for row in range(R):
         toks = slice(step.cu_seqlens_q[row], step.cu_seqlens_q[row + 1])
@@ -114,6 +130,8 @@ def q_lens(step):
     dict(max_num_tokens=64),                                    # small step budget: long prompts chunked
     dict(prefill_chunk=50, max_batch=2),                        # chunked, few rows
     dict(num_slots=8, graph_batch_sizes=(1, 2, 4)),             # slots scarce: waits, reuse; decode padding
+    dict(pad_prefill=True, max_num_tokens=64, graph_batch_sizes=(1, 2, 4)),   # JAX's padding: every step
+    dict(pad_prefill=True, prefill_chunk=50, max_batch=3, num_slots=8, graph_batch_sizes=(2,)),
 ], ids=str)
 def test_outputs_equal_one_prompt_at_a_time(limits):
     rng = np.random.default_rng(0)

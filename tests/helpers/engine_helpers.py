@@ -5,6 +5,7 @@ import time
 import numpy as np
 
 from m3_engine import SamplingParams
+from m3_engine.buckets import StepBuckets
 from m3_engine.llm import LLM
 from m3_engine.runner import SampleResult
 
@@ -27,12 +28,9 @@ class FakeRunner:
     ``FAIL_SEED + k`` makes the step sampling its token ``k`` raise. Runs in the engine process of
     ``m3-serve``: tests steer it through requests only."""
 
-    @staticmethod
-    def pads_decode_steps(args):
-        return False
-
     def __init__(self, args):
         self.vocab = args.config.vocab_size
+        self.buckets = StepBuckets.from_config(args.scheduler, args.speculative, pad_prefill=False, pad_decode=False)
 
     def execute(self, step, sampling):
         time.sleep(0.005)

@@ -42,6 +42,7 @@ openai = pytest.importorskip("openai")
 
 from benchmarks.serve import parse_metrics                              # noqa: E402
 from m3_engine import SamplingParams, engine_class                      # noqa: E402
+from m3_engine.buckets import StepBuckets                               # noqa: E402
 from m3_engine.runner import SampleResult                               # noqa: E402
 from m3_engine.tiny_model import EOS_ID, write_tiny_checkpoint          # noqa: E402
 from m3_engine.tokenizer import Tokenizer                               # noqa: E402
@@ -696,12 +697,9 @@ class FakeRunner:
     script: "list | None" = None
     bitmasks: list = []
 
-    @staticmethod
-    def pads_decode_steps(args):
-        return False
-
     def __init__(self, args):
         self.vocab = args.config.vocab_size
+        self.buckets = StepBuckets.from_config(args.scheduler, args.speculative, pad_prefill=False, pad_decode=False)
 
     def execute(self, step, sampling):
         FakeRunner.last_temperature = sampling.temperature.tolist()
