@@ -13,19 +13,22 @@ and out; e4m3 weights at one byte plus their scales), its byte floor (those byte
 measured first in the same run), the time as a share of that floor ("% of floor": floor / time), and the
 FP8 result's relative error against bf16. The fused MoE is always timed at 64 tokens (a decode batch
 that touches most of the 128 experts: its floor is almost all of the FP8 weights), whatever ``--tokens`` says.
-``--tune`` also times ``fp8_linear_kernel``'s decode tiles (``tuning.FP8_LINEAR_GPU_DECODE``: BLOCK_N x stages)
-and prints the best per shape. Writes ``fp8_linear.json`` and ``fp8_linear.md`` to ``--out``; about a
-minute on an H200 (``--tune``: one more).
+``--tune`` also times fp8_linear at other decode knobs (``tuning.fp8_linear``: BLOCK_N x warps, K splits,
+stages, L2 prefetch blocks, BLOCK_M), one knob at a time from tuning's choice, and prints the best per shape
+and T. Writes ``fp8_linear.json`` and ``fp8_linear.md`` to ``--out``; about a minute on an H200 (``--tune``:
+up to three more).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 
 import torch
 import triton
+import triton.runtime.errors
 import triton.testing
 
 from benchmarks.run import save_results
@@ -47,8 +50,9 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 4 / (ms * 1e-3)
 
 
-def graph_us(calls) -> float:
-    """Median microseconds per call of the CUDA graph of ``calls`` (callables), replayed by do_bench."""
+def graph_us(calls, rep: int = 100) -> float:
+    """Median microseconds per call of the CUDA graph of ``calls`` (callables), replayed by do_bench for
+    about ``rep`` ms."""
     for call in calls:
         call()
     torch.cuda.synchronize()
@@ -56,7 +60,7 @@ def graph_us(calls) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100)
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=rep)
     del graph
     return ms * 1e3 / len(calls)
 
@@ -146,32 +150,63 @@ def moe_rows(bandwidth, tokens_list, fp8):
 
 
 def tune(fp8, tokens_list):
-    """Time fp8_linear at each decode tile (BLOCK_N, num_stages) -> {shape/tokens: [(us, config)], best first}."""
+    """Time fp8_linear (the whole call: quantization, linear, sum of the splits) at other decode knobs, per
+    shape and T: from ``tuning.fp8_linear``'s choice, each knob in turn is set to its fastest value with the
+    others held (BLOCK_N x warps, splits, stages, L2 prefetch blocks, BLOCK_M) -> {case: [(us, config)],
+    fastest first}. About 80 variants, each compiled once: under three minutes on an H200."""
     from m3_kernels import tuning
 
-    saved = dict(tuning.FP8_LINEAR_GPU_DECODE)
+    chosen = tuning.fp8_linear
     found = {}
     g = torch.Generator("cuda").manual_seed(1)
     try:
         for (n, k), tokens in itertools.product(LINEAR_SHAPES, tokens_list):
             weights = [fp8.quantize_weight(torch.randn(n, k, device="cuda", generator=g)) for _ in range(rotation(n * k))]
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
-            results = []
-            for block_n, stages, warps in itertools.product((32, 64, 128), (3, 4, 6), (4,)):
-                tuning.FP8_LINEAR_GPU_DECODE.update(block_n=block_n, num_stages=stages, num_warps=warps)
-                try:
-                    results.append((graph_us([lambda i=i: fp8.fp8_linear(x, *weights[i % len(weights)])
-                                              for i in range(CALLS_PER_GRAPH)]), (block_n, stages, warps)))
-                except Exception as exc:   # a tile that does not fit shared memory is skipped
-                    print(f"  {n}x{k} T={tokens} {(block_n, stages, warps)}: {type(exc).__name__}")
-            results.sort()
+            k_blocks = -(-k // 128)
+            timed = {}
+
+            def timed_us(cfg):
+                if cfg not in timed:
+                    tuning.fp8_linear = lambda **_: cfg
+                    try:
+                        timed[cfg] = graph_us([lambda i=i: fp8.fp8_linear(x, *weights[i % len(weights)])
+                                               for i in range(CALLS_PER_GRAPH)], rep=30)
+                    except triton.runtime.errors.OutOfResources as exc:   # tiles past the shared memory
+                        print(f"  {n}x{k} T={tokens} {knobs(cfg)}: {exc}", flush=True)
+                        timed[cfg] = float("inf")
+                return timed[cfg]
+
+            def with_programs(cfg, programs, **changes):
+                """``cfg`` with ``changes`` and the splits that make about ``programs`` programs."""
+                cfg = dataclasses.replace(cfg, **changes)
+                tiles = -(-n // cfg.block_n) * -(-tokens // cfg.block_m)
+                return dataclasses.replace(cfg, splits=max(1, min(-(-programs // tiles), k_blocks)))
+
+            default = best = chosen(tokens=tokens, n=n, k=k, interpret=False)
+            programs = -(-n // best.block_n) * best.splits
+            block_ms = [m for m in (best.block_m, best.block_m // 2) if m >= 16]
+            for candidates in (
+                    lambda b: [with_programs(b, programs, block_n=bn, num_warps=w) for bn, w in ((64, 4), (128, 4),
+                                                                                                (128, 8))],
+                    lambda b: [with_programs(b, p) for p in (1, 132, 264, 396, 528, 792)],
+                    lambda b: [dataclasses.replace(b, num_stages=s) for s in (3, 4, 6)],
+                    lambda b: [dataclasses.replace(b, prefetch_blocks=p) for p in (0, 2, 4, 8)],
+                    lambda b: [dataclasses.replace(b, block_m=m) for m in block_ms]):
+                best = min(candidates(best) + [best], key=timed_us)
+            results = sorted(((us, cfg) for cfg, us in timed.items()), key=lambda r: r[0])
             found[f"{n}x{k} T={tokens}"] = results
-            print(f"tune {n}x{k} T={tokens}: best (BLOCK_N, stages, warps) {results[0][1]} {results[0][0]:.1f} us; "
-                  f"default {tuple(saved[key] for key in ('block_n', 'num_stages', 'num_warps'))}", flush=True)
+            print(f"tune {n}x{k} T={tokens}: best {knobs(best)} {timed[best]:.1f} us; tuning's choice "
+                  f"{knobs(default)} {timed[default]:.1f} us", flush=True)
     finally:
-        tuning.FP8_LINEAR_GPU_DECODE.clear()
-        tuning.FP8_LINEAR_GPU_DECODE.update(saved)
+        tuning.fp8_linear = chosen
     return found
+
+
+def knobs(cfg) -> str:
+    """A decode config's knobs, as the tune results print them."""
+    return (f"BLOCK_M {cfg.block_m} BLOCK_N {cfg.block_n} splits {cfg.splits} prefetch {cfg.prefetch_blocks} "
+            f"warps {cfg.num_warps} stages {cfg.num_stages}")
 
 
 def main():
@@ -204,10 +239,12 @@ def main():
                   f"{fp8_row['us']:.1f} ({fp8_row['pct_of_floor']:.0f}%) | {fp8_row['floor_us']:.1f} | "
                   f"{bf16['us'] / fp8_row['us']:.2f}x | {fp8_row['rel_err_vs_bf16']:.3f} |")
     if tuned:
-        md += ["", "fp8_linear decode tiles (BLOCK_N, stages, warps), best three per shape:", ""]
-        md += [f"- {key}: " + "; ".join(f"{c} {us:.1f} us" for us, c in results[:3]) for key, results in tuned.items()]
+        md += ["", "fp8_linear decode knobs (`--tune`), fastest three per shape:", ""]
+        md += [f"- {key}: " + "; ".join(f"{knobs(c)}: {us:.1f} us" for us, c in results[:3])
+               for key, results in tuned.items()]
     result = dict(gpu=torch.cuda.get_device_name(), date=str(datetime.date.today()), copy_bandwidth=bandwidth,
-                  rows=rows, tuned={key: [[us, list(c)] for us, c in results] for key, results in tuned.items()})
+                  rows=rows, tuned={key: [[us, dataclasses.asdict(c)] for us, c in results]
+                                                for key, results in tuned.items()})
     save_results(args.out, "fp8_linear", result, "\n".join(md) + "\n")
 
 

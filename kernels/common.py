@@ -113,6 +113,8 @@ def wait_for_previous_grid(PDL: tl.constexpr):
     scores, block ids, partials, scales, and also ``seq_lens`` and ``slot_mapping``, which the
     caller may have just computed with a kernel whose writes only this wait makes visible. The
     map's load thus overlaps the previous kernel's tail instead of starting the chain after it.
+    (``fp8_linear_kernel`` also sends its first weight lines to L2 before the wait: a prefetch hint,
+    which reads nothing into the program, of weights no kernel writes.)
     Without PDL (older GPUs, the interpreter, jax-triton's launches) neither instruction is
     emitted or both pass at once."""
     if PDL:

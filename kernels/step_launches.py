@@ -246,16 +246,29 @@ def quantize_activation(*, x: Operand, interpret: bool) -> Launch:
 
 
 def fp8_linear(*, x: Operand, weight: Operand, weight_scale, interpret: bool) -> Launch:
-    """:func:`quantize_activation` of x -> ``fp8_linear.fp8_linear_kernel`` -> ``out [T, N]`` in x's dtype.
-    x, weight ``[N, K]`` e4m3 and weight_scale ``[ceil(N / 128), ceil(K / 128)]`` float32: contiguous."""
+    """:func:`quantize_activation` of x -> ``fp8_linear.fp8_linear_kernel`` -> ``out [T, N]`` in x's dtype; split
+    over K (decode sizes), the kernel writes float32 ``partial [splits, T, N]`` and ``fp8_linear.sum_splits_kernel``
+    adds them in order into ``out``. x, weight ``[N, K]`` e4m3 and weight_scale ``[ceil(N / 128), ceil(K / 128)]``
+    float32: contiguous."""
     tokens, k = x.shape
     n = weight.shape[0]
-    cfg = tuning.fp8_linear(tokens=tokens, n=n, interpret=interpret)
-    linear = Launch("fp8_linear.fp8_linear_kernel", (cdiv(n, cfg.block_n), cdiv(tokens, cfg.block_m)),
-                    (Prev(0), Prev(1), weight.ref, weight_scale, tokens), (dense("out", (tokens, n), x.dtype),),
-                    dict(N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_BLOCK),
+    cfg = tuning.fp8_linear(tokens=tokens, n=n, k=k, interpret=interpret)
+    k_blocks = cdiv(k, FP8_BLOCK)
+    split_blocks = cdiv(k_blocks, cfg.splits)
+    splits = cdiv(k_blocks, split_blocks)   # every split gets blocks
+    out = dense("out", (tokens, n), x.dtype)
+    linear = Launch("fp8_linear.fp8_linear_kernel", (cdiv(n, cfg.block_n), cdiv(tokens, cfg.block_m), splits),
+                    (Prev(0), Prev(1), weight.ref, weight_scale, tokens),
+                    (out if splits == 1 else dense("partial", (splits, tokens, n), "float32"),),
+                    dict(N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=FP8_BLOCK,
+                         SPLIT_BLOCKS=split_blocks, PREFETCH_BLOCKS=cfg.prefetch_blocks),
                     cfg.num_warps, cfg.num_stages)
-    return chain(quantize_activation(x=x, interpret=interpret), linear)
+    if splits == 1:
+        return chain(quantize_activation(x=x, interpret=interpret), linear)
+    total = tokens * n
+    sum_splits = Launch("fp8_linear.sum_splits_kernel", (cdiv(total, cfg.sum_block),), (Prev(0), total), (out,),
+                        dict(SPLITS=splits, BLOCK=cfg.sum_block), tuning.FP8_SUM_NUM_WARPS, 1)
+    return chain(quantize_activation(x=x, interpret=interpret), linear, sum_splits)
 
 
 def fused_moe_fp8(*, x: Operand, w_gate_up: Operand, w_gate_up_scale, w_down: Operand, w_down_scale,

@@ -340,33 +340,56 @@ def fp8_quantize(*, groups: int, interpret: bool) -> QuantizeConfig:
     return QuantizeConfig(min(next_pow2(groups), 8), 4)   # 1024 channels a program, 8 a thread
 
 
-# GPU tiles of fp8_linear_kernel by call size. Decode (T <= max_tokens): one row tile (BLOCK_M = T rounded
-# up to a power of two, at least 16: the smallest FP8 MMA), so every weight byte is read once, and BLOCK_N
-# 64 to spread N over the SMs (N = 6144: 96 programs, [64, 128] e4m3 weight tiles of 8 KiB, 4 in flight).
-# Larger T: 64 x 128 tiles (compute-bound). Not yet swept on a GPU: ``python3 -m benchmarks.fp8_linear
-# --tune`` times the alternatives (by updating FP8_LINEAR_GPU_DECODE).
-FP8_LINEAR_GPU_DECODE = dict(max_tokens=64, block_n=64, num_warps=4, num_stages=4)
+# GPU tiles of fp8_linear_kernel. Decode-sized calls (T <= 64) stream the weight once: one row tile of
+# BLOCK_M = T rounded up to a power of two (at least 16, the narrow side of the smallest FP8 wgmma), BLOCK_N
+# 64 weight rows (the MMA's 64-row side), and K split into ranges of at least FP8_LINEAR_MIN_SPLIT_BLOCKS
+# blocks until the (N tiles x splits) programs reach FP8_LINEAR_TARGET_PROGRAMS, about two per SM of a
+# 132-SM H200: N = 3072 alone makes 48 programs, and one program per SM keeps too few bytes in flight
+# (stages x 8 KiB) to stream at the copy bandwidth. With more than one split the programs write float32
+# partial sums and sum_splits_kernel adds them in split order. PREFETCH_BLOCKS: K blocks of each program's
+# weights sent to L2 before it waits for the previous kernel. Keyed by BLOCK_M; one program's shared memory
+# is num_stages x (BLOCK_N + BLOCK_M) x 128 bytes (64 KiB at BLOCK_M 64 and 4 stages: three programs per
+# SM). Not yet measured on a GPU: ``python3 -m benchmarks.fp8_linear --tune`` sweeps these knobs.
+FP8_LINEAR_GPU_DECODE = {16: dict(block_n=64, num_warps=4, num_stages=4, prefetch_blocks=4),
+                         32: dict(block_n=64, num_warps=4, num_stages=4, prefetch_blocks=4),
+                         64: dict(block_n=64, num_warps=4, num_stages=4, prefetch_blocks=4)}
+FP8_LINEAR_TARGET_PROGRAMS = 264
+FP8_LINEAR_MIN_SPLIT_BLOCKS = 4
+# Larger T: 64 x 128 tiles (compute-bound), one split.
 FP8_LINEAR_GPU_PREFILL = dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
+# sum_splits_kernel on a GPU: outputs per program, warps
+FP8_SUM_BLOCK = 1024
+FP8_SUM_NUM_WARPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class FP8LinearConfig:
     block_m: int          # tokens per program
-    block_n: int          # output columns per program
+    block_n: int          # output columns per program (divides 128: one weight scale per K block)
+    splits: int           # ranges of K blocks (programs per output tile); the launch evens them out
+    prefetch_blocks: int  # K blocks of weights prefetched into L2 before the grid wait (0 or a power of two)
     num_warps: int
     num_stages: int
+    sum_block: int        # sum_splits_kernel's outputs per program
 
 
-def fp8_linear(*, tokens: int, n: int, interpret: bool) -> FP8LinearConfig:
-    """``fp8_linear.fp8_linear_kernel`` for ``tokens`` rows and ``n`` output columns."""
+def fp8_linear(*, tokens: int, n: int, k: int, interpret: bool) -> FP8LinearConfig:
+    """``fp8_linear.fp8_linear_kernel`` (and ``sum_splits_kernel``) for ``tokens`` rows, ``n`` output
+    columns and ``k`` input channels."""
+    k_blocks = cdiv(k, FP8_BLOCK)
     if interpret:
-        # the interpreter's cost is per program: a whole (small) output per program
-        return FP8LinearConfig(min(max(16, next_pow2(tokens)), 64), min(next_pow2(n), 256), 1, 1)
-    if tokens <= FP8_LINEAR_GPU_DECODE["max_tokens"]:
-        d = FP8_LINEAR_GPU_DECODE
-        return FP8LinearConfig(max(16, next_pow2(tokens)), d["block_n"], d["num_warps"], d["num_stages"])
-    p = FP8_LINEAR_GPU_PREFILL
-    return FP8LinearConfig(p["block_m"], p["block_n"], p["num_warps"], p["num_stages"])
+        # the interpreter's cost is per program: a whole (small) output per program, but two splits, which
+        # keeps split-K and its sum covered by the CPU tests
+        return FP8LinearConfig(min(max(16, next_pow2(tokens)), 64), min(next_pow2(n), 128), min(k_blocks, 2), 0,
+                               1, 1, max(16, min(next_pow2(tokens * n), 4096)))
+    block_m = max(16, next_pow2(tokens))
+    if block_m not in FP8_LINEAR_GPU_DECODE:
+        p = FP8_LINEAR_GPU_PREFILL
+        return FP8LinearConfig(p["block_m"], p["block_n"], 1, 0, p["num_warps"], p["num_stages"], FP8_SUM_BLOCK)
+    d = FP8_LINEAR_GPU_DECODE[block_m]
+    splits = min(cdiv(FP8_LINEAR_TARGET_PROGRAMS, cdiv(n, d["block_n"])), k_blocks // FP8_LINEAR_MIN_SPLIT_BLOCKS)
+    return FP8LinearConfig(block_m, d["block_n"], max(splits, 1), d["prefetch_blocks"], d["num_warps"],
+                           d["num_stages"], FP8_SUM_BLOCK)
 
 
 # GPU tiles (BLOCK_N, num_warps, num_stages) of the FP8 MoE GEMMs by the block rows ``moe`` picks (16:

@@ -17,6 +17,9 @@ shared memory.
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -32,7 +35,7 @@ from m3_kernels import fp8_moe as moe_kernels
 from m3_kernels import step_launches
 from m3_torch import reference as ref
 from m3_torch.model import swiglu_oai
-from m3_torch.ops import run
+from m3_torch.ops import operand, run
 
 from jax_helpers import _jax_device  # noqa: F401  (autouse: CPU tests run on JAX's CPU device)
 
@@ -144,16 +147,29 @@ def test_quantize_weight():
 
 # -- fp8_linear ------------------------------------------------------------------------------
 
-LINEAR_CASES = [   # (tokens, N, K, dtype)
+def launch_chain(launch) -> list:
+    """``launch`` and the launches chained after it, in order."""
+    found = []
+    while launch is not None:
+        found.append(launch)
+        launch = launch.then
+    return found
+
+
+LINEAR_CASES = [   # (tokens, N, K, dtype); the interpreter splits K in two ranges where it has two blocks
     (1, 128, 256, torch.float32),
-    (3, 256, 128, torch.float32),
-    (17, 192, 384, torch.float32),     # N not a multiple of 128, T spanning two 16-row tiles
+    (3, 256, 128, torch.float32),      # one K block: one split, no sum
+    (17, 192, 384, torch.float32),     # N not a multiple of 128, T spanning two 16-row tiles, splits of 2 and 1 blocks
     (3, 128, 256, torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("tokens, n, k, dtype", LINEAR_CASES, ids=lambda v: str(v).removeprefix("torch."))
 def test_linear_matches_references_and_jax_bits(tokens, n, k, dtype):
+    kernels = [launch.kernel for launch in launch_chain(step_launches.fp8_linear(
+        x=operand(torch.empty(tokens, k, dtype=dtype)), weight=operand(torch.empty(n, k, dtype=E4M3)),
+        weight_scale=None, interpret=True))]
+    assert ("fp8_linear.sum_splits_kernel" in kernels) == (k > 128), kernels
     g = torch.Generator().manual_seed(tokens * n + k)
     x = (torch.randn(tokens, k, generator=g) * torch.logspace(-1, 1, tokens)[:, None]).to(dtype)
     w = weight(g, n, k)
@@ -313,31 +329,50 @@ def test_moe_bad_input(change, exc, words):
 # -- the GPU variants, compiled for Hopper on the CPU --------------------------------------------
 
 def test_gpu_variants_use_fp8_mma_and_fit_hopper():
-    """fp8_linear's and the FP8 MoE gate_up's decode variants (T = 1) compile for sm_90 to e4m3 x e4m3
-    ``wgmma`` (16-token tiles would take ``mma.sync`` on float16 operands, widened one by one, were the
-    weight rows not the MMA's 64-row side) within a block's 227 KiB of shared memory."""
+    """fp8_linear's decode variants (T = 1 and 64, split over K) and the FP8 MoE gate_up's (T = 1) compile
+    for sm_90 to e4m3 x e4m3 ``wgmma`` (16-token tiles would take ``mma.sync`` on float16 operands, widened
+    one by one, were the weight rows not the MMA's 64-row side) within a block's 227 KiB of shared memory.
+    The split linear launches fill the H200's 132 SMs at least twice over, and their partial sums are
+    added by sum_splits_kernel without atomics. Before its grid wait the linear kernel only prefetches
+    weights into L2: no load, copy or store."""
     from test_codegen import compile_for_hopper, operand
 
     fp8_pointers = ("xq_ptr", "w_ptr", "shared_w_ptr", "act_ptr")
     pointers = {p: "*fp8e4nv" if p in fp8_pointers else "*fp32" for p in (
-        *fp8_pointers, "x_scale_ptr", "w_scale_ptr", "shared_w_scale_ptr", "act_scale_ptr")}
-    linear = step_launches.fp8_linear(x=operand(1, 6144), weight=operand(6144, 6144, dtype="float8_e4m3fn"),
-                                      weight_scale=None, interpret=False).then
+        *fp8_pointers, "x_scale_ptr", "w_scale_ptr", "shared_w_scale_ptr", "act_scale_ptr", "partial_ptr")}
     e4m3 = dict(dtype="float8_e4m3fn")
+    checks = []   # (kernel, launch, out_ptr type, the wgmma instruction)
+    for tokens, n, k, instruction in ((1, 6144, 3072, "m64n16k32"), (64, 3072, 6144, "m64n64k32")):
+        quantize, linear, sum_splits = launch_chain(step_launches.fp8_linear(
+            x=operand(tokens, k), weight=operand(n, k, **e4m3), weight_scale=None, interpret=False))
+        assert (quantize.kernel, linear.kernel, sum_splits.kernel) == (
+            "fp8_linear.quantize_act_kernel", "fp8_linear.fp8_linear_kernel", "fp8_linear.sum_splits_kernel")
+        assert math.prod(linear.grid) >= 2 * 132 and linear.grid[2] > 1, linear.grid
+        checks.append((linear_kernels.fp8_linear_kernel, linear, "*fp32", instruction))
+        checks.append((linear_kernels.sum_splits_kernel, sum_splits, "*bf16", None))
     gate_up = step_launches.fused_moe_fp8(
         x=operand(1, 6144), w_gate_up=operand(128, 6144, 6144, **e4m3), w_gate_up_scale=None,
         w_down=operand(128, 6144, 3072, **e4m3), w_down_scale=None, topk_ids=operand(1, 4, dtype="int32"),
         topk_weights=None, shared_gate_up=operand(6144, 6144, **e4m3), shared_gate_up_scale=None,
         shared_down=operand(6144, 3072, **e4m3), shared_down_scale=None, swiglu_alpha=ALPHA, swiglu_limit=LIMIT,
         routed_scaling_factor=1.0, interpret=False).then.then
-    assert (linear.kernel, gate_up.kernel) == ("fp8_linear.fp8_linear_kernel", "fp8_moe.fp8_gate_up_kernel")
-    for fn, launch in ((linear_kernels.fp8_linear_kernel, linear), (moe_kernels.fp8_gate_up_kernel, gate_up)):
+    assert gate_up.kernel == "fp8_moe.fp8_gate_up_kernel"
+    checks.append((moe_kernels.fp8_gate_up_kernel, gate_up, "*bf16", "m64n16k32"))
+    for fn, launch, out_type, instruction in checks:
         compiled = compile_for_hopper(fn, launch.constexprs, launch.num_warps, launch.num_stages, True,
-                                      dict(pointers, out_ptr="*bf16"))
+                                      dict(pointers, out_ptr=out_type))
         ptx = compiled.asm["ptx"]
-        assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in ptx, (fn.__name__, "no FP8 wgmma")
-        assert "mma.sync" not in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx, (fn.__name__, "FP8 operands widened")
-        assert compiled.metadata.shared <= 227 << 10, (fn.__name__, compiled.metadata.shared)
+        name = (fn.__name__, launch.constexprs.get("BLOCK_M"))
+        assert compiled.metadata.shared <= 227 << 10, (name, compiled.metadata.shared)
+        assert not re.search(r"\b(atom|red)\.", ptx), (name, "atomics")
+        if instruction is None:
+            continue
+        assert f"wgmma.mma_async.sync.aligned.{instruction}.f32.e4m3.e4m3" in ptx, (name, "no FP8 wgmma")
+        assert "mma.sync" not in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx, (name, "FP8 operands widened")
+        if fn is linear_kernels.fp8_linear_kernel:
+            before_wait = ptx[ptx.index(".entry"):ptx.index("griddepcontrol.wait")]
+            assert "prefetch.global.L2" in before_wait, name
+            assert not any(op in before_wait for op in ("ld.global", "cp.async", "st.global")), name
 
 
 # -- GPU: MiniMax-M3's shapes ---------------------------------------------------------------------

@@ -78,8 +78,8 @@ def described_launches() -> list:
         topk_ids=operand(5, 2, dtype="int32"), topk_weights=None, shared_gate_up=None, shared_down=None,
         swiglu_alpha=1.0, swiglu_limit=7.0, routed_scaling_factor=1.0, interpret=False))
     e4m3 = dict(dtype="float8_e4m3fn")
-    made.append(step_launches.fp8_linear(x=operand(5, 200), weight=operand(96, 200, **e4m3), weight_scale=None,
-                                         interpret=False))
+    made.append(step_launches.fp8_linear(x=operand(5, 1000), weight=operand(96, 1000, **e4m3), weight_scale=None,
+                                         interpret=False))   # 8 K blocks: split, then summed
     made.append(step_launches.fused_moe_fp8(
         x=operand(5, 128), w_gate_up=operand(8, 256, 128, **e4m3), w_gate_up_scale=None,
         w_down=operand(8, 128, 128, **e4m3), w_down_scale=None, topk_ids=operand(5, 2, dtype="int32"),
@@ -96,9 +96,11 @@ def test_the_kernels_are_found():
     kernels = launched_kernels()
     assert {"attention.paged_attention_kernel", "merge.merge_splits_kernel", "index.select_blocks_kernel",
             "norm.rms_norm_kernel", "router.router_topk_kernel", "moe.sum_kernel",
-            "sampling.sample_kernel", "fp8_linear.quantize_act_kernel", "fp8_moe.fp8_down_kernel"} <= kernels
+            "sampling.sample_kernel", "fp8_linear.quantize_act_kernel", "fp8_linear.sum_splits_kernel",
+            "fp8_moe.fp8_down_kernel"} <= kernels
     assert not kernels & {"norm.inv_rms", "qk_rope.norm_rope", "common.mma", "moe.pair_experts",
-                          "sampling.gumbel_noise", "fp8_linear.quantize_groups", "moe.block_rows"}
+                          "sampling.gumbel_noise", "fp8_linear.quantize_groups", "fp8_linear.prefetch_l2",
+                          "moe.block_rows"}
 
 
 def test_every_kernel_has_a_launch_description():
