@@ -350,9 +350,12 @@ def fp8_quantize(*, groups: int, interpret: bool) -> QuantizeConfig:
 # weights sent to L2 before it waits for the previous kernel. Keyed by BLOCK_M; one program's shared memory
 # is num_stages x (BLOCK_N + BLOCK_M) x 128 bytes (64 KiB at BLOCK_M 64 and 4 stages: three programs per
 # SM). Not yet measured on a GPU: ``python3 -m benchmarks.fp8_linear --tune`` sweeps these knobs.
-FP8_LINEAR_GPU_DECODE = {16: dict(block_n=64, num_warps=4, num_stages=4, prefetch_blocks=4),
-                         32: dict(block_n=64, num_warps=4, num_stages=4, prefetch_blocks=4),
-                         64: dict(block_n=64, num_warps=4, num_stages=4, prefetch_blocks=4)}
+# Swept on an H200 (benchmarks.fp8_linear --tune, benchmarks/results/2026-12-04-h200-fp8-linear-tune.md):
+# prefetch 2 beat 0 and 4 everywhere, 6 stages beat 4 at BLOCK_M 16; at 12288 x 6144 and T = 1, BLOCK_N 128
+# with 4 splits was faster still (22.4 against 27.3 us), not adopted from one shape.
+FP8_LINEAR_GPU_DECODE = {16: dict(block_n=64, num_warps=4, num_stages=6, prefetch_blocks=2),
+                         32: dict(block_n=64, num_warps=4, num_stages=4, prefetch_blocks=2),
+                         64: dict(block_n=64, num_warps=4, num_stages=4, prefetch_blocks=2)}
 FP8_LINEAR_TARGET_PROGRAMS = 264
 FP8_LINEAR_MIN_SPLIT_BLOCKS = 4
 # Larger T: 64 x 128 tiles (compute-bound), one split.
