@@ -154,8 +154,9 @@ class EngineArgs:
         "ignored on a CPU", type=float, metavar="F")
     tensor_parallel_size: int = _option(1, "ranks the model is split over (torch: N processes, jax: a mesh of "
                                         "N devices)", type=int, metavar="N", aliases=("-tp",))
-    enable_expert_parallel: bool = _option(False, "split the MoE experts over the ranks instead of each "
-                                           "expert's weights (not supported yet: only off)")
+    enable_expert_parallel: bool = _option(False, "each rank holds num_experts / tensor_parallel_size whole "
+                                           "MoE experts instead of a slice of every expert (needs "
+                                           "tensor_parallel_size > 1 dividing the experts)")
     quantization: Optional[str] = _option(None, "weight quantization method (supported: none yet)", metavar="NAME")
     kv_cache_dtype: str = _option("auto", "K/V cache: auto (the model's dtype) or fp8 (float8_e4m3fn)",
                                   choices=CACHE_DTYPES)
@@ -185,7 +186,7 @@ class EngineArgs:
         load_format = check_load_format(self.load_format)
         dtype = parse_dtype(self.dtype)
         platform, index, device_object = parse_device(self.device)
-        tp = TPPlan(config, self.tensor_parallel_size)
+        tp = TPPlan(config, self.tensor_parallel_size, expert_parallel=self.enable_expert_parallel)
         for name in ("kv_cache_dtype", "index_cache_dtype"):
             value = getattr(self, name)
             if value not in CACHE_DTYPES:
@@ -197,11 +198,6 @@ class EngineArgs:
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {utilization!r}")
-        if not isinstance(self.enable_expert_parallel, bool):
-            raise TypeError(f"enable_expert_parallel: expected a bool, got {self.enable_expert_parallel!r}")
-        if self.enable_expert_parallel:
-            raise ValueError("enable_expert_parallel: expert parallelism is not supported yet (the experts are "
-                             "split like every other weight, over tensor_parallel_size ranks); got True")
         if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
             raise ValueError(f"quantization: expected None (unquantized weights; supported methods: "
                              f"{SUPPORTED_QUANTIZATION or 'none'}), got {self.quantization!r}")

@@ -44,8 +44,9 @@ one or a wrong shape is a ``ValueError`` naming it.
 Tensor parallelism: ``iter_weights(..., shard=TPPlan(config, tp).rank(r))``
 yields rank ``r``'s part of every tensor (``m3_engine.tp``), read with
 safetensors' ``get_slice`` from each stored piece (a packed gate/up slice
-from the ``gate_proj``/``up_proj`` or ``w1``/``w3`` pieces it covers), so no
-process or device ever holds a whole sharded tensor.
+from the ``gate_proj``/``up_proj`` or ``w1``/``w3`` pieces it covers; under
+expert parallelism only the rank's experts' pieces), so no process or device
+ever holds a whole sharded tensor.
 
 Framework-neutral: tensors are read by ``safetensors`` in the caller's
 framework (``"pt"``: torch tensors, ``"numpy"``: numpy arrays, bfloat16 as
@@ -357,9 +358,10 @@ def _stored_shape(name, pieces: dict, reader: TensorReader) -> tuple:
 def _assemble(name, pieces: dict, reader: TensorReader, concatenate, cut: TensorSlice | None = None):
     """The canonical tensor (``cut``: only that part of it), reading no more of the files than it needs."""
     stacked, groups = _groups(name, pieces)
+    if stacked and cut is not None and cut.dim == 0:   # expert parallel: the whole pieces of the rank's experts
+        groups = [groups[e] for start, stop in cut.ranges for e in range(start, stop)]
+        cut = None
     dim = None if cut is None else cut.dim - int(stacked)   # in the pieces' axes
-    if dim == -1:
-        raise ValueError(f"tensor {name!r}: cannot split the experts' axis")
     entries = [_read_concatenated(group, dim, None if cut is None else cut.ranges, reader, concatenate)
                for group in groups]
     if not stacked:

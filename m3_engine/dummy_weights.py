@@ -76,7 +76,8 @@ def dummy_tensors(config: M3TextConfig, seed: int, *, shard: Optional[RankShard]
     """Every tensor the model needs (as ``checkpoint.iter_weights`` yields them), as random specs.
 
     seed:  the engine's seed.
-    shard: one tensor-parallel rank (``TPPlan(config, tp).rank(r)``): its slices; None: whole tensors.
+    shard: one tensor-parallel rank (``TPPlan(config, tp).rank(r)``): its slices (the vocabulary
+           tensors' padding rows drawn too: no token reads them); None: whole tensors.
     skip:  canonical names to leave out (``lm_head.weight`` on a rank without the head). A tied
            ``lm_head`` is always left out: the embedding is the head.
     """
@@ -85,7 +86,8 @@ def dummy_tensors(config: M3TextConfig, seed: int, *, shard: Optional[RankShard]
         if name in skip or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         cut = None if shard is None else shard.slice(name)
-        out.append(DummyTensor(name=name, shape=shape if cut is None else cut.shape(shape), std=_std(name, shape),
+        held = shape if shard is None else shard.shape(name, shape)
+        out.append(DummyTensor(name=name, shape=held, std=_std(name, shape),
                                seed=tensor_seed(seed, name, None if cut is None else cut.ranges)))
     return out
 

@@ -15,12 +15,12 @@ Every number is per GPU (per tensor-parallel rank), in bytes:
   ``weight_dtype="fp8"``: the linear weights of attention, indexer, dense MLPs
   and experts are float8_e4m3fn with a float32 scale per 128 x 128 block (a
   rank's slice must start and end on a block); router, norms, embeddings and
-  lm_head stay bfloat16. ``enable_expert_parallel``: each rank holds
-  ``E / tp`` whole routed experts instead of a ``1 / tp`` slice of every one
-  (the same bytes). ``vocab_parallel``: embeddings and lm_head split over the
-  vocabulary; default False: both whole on the GPU, as on rank 0 of today's
-  engines (``m3_torch`` keeps lm_head on rank 0 only, ``m3_jax`` splits
-  lm_head over the vocabulary when ``tp`` divides it).
+  lm_head stay bfloat16. ``enable_expert_parallel`` (the engine option):
+  each rank holds ``E / tp`` whole routed experts instead of a ``1 / tp``
+  slice of every one (the same bytes). ``vocab_parallel`` (default True, what
+  both engines do at ``tp > 1``): embeddings and lm_head split over the
+  vocabulary, ``ceil(vocab_size / tp)`` rows a rank; False: both whole on
+  every GPU (an engine that replicates them).
 * **KV pool**: ``max_num_seqs`` requests of ``max_model_len`` tokens in pages
   of 128 tokens, laid out by ``m3_kernels.pool.PoolLayout`` for the rank's KV
   heads (K and V on every layer, the replicated index-K head on sparse layers).
@@ -80,9 +80,10 @@ WORKSPACE_BASIS = {
                    "normed input, then the larger of attention's q/k/v/index/output and the MLP's: router "
                    "logits, fused_moe's act and float32 weighted rows for top_k + 1 experts a token); torch "
                    "frees a layer's temporaries before the next",
-    "logits": "max_num_seqs rows x vocabulary in bfloat16 (one sampled row a request)",
+    "logits": "max_num_seqs rows x vocabulary in bfloat16 (one sampled row a request); vocab-parallel: plus "
+              "the rank's own ceil(vocabulary / tp) columns before the all-gather",
     "CUDA graphs": "m3_torch's decode graphs, one per (batch in graph_batch_sizes, block bound 1, 2, 4 .. "
-                   "max_model_len / 128): each keeps its output (logits, or hidden rows on ranks > 0), and the "
+                   "max_model_len / 128): each keeps its output (the gathered logits, on every rank), and the "
                    "shared pool holds one layer's activations at the largest batch",
     "runtime": "CUDA context, cuBLAS and NCCL buffers: a fixed 1 GiB allowance, not derived (vLLM measures it)",
 }
@@ -191,9 +192,8 @@ class MemoryPlan:
                    f"bytes as splitting every expert inside)" if self.enable_expert_parallel else
                    f"every routed expert split inside ({c.intermediate_size // tp.size} of "
                    f"{c.intermediate_size} rows a rank)")
-        vocab = ("embeddings and lm_head split over the vocabulary" if self.vocab_parallel else
-                 "embeddings and lm_head replicated (rank 0 of today's engines: m3_torch keeps lm_head on rank 0 "
-                 "only, m3_jax splits it over the vocabulary)")
+        vocab = ("embeddings and lm_head split over the vocabulary (the engines' split)" if self.vocab_parallel
+                 else "embeddings and lm_head replicated")
         kv_heads = f"{tp.num_kv_heads} KV head{'s' * (tp.num_kv_heads > 1)} a rank" + (
             f", each replicated on {tp.kv_replicas} ranks" if tp.kv_replicas > 1 else "")
         num_sparse = sum(c.sparse_layers)
@@ -248,7 +248,7 @@ class MemoryPlan:
 def plan_memory(config: M3TextConfig, *, tensor_parallel_size: int, weight_dtype: str = "bfloat16",
                 kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto", max_model_len: int,
                 max_num_seqs: int, max_num_batched_tokens: int | None = None, enable_expert_parallel: bool = False,
-                vocab_parallel: bool = False, gpu_memory_bytes: int | None = None,
+                vocab_parallel: bool = True, gpu_memory_bytes: int | None = None,
                 gpu_memory_utilization: float = 0.9) -> MemoryPlan:
     """The memory of one GPU of ``config`` served at ``tensor_parallel_size`` (see the module docstring).
 
@@ -309,9 +309,6 @@ def _weights(tp: TPPlan, weight_dtype: str, *, enable_expert_parallel: bool, voc
     if enable_expert_parallel and c.num_local_experts % tp.size:
         raise ValueError(f"enable_expert_parallel: tensor_parallel_size={tp.size} does not divide "
                          f"num_local_experts={c.num_local_experts} (each rank holds E / tp whole experts)")
-    if vocab_parallel and c.vocab_size % tp.size:
-        raise ValueError(f"vocab_parallel: tensor_parallel_size={tp.size} does not divide vocab_size={c.vocab_size} "
-                         f"(each rank holds vocab_size / tp rows of the embedding and lm_head)")
     parts = dict.fromkeys(WEIGHT_PARTS, 0)
     for name, shape in expected_shapes(c).items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -319,9 +316,9 @@ def _weights(tp: TPPlan, weight_dtype: str, *, enable_expert_parallel: bool, voc
         part = weight_part(name)
         if part == "routed experts" and enable_expert_parallel:
             local = (shape[0] // tp.size,) + shape[1:]
-        elif part in ("embeddings", "lm_head") and vocab_parallel:
-            local = (shape[0] // tp.size,) + shape[1:]
-        else:   # the loader's slice; every rank's has rank 0's shape
+        elif part in ("embeddings", "lm_head") and not vocab_parallel:
+            local = shape
+        else:   # the loader's slice (vocabulary tensors padded); every rank's has rank 0's shape
             local = tp.rank(0).shape(name, shape)
         if weight_dtype == "fp8" and part in _FP8_PARTS:
             _check_fp8_slice(tp, name, shape)
@@ -357,14 +354,15 @@ def _workspaces(tp: TPPlan, limits: SchedulerConfig, *, vocab_parallel: bool) ->
     """Line of :data:`WORKSPACE_BASIS` -> bytes (an estimate, per rank)."""
     c, local = tp.config, tp.local_config
     item = ITEM_SIZE[ACTIVATION_DTYPE]
-    vocab = c.vocab_size // tp.size if vocab_parallel else c.vocab_size
+    # the whole logits rows (vocab-parallel: gathered from every rank's slice, which is also alive)
+    vocab = c.vocab_size + (tp.vocab_rows if vocab_parallel and tp.size > 1 else 0)
     arena = StepPlanner.workspace_layout(StepConfig(
         num_q_heads=tp.num_q_heads, num_kv_heads=tp.num_kv_heads, head_dim=c.head_dim,
         max_batch=limits.max_batch, max_num_tokens=limits.max_num_tokens, max_blocks=limits.max_blocks,
         topk=c.index_topk_blocks))
     bounds = {min(1 << i, limits.max_blocks) for i in range(limits.max_blocks.bit_length() + 1)}
     graph_rows = sum(limits.graph_batch_sizes) * len(bounds)
-    graph_outputs = graph_rows * vocab * item   # rank 0's logits; the other ranks' hidden rows are smaller
+    graph_outputs = graph_rows * vocab * item   # every rank's graphs end with the gathered logits
     largest_graph = max(limits.graph_batch_sizes, default=0)
     return {
         "step arena": arena.nbytes,
@@ -416,8 +414,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, required=True)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default max(2048, max-num-seqs)")
     parser.add_argument("--enable-expert-parallel", action="store_true")
-    parser.add_argument("--vocab-parallel", action="store_true",
-                        help="split embeddings and lm_head over the vocabulary (default: replicated)")
+    parser.add_argument("--vocab-parallel", action=argparse.BooleanOptionalAction, default=True,
+                        help="split embeddings and lm_head over the vocabulary (default: yes, as the engines do; "
+                             "--no-vocab-parallel: replicated)")
     parser.add_argument("--gpu-memory-gib", type=float, default=None, help="the GPU's memory, GiB")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = parser.parse_args(argv)

@@ -12,24 +12,53 @@ extended to the whole model, as inference engines serve M3 at TP 2-8:
   selects blocks for KV head ``i``; the kernels take ``Hi == Hk`` per call);
   the ONE index-K head (``indexer.k_proj``) and the q/k norms are replicated,
   and so is every rank's index-K cache.
-* **MLPs**: every routed expert, the shared expert and the dense MLP are split
-  INSIDE (transformers' ``packed_colwise`` / ``rowwise``): rank ``r`` holds
-  rows ``[r * I/tp, (r + 1) * I/tp)`` of the gate half AND of the up half of
+* **MLPs**: the shared expert and the dense MLP are split INSIDE
+  (transformers' ``packed_colwise`` / ``rowwise``): rank ``r`` holds rows
+  ``[r * I/tp, (r + 1) * I/tp)`` of the gate half AND of the up half of
   ``gate_up_proj`` (so its local ``[gate_r; up_r]`` feeds SwiGLU as is) and the
-  same columns of ``down_proj``. The router and its bias are replicated: every
-  rank routes the same (replicated) hidden states to the same experts.
-* **the rest** (embeddings, norms, ``lm_head``) is replicated here; whether an
-  engine keeps ``lm_head`` on every rank, on one, or vocab-parallel is its
-  choice (``m3_torch``: rank 0 only; ``m3_jax``: vocab-sharded by XLA).
+  same columns of ``down_proj``. The routed experts are split the same way
+  (every rank a slice of every expert), or, with ``expert_parallel=True``
+  (the engine's ``enable_expert_parallel``), each rank holds ``E/tp`` WHOLE
+  experts ``[r * E/tp, (r + 1) * E/tp)`` (``experts.*`` sliced on the experts'
+  axis). The router and its bias are replicated: every rank routes the same
+  (replicated) hidden states to the same experts; under expert parallelism a
+  rank then runs the (token, expert) pairs of ITS experts only (the others
+  weigh 0 there), so its MoE output is again a partial sum.
+* **vocabulary**: ``model.embed_tokens`` and ``lm_head`` are split over the
+  vocabulary: rank ``r`` holds rows ``[r * V', (r + 1) * V')``, ``V' =
+  ceil(vocab_size / tp)`` (:attr:`TPPlan.vocab_rows`), the last ranks' rows
+  past ``vocab_size`` padded with zeros by the engine (:meth:`RankShard.shape`
+  is the padded shape; the slice read from the checkpoint is the real rows).
+  The embedding is a local lookup (ids outside the rank's rows give zeros)
+  completed by an all-reduce; the head gives local logits ``[T, V']``, which
+  an all-gather puts side by side (then cut to ``vocab_size``). A sum of one
+  value and zeros is exact, and each logit is the dot product of one row, so
+  the split changes no bit of the embedding and, up to the GEMM's blocking,
+  none of the logits.
+* **the rest** (norms, the router, the index-K projection) is replicated.
 
-The outputs of ``o_proj`` and of each MLP's ``down_proj`` are partial sums: the
-engines all-reduce them over the ranks (two all-reduces per layer), which
-leaves the residual stream replicated. Numerically the only change from one
-rank is the order of those sums.
+Expert parallelism here dispatches no tokens: after the attention all-reduce
+the hidden states are replicated on every rank, so each rank runs its own
+experts on every token that chose them and the all-reduce that already
+follows the MoE (as it follows the inside split) sums the ranks' partial
+outputs. At decode batch sizes a step is bound by reading the touched
+experts' weights, and this reads each touched expert once, on one rank, with
+no extra collective. An all-to-all dispatch (each rank sends only its tokens'
+hidden rows to the experts' ranks, and receives the outputs back) would win
+when the token count makes the per-rank expert GEMMs, not the weight reads,
+the cost (large prefill chunks), or once the hidden states are no longer
+replicated (sequence/data parallel attention); it is not done here.
+
+The outputs of ``o_proj`` and of each MLP (its ``down_proj``, or under expert
+parallelism the rank's experts) are partial sums: the engines all-reduce them
+over the ranks (two all-reduces per layer, one more for the embedding, one
+all-gather of the logits), which leaves the residual stream replicated.
+Numerically the only change from one rank is the order of those sums.
 
     plan = TPPlan(config, 2)              # ValueError when 2 does not divide the heads / MLPs
     plan.local_config                      # the M3TextConfig one rank computes with (its head counts, ...)
     plan.rank(1).slice("model.layers.0.self_attn.q_proj.weight")   # TensorSlice(dim=0, ranges=((64, 128),))
+    TPPlan(config, 8, expert_parallel=True).experts(3)              # range(48, 64) of M3's 128 experts
 
 ``m3_engine.checkpoint.iter_weights(..., shard=plan.rank(r))`` reads exactly
 those slices from the safetensors files (``get_slice``), never a whole tensor.
@@ -46,7 +75,9 @@ import numpy as np
 
 from .model_config import M3TextConfig
 
-__all__ = ["TPPlan", "RankShard", "TensorSlice", "check_tensor_parallel_size"]
+__all__ = ["TPPlan", "RankShard", "TensorSlice", "check_tensor_parallel_size", "VOCAB_TENSORS"]
+
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")   # split over the vocabulary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,15 +136,32 @@ class TPPlan:
 
     Construction checks that the split exists and raises ``ValueError`` naming
     the numbers otherwise: ``num_attention_heads % size``, ``num_key_value_heads``
-    and ``size`` (one must divide the other), and the intermediate sizes of
-    the MLPs the model has.
+    and ``size`` (one must divide the other), the intermediate sizes of the
+    MLPs the model has (not the routed experts' under expert parallelism), a
+    vocabulary that leaves every rank a row, and with ``expert_parallel``
+    (engine option ``enable_expert_parallel``) ``size > 1`` dividing
+    ``num_local_experts``.
     """
     config: M3TextConfig
     size: int
+    expert_parallel: bool = False
 
     def __post_init__(self):
         c, tp = self.config, check_tensor_parallel_size(self.size)
         object.__setattr__(self, "size", tp)
+        if not isinstance(self.expert_parallel, bool):
+            raise TypeError(f"enable_expert_parallel: expected a bool, got {self.expert_parallel!r}")
+        if self.expert_parallel:
+            if tp == 1:
+                raise ValueError("enable_expert_parallel: needs tensor_parallel_size > 1 (the experts are split "
+                                 "over the tensor-parallel ranks), got tensor_parallel_size=1")
+            if c.num_local_experts % tp:
+                raise ValueError(f"enable_expert_parallel: tensor_parallel_size={tp} does not divide "
+                                 f"num_local_experts={c.num_local_experts} (each rank holds E / tp whole experts)")
+        if tp > 1 and (tp - 1) * -(-c.vocab_size // tp) >= c.vocab_size:
+            raise ValueError(f"tensor_parallel_size={tp} leaves a rank no row of vocab_size={c.vocab_size} "
+                             f"(each rank holds ceil(vocab_size / tensor_parallel_size) rows of the embedding "
+                             f"and lm_head)")
         hq, hk = c.num_attention_heads, c.num_key_value_heads
         if hq % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads={hq}: each rank "
@@ -126,8 +174,9 @@ class TPPlan:
         if not all(c.moe_layers):
             sizes.append(("dense_intermediate_size", c.dense_intermediate_size))
         if any(c.moe_layers):
-            sizes += [("intermediate_size", c.intermediate_size),
-                      ("shared_intermediate_size", c.shared_intermediate_size)]
+            if not self.expert_parallel:   # whole experts otherwise
+                sizes.append(("intermediate_size", c.intermediate_size))
+            sizes.append(("shared_intermediate_size", c.shared_intermediate_size))
         for name, value in sizes:
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}: each rank holds "
@@ -159,15 +208,38 @@ class TPPlan:
         return range(self._rank(rank) * self.num_q_heads, (self._rank(rank) + 1) * self.num_q_heads)
 
     @property
+    def num_experts(self) -> int:
+        """Routed experts per rank: ``E / tp`` whole ones under expert parallelism, else all ``E`` (sliced)."""
+        return self.config.num_local_experts // self.size if self.expert_parallel else self.config.num_local_experts
+
+    def experts(self, rank: int) -> range:
+        """The global ids of the routed experts rank ``rank`` holds (its weights' axis 0, in order)."""
+        first = self._rank(rank) * self.num_experts if self.expert_parallel else 0
+        return range(first, first + self.num_experts)
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and of ``lm_head`` per rank: ``ceil(vocab_size / tp)`` (padding included)."""
+        return -(-self.config.vocab_size // self.size)
+
+    def vocab(self, rank: int) -> range:
+        """The token ids whose embedding and ``lm_head`` rows rank ``rank`` holds (padding excluded)."""
+        start = self._rank(rank) * self.vocab_rows
+        return range(start, min(start + self.vocab_rows, self.config.vocab_size))
+
+    @property
     def local_config(self) -> M3TextConfig:
-        """The config one rank's model math runs with: its head counts and MLP widths."""
+        """The config one rank's model math runs with: its head counts and MLP widths (the routed
+        experts' whole width under expert parallelism). ``num_local_experts`` and ``vocab_size`` stay
+        the model's: the router scores every expert, the logits cover the whole vocabulary."""
         c, tp = self.config, self.size
         if tp == 1:
             return c
         return dataclasses.replace(
             c, num_attention_heads=self.num_q_heads, num_key_value_heads=self.num_kv_heads,
             index_n_heads=self.num_kv_heads, dense_intermediate_size=c.dense_intermediate_size // tp,
-            intermediate_size=c.intermediate_size // tp, shared_intermediate_size=c.shared_intermediate_size // tp)
+            intermediate_size=c.intermediate_size if self.expert_parallel else c.intermediate_size // tp,
+            shared_intermediate_size=c.shared_intermediate_size // tp)
 
     def rank(self, rank: int) -> "RankShard":
         return RankShard(self, self._rank(rank))
@@ -182,8 +254,13 @@ class TPPlan:
     def slice(self, name: str, rank: int) -> TensorSlice | None:
         """The part of canonical tensor ``name`` rank ``rank`` holds; None: the whole tensor (replicated)."""
         rank = self._rank(rank)
+        if self.size == 1:
+            return None
+        if name in VOCAB_TENSORS:
+            rows = self.vocab(rank)
+            return TensorSlice(0, ((rows.start, rows.stop),))
         m = _LAYER.match(name)
-        if self.size == 1 or m is None:
+        if m is None:
             return None
         rule = next((kind for pattern, kind in _RULES if pattern.match(m[2])), None)
         if rule is None:
@@ -201,6 +278,9 @@ class TPPlan:
         if rule == "o":
             return TensorSlice(1, ((q0 * d, (q0 + self.num_q_heads) * d),))
         experts = m[2].startswith("mlp.experts.")
+        if experts and self.expert_parallel:   # whole experts: a range of the experts' axis
+            ids = self.experts(rank)
+            return TensorSlice(0, ((ids.start, ids.stop),))
         width = (c.intermediate_size if experts else c.shared_intermediate_size if "shared_experts" in m[2]
                  else c.dense_intermediate_size)
         local = width // self.size
@@ -220,5 +300,11 @@ class RankShard:
         return self.plan.slice(name, self.rank)
 
     def shape(self, name: str, full_shape) -> tuple[int, ...]:
+        """The shape of the tensor the rank holds: its slice's, with the vocabulary tensors padded to
+        :attr:`TPPlan.vocab_rows` rows."""
         cut = self.slice(name)
-        return tuple(full_shape) if cut is None else cut.shape(full_shape)
+        if cut is None:
+            return tuple(full_shape)
+        if name in VOCAB_TENSORS:
+            return (self.plan.vocab_rows,) + tuple(full_shape[1:])
+        return cut.shape(full_shape)

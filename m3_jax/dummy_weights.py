@@ -43,7 +43,7 @@ def dummy_params(plan: TPPlan, *, dtype: str, seed: int, mesh: Mesh | None = Non
         name = tensors[0].name
         spec = param_spec(plan, name, len(tensors[0].shape))
         sharding = NamedSharding(mesh, spec)
-        if plan.slice(name, 0) is None:   # replicated (lm_head: split over the vocabulary by the sharding)
+        if plan.slice(name, 0) is None:   # replicated
             params[name] = _draw(tensors[0], dtype, sharding)
         else:
             shape = list(tensors[0].shape)

@@ -43,7 +43,7 @@ from .api import StepSpec, msa_attention_step
 from .fused import moe_route, qk_norm_rope
 from .moe import fused_moe
 
-__all__ = ["StepBatch", "forward", "hidden_states", "logits", "attention", "mlp", "moe", "route", "experts", "rms_norm", "rope_cos_sin",
+__all__ = ["StepBatch", "forward", "hidden_states", "logits", "attention", "mlp", "moe", "route", "experts", "local_experts", "rms_norm", "rope_cos_sin",
            "apply_rope", "swiglu_oai", "linear", "inv_freq", "pool_layout", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -140,12 +140,26 @@ def route(p: Mapping, x, config: M3TextConfig):
     return chosen.astype(jnp.int32), top_w / jnp.sum(top_w, axis=-1, keepdims=True)
 
 
-def moe(p: Mapping, x, config: M3TextConfig):
+def local_experts(chosen, top_w, start, count: int):
+    """The router's choice for a shard holding experts ``[start, start + count)`` -> (ids [T, k] int32 in
+    ``[0, count)``, weights [T, k] float32): a pair routed to another shard's expert gets local expert 0 and
+    weight 0, an exact zero in its token's sum (``fused_moe`` has no id it skips; the torch twin,
+    ``m3_torch.model.local_experts``, says why)."""
+    local = chosen - start
+    mine = (local >= 0) & (local < count)
+    return jnp.where(mine, local, 0).astype(jnp.int32), jnp.where(mine, top_w, 0.0)
+
+
+def moe(p: Mapping, x, config: M3TextConfig, expert_start=None):
     """The MoE block of one layer (``p``: its ``mlp.*`` tensors by suffix) on x [T, hidden]: on a GPU the
     shared fused-MoE kernels (``m3_jax.fused_moe``; the shared expert inside them when it has the
-    experts' width, M3's), on the CPU :func:`experts` (same math and roundings)."""
+    experts' width, M3's), on the CPU :func:`experts` (same math and roundings). ``expert_start``: None,
+    or (expert parallelism) the global id of ``p``'s first expert: the pairs of other shards' experts
+    weigh 0 (:func:`local_experts`)."""
     c = config
     chosen, top_w = route(p, x, c)
+    if expert_start is not None:
+        chosen, top_w = local_experts(chosen, top_w, expert_start, p["experts.gate_up_proj"].shape[0])
     gate_up, down = p["shared_experts.gate_up_proj.weight"], p["shared_experts.down_proj.weight"]
     if not on_gpu():
         return experts(p, x, chosen, top_w, c) * c.routed_scaling_factor + mlp(x, gate_up, down, c)
@@ -164,7 +178,7 @@ def experts(p: Mapping, x, chosen, top_w, config: M3TextConfig):
     T, k = chosen.shape
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)                                                # rows grouped by expert
-    group_sizes = jnp.bincount(flat, length=c.num_local_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=p["experts.gate_up_proj"].shape[0]).astype(jnp.int32)
     rows = x[order // k]                                                                  # [T*k, hidden]
     act = swiglu_oai(_experts_dot(rows, p["experts.gate_up_proj"], group_sizes), c.swiglu_alpha, c.swiglu_limit)
     out = _experts_dot(act, p["experts.down_proj"], group_sizes)                          # [T*k, hidden]
@@ -252,7 +266,8 @@ def forward(params: Mapping, pool, batch: StepBatch, maps, *, config: M3TextConf
 
 
 def hidden_states(params: Mapping, pool, batch: StepBatch, maps, *, config: M3TextConfig, layout: PoolLayout,
-                  spec: StepSpec, all_reduce: Callable | None = None, aux_layers: tuple = ()):
+                  spec: StepSpec, all_reduce: Callable | None = None, aux_layers: tuple = (), vocab_start=None,
+                  expert_start=None):
     """The step through every layer (cache writes included) -> ``(residual stream [T, hidden], pool)``.
     With ``aux_layers``: ``((x, aux), pool)``, ``aux [T, len(aux_layers) * hidden]`` the residual
     stream after each of those layers (their outputs), concatenated in their order: EAGLE-3's aux states.
@@ -263,6 +278,10 @@ def hidden_states(params: Mapping, pool, batch: StepBatch, maps, *, config: M3Te
             (``TPPlan.local_config``), the outputs of ``o_proj`` and of each
             MLP are partial sums, which this hook completes (``m3_jax.tp``
             passes ``jax.lax.psum`` over the mesh axis); ``lm_head`` is not used.
+    vocab_start: None, or (vocab parallel) the first token id of the shard's embedding rows: an id
+            outside them gives zeros, and ``all_reduce`` completes the lookup.
+    expert_start: None, or (expert parallel) the global id of the shard's first routed expert (see
+            :func:`moe`).
     """
     c = config
     if layout.num_layers != c.num_hidden_layers:
@@ -270,7 +289,12 @@ def hidden_states(params: Mapping, pool, batch: StepBatch, maps, *, config: M3Te
                          f"got {layout.num_layers}")
     reduce = all_reduce or (lambda t: t)
     embed = params["model.embed_tokens.weight"]
-    x = embed[batch.input_ids]
+    if vocab_start is None:
+        x = embed[batch.input_ids]
+    else:
+        local = batch.input_ids - vocab_start
+        inside = (local >= 0) & (local < embed.shape[0])
+        x = reduce(jnp.where(inside[:, None], embed[jnp.where(inside, local, 0)], 0).astype(embed.dtype))
     outputs = {}
     for i in range(c.num_hidden_layers):
         prefix = f"model.layers.{i}."
@@ -280,7 +304,8 @@ def hidden_states(params: Mapping, pool, batch: StepBatch, maps, *, config: M3Te
         x = x + reduce(out)
         h = rms_norm(x, params[prefix + "post_attention_layernorm.weight"], c.rms_norm_eps)
         p = _layer_params(params, i, "mlp")
-        x = x + reduce(moe(p, h, c) if c.moe_layers[i] else mlp(h, p["gate_up_proj.weight"], p["down_proj.weight"], c))
+        x = x + reduce(moe(p, h, c, expert_start) if c.moe_layers[i]
+                       else mlp(h, p["gate_up_proj.weight"], p["down_proj.weight"], c))
         if i in aux_layers:
             outputs[i] = x
     if not aux_layers:

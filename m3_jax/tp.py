@@ -11,20 +11,26 @@ The split is ``m3_engine.tp`` (the same as ``m3_torch``'s). Here:
   gate/up slice ``[gate_r; up_r]``; a KV head replicated on several ranks
   appears once per rank). Each rank's slice is read from the checkpoint on
   its own (``checkpoint.iter_weights(shard=...)``) and put on its device;
-  no device holds a whole sharded tensor. The rest is replicated, except
-  ``lm_head``, split over the vocabulary when ``tp`` divides it (XLA runs
-  the head's GEMM and the sampling on the shards; replicated otherwise).
+  no device holds a whole sharded tensor. The embedding and ``lm_head`` are
+  split over the vocabulary (``TPPlan.vocab_rows`` rows a shard, the last
+  shards' padded with zero rows); with expert parallelism the routed experts
+  over their experts' axis (``E / tp`` whole experts a shard). The rest is
+  replicated.
 * **pool**: ``[tp, layout.numel]`` sharded on axis 0: shard ``r``'s row is a
   whole flat pool laid out for ITS heads (``TPPlan.local_config``) with the
   full index-K, written and read by that shard's kernels only.
 * **step**: :func:`forward` is ``shard_map`` over the mesh of the model's
   :func:`m3_jax.model.hidden_states` with the shard's weights, pool row and
-  the replicated step metadata; the row-parallel partial sums go through
+  the replicated step metadata and the shard's first vocabulary row and
+  expert (from ``jax.lax.axis_index``: the embedding lookup and, under expert
+  parallelism, the MoE run on the shard's rows and experts only); the
+  row-parallel partial sums (and the embedding) go through
   ``jax.lax.psum(x, "tp")`` (an XLA all-reduce). The attention kernels run per
   shard inside it (jax-triton launches on GPUs, the interpreter's
   ``pure_callback`` on CPUs). Its output (the hidden rows to sample) is
-  replicated; the head and the sampler run outside, under ``jax.jit``'s
-  sharding propagation.
+  replicated; the vocab-sharded head (padding columns cut off) and the
+  sampler run outside, under ``jax.jit``'s sharding propagation: XLA computes
+  each shard's logits columns and gathers them.
 
 The scheduler, planner and step padding are the engine's, unchanged: every
 shard sees the same step (the plans are made for one shard's heads).
@@ -58,8 +64,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def param_spec(plan: TPPlan, name: str, ndim: int) -> P:
     """The PartitionSpec of canonical tensor ``name`` in the global (TP-layout) params."""
-    if name == "lm_head.weight":
-        return P(AXIS, None) if plan.config.vocab_size % plan.size == 0 else P()
     cut = plan.slice(name, 0)
     if cut is None:
         return P()
@@ -78,14 +82,17 @@ def load_params(model_dir, plan: TPPlan, mesh: Mesh, dtype: str | None) -> tuple
     readers = [checkpoint.iter_weights(model_dir, c, framework="numpy", shard=plan.rank(r),
                                        skip=("lm_head.weight",) if c.tie_word_embeddings else ())
                for r in range(plan.size)]
+    held = checkpoint.expected_shapes(c)
     params = {}
     for shards in zip(*readers):
         name = shards[0][0]
         dtype = dtype or c.dtype or np.dtype(shards[0][1].dtype).name
-        locals_ = [np.asarray(w).astype(jnp.dtype(dtype)) for _, w in shards]
+        # the vocabulary tensors of the last ranks: padded with zero rows to the held shape
+        locals_ = [_pad_rows(np.asarray(w).astype(jnp.dtype(dtype)), plan.rank(r).shape(name, held[name])[0])
+                   for r, (_, w) in enumerate(shards)]
         spec = param_spec(plan, name, locals_[0].ndim)
         sharding = NamedSharding(mesh, spec)
-        if plan.slice(name, 0) is None:   # replicated, or lm_head split over the vocabulary by device_put
+        if plan.slice(name, 0) is None:   # replicated
             params[name] = jax.device_put(locals_[0], sharding)
         else:
             axis = list(spec).index(AXIS)
@@ -94,6 +101,10 @@ def load_params(model_dir, plan: TPPlan, mesh: Mesh, dtype: str | None) -> tuple
             params[name] = jax.make_array_from_single_device_arrays(
                 tuple(shape), sharding, [jax.device_put(w, d) for w, d in zip(locals_, devices)])
     return params, dtype
+
+
+def _pad_rows(w: np.ndarray, rows: int) -> np.ndarray:
+    return w if w.shape[0] == rows else np.concatenate([w, np.zeros((rows - w.shape[0],) + w.shape[1:], w.dtype)])
 
 
 def allocate_pool(layout: PoolLayout, mesh: Mesh) -> jax.Array:
@@ -113,11 +124,15 @@ def forward(params: dict, pool, batch: model.StepBatch, maps, *, plan: TPPlan, l
     param_specs = {n: param_spec(plan, n, w.ndim) for n, w in body_params.items()}
 
     def shard(params, pool, batch, maps):
+        rank = jax.lax.axis_index(AXIS)
         x, new_pool = model.hidden_states(params, pool[0], batch, maps, config=local, layout=layout, spec=spec,
-                                          all_reduce=lambda t: jax.lax.psum(t, AXIS))
+                                          all_reduce=lambda t: jax.lax.psum(t, AXIS),
+                                          vocab_start=rank * plan.vocab_rows,
+                                          expert_start=rank * plan.num_experts if plan.expert_parallel else None)
         return x[batch.logits_rows], new_pool[None]
 
     metadata = jax.tree.map(lambda _: P(), (batch, maps))
     x, pool = jax.shard_map(shard, mesh=mesh, in_specs=(param_specs, P(AXIS), *metadata),
                             out_specs=(P(), P(AXIS)))(body_params, pool, batch, maps)
-    return model.logits(params, x, config=plan.config), pool
+    # the vocab-sharded head: XLA runs each shard's columns and gathers them for the sampler
+    return model.logits(params, x, config=plan.config)[:, :plan.config.vocab_size], pool

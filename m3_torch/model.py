@@ -56,7 +56,8 @@ from .api import msa_attention_step
 from .cache import LayerCaches, allocate_pool, layer_caches, write_cache
 from .moe import fused_moe
 
-__all__ = ["M3Model", "StepTensors", "rms_norm", "apply_rope", "rope_cos_sin", "swiglu_oai", "take_weight"]
+__all__ = ["M3Model", "StepTensors", "rms_norm", "apply_rope", "rope_cos_sin", "swiglu_oai", "take_weight",
+           "local_experts"]
 
 
 # -- building blocks (the math of transformers' modules, on [T, ...] token rows) -------------
@@ -91,6 +92,17 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+def local_experts(chosen: torch.Tensor, top_w: torch.Tensor, start: int, count: int):
+    """The router's choice for a rank holding experts ``[start, start + count)`` -> (ids [T, k] int32 in
+    ``[0, count)``, weights [T, k] float32). A pair routed to another rank's expert gets local expert 0 and
+    weight 0: it adds an exact zero to its token's sum (``fused_moe`` has no id it skips, and dropping the
+    pair would change the ``[T, k]`` shape it takes), so each rank computes every pair, at most one expert
+    (its expert 0) more than the ones its tokens chose."""
+    local = chosen - start
+    mine = (local >= 0) & (local < count)
+    return torch.where(mine, local, 0).to(torch.int32), torch.where(mine, top_w, 0.0)
 
 
 # -- step inputs -----------------------------------------------------------------------------
@@ -163,22 +175,30 @@ class M3Model:
                 of ``o_proj`` and of each MLP are partial sums, and this hook
                 completes them (``m3_torch.tp``), which keeps the residual
                 stream the same on every rank.
-    lm_head:    False: no ``lm_head.weight`` (nor a tied one): the model computes
-                hidden states only (:meth:`hidden_states`), as a tensor-parallel
-                worker that never samples does.
+    all_gather: None, or ``all_gather(t [L, n]) -> [L, ranks * n]``, the ranks'
+                ``t`` side by side in rank order: the model is vocab-parallel.
+                Its embedding and ``lm_head`` then hold the vocabulary rows
+                ``[vocab_start, vocab_start + n)`` (rows past ``vocab_size``:
+                padding); a lookup of an id outside them gives zeros, completed
+                by ``all_reduce``, and the local logits by ``all_gather`` (then
+                cut to ``vocab_size``).
+    expert_start: the global id of the first routed expert in ``weights``
+                (expert parallelism: a rank holds ``[expert_start, expert_start
+                + n)``, ``n`` from the weights' shape); the router still scores
+                all ``num_local_experts`` and the pairs routed to other ranks'
+                experts weigh 0 here (:func:`local_experts`).
     """
 
     def __init__(self, config: M3TextConfig, weights: dict, *, all_reduce: Optional[Callable] = None,
-                 lm_head: bool = True):
+                 all_gather: Optional[Callable] = None, vocab_start: int = 0, expert_start: int = 0):
         self.config = c = config
-        self.all_reduce = all_reduce
+        self.all_reduce, self.all_gather = all_reduce, all_gather
+        self.vocab_start, self.expert_start = vocab_start, expert_start
         weights = dict(weights)
         self.embed = take_weight(weights, "model.embed_tokens.weight")
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.norm = take_weight(weights, "model.norm.weight")
-        self.lm_head = None
-        if lm_head:
-            self.lm_head = self.embed if c.tie_word_embeddings else take_weight(weights, "lm_head.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else take_weight(weights, "lm_head.weight")
         weights.pop("lm_head.weight", None)
         self.layers = [self._layer(weights, i) for i in range(c.num_hidden_layers)]
         if weights:
@@ -233,7 +253,7 @@ class M3Model:
         """The step through every layer (cache writes included) -> the residual stream ``[T, hidden]``.
         With ``aux_layers``: ``(x, aux)``, ``aux [T, len(aux_layers) * hidden]`` the residual stream
         after each of those layers (their outputs), concatenated in their order: EAGLE-3's aux states."""
-        x = F.embedding(step.input_ids, self.embed)
+        x = self._embed(step.input_ids)
         mlp_out, outputs = None, {}     # each layer's MLP output is added by the next layer's norm kernel
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             if mlp_out is None:
@@ -253,9 +273,22 @@ class M3Model:
     @torch.no_grad()
     def logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Final norm + ``lm_head`` of the rows ``rows`` of ``x [T, hidden]`` -> ``[len(rows), vocab]``."""
-        if self.lm_head is None:
-            raise RuntimeError("logits: this model was built with lm_head=False (hidden states only)")
-        return F.linear(self._norm(x.index_select(0, rows), self.norm), self.lm_head)
+        logits = F.linear(self._norm(x.index_select(0, rows), self.norm), self.lm_head)
+        if self.all_gather is None:
+            return logits
+        logits = self.all_gather(logits)
+        vocab = self.config.vocab_size
+        return logits if logits.shape[1] == vocab else logits[:, :vocab].contiguous()
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``ids``; vocab-parallel: the local rows (zeros for ids another rank
+        holds), summed over the ranks."""
+        if self.all_gather is None:
+            return F.embedding(ids, self.embed)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.embed.shape[0])
+        x = F.embedding(torch.where(inside, local, 0), self.embed)
+        return self.all_reduce(x.masked_fill_(~inside[:, None], 0))
 
     def _norm(self, x, weight):
         """RMSNorm: one kernel on a GPU, torch ops on the CPU (see the module docstring)."""
@@ -340,6 +373,9 @@ class M3Model:
     def _moe(self, layer: _Layer, h):
         c = self.config
         chosen, top_w = self._route(layer, h)
+        num_experts = layer.experts_gate_up.shape[0]
+        if num_experts != c.num_local_experts:   # expert parallel: this rank's experts only
+            chosen, top_w = local_experts(chosen, top_w, self.expert_start, num_experts)
         if not h.is_cuda:
             return self._experts(layer, h, chosen, top_w) * c.routed_scaling_factor + self._shared_expert(layer, h)
         # the shared expert runs inside fused_moe as one more expert when it has the experts' width (M3's)

@@ -25,7 +25,7 @@ import torch._dynamo  # noqa: F401
 from m3_engine import checkpoint
 from m3_engine.dummy_weights import dummy_dtype
 from m3_engine.step_inputs import Step
-from m3_engine.tp import TPPlan
+from m3_engine.tp import VOCAB_TENSORS, TPPlan
 from m3_kernels.pool import PoolLayout
 
 from .cache import allocate_pool, layer_caches
@@ -53,28 +53,33 @@ class RankRunner:
     device:     rank 0's device (this rank's is :func:`rank_device` of it).
     num_slots, max_blocks: pool slots and block-table columns (the scheduler's).
     cuda_graphs: replay pure decode steps from CUDA graphs.
-    all_reduce: the model's tensor-parallel hook (``m3_torch.tp.all_reduce``), None on one rank.
+    all_reduce, all_gather: the model's tensor-parallel hooks (``m3_torch.tp.all_reduce`` and
+                ``all_gather``), None on one rank.
     load_format: "auto" (read ``model_dir``'s safetensors) or "dummy" (random weights drawn on the
                 device from ``seed``: ``m3_engine.dummy_weights``).
     aux_layers: an EAGLE-3 draft's aux layers (one rank only): every step also returns the
                 residual stream after them (``M3Model.hidden_states``), from the graphs too.
-    Rank 0 holds ``lm_head`` and returns logits; other ranks compute the hidden
-    states only (their ``lm_head`` is never read from the checkpoint).
+    Under tensor parallelism every rank holds its vocabulary rows of the embedding
+    and ``lm_head`` and its experts (``m3_engine.tp``), and every rank's step
+    ends with the whole logits rows (rank 0 samples them).
     """
 
     def __init__(self, *, model_dir, tp: TPPlan, rank: int, device, dtype, num_slots: int, max_blocks: int,
                  cuda_graphs: bool, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
-                 all_reduce: Optional[Callable] = None, load_format: str = "auto", seed: int = 0,
-                 aux_layers: tuple = ()):
+                 all_reduce: Optional[Callable] = None, all_gather: Optional[Callable] = None,
+                 load_format: str = "auto", seed: int = 0, aux_layers: tuple = ()):
         c = tp.config
         self.rank, self.device, self.max_blocks = rank, rank_device(torch.device(device), rank), max_blocks
         self.aux_layers = tuple(aux_layers)
-        head = rank == 0
         weights, self.dtype = {}, dtype
         for name, w in self._weights(model_dir, tp, load_format, seed):
             self.dtype = self.dtype or w.dtype   # a config without a dtype: the tensors'
+            padding = tp.vocab_rows - w.shape[0] if name in VOCAB_TENSORS else 0
+            if padding:   # read from the checkpoint: the last ranks' vocabulary rows past vocab_size
+                w = torch.cat([w, w.new_zeros((padding,) + tuple(w.shape[1:]))])
             weights[name] = w.to(self.dtype)
-        self.model = M3Model(tp.local_config, weights, all_reduce=all_reduce, lm_head=head)
+        self.model = M3Model(tp.local_config, weights, all_reduce=all_reduce, all_gather=all_gather,
+                             vocab_start=tp.vocab(rank).start, expert_start=tp.experts(rank).start)
         del weights
         dtype_name = next(n for n, d in DTYPES.items() if d == self.dtype)
         self.layout = PoolLayout.create(num_slots, sparse=c.sparse_layers, num_kv_heads=tp.num_kv_heads,
@@ -88,24 +93,19 @@ class RankRunner:
         """``(canonical name, tensor)`` of this rank's weights, on its device: read from the checkpoint
         (``"auto"``), or drawn at random from ``seed`` (``"dummy"``: ``m3_torch.dummy_weights``)."""
         shard = tp.rank(self.rank) if tp.size > 1 else None
-        skip = () if self.rank == 0 else ("lm_head.weight",)
         if load_format == "dummy":
             dtype = self.dtype or DTYPES[dummy_dtype(None, tp.config)]
-            return iter_dummy_weights(tp.config, device=self.device, dtype=dtype, seed=seed, shard=shard, skip=skip)
+            return iter_dummy_weights(tp.config, device=self.device, dtype=dtype, seed=seed, shard=shard)
         return checkpoint.iter_weights(model_dir, tp.config, framework="pt", concatenate=torch.cat,
-                                       device=str(self.device), shard=shard, skip=skip)
+                                       device=str(self.device), shard=shard)
 
     def run(self, step: Step):
-        """One step -> logits ``[len(step.logits_indices), vocab]`` in the model dtype (rank 0), or
-        None (other ranks: the step's cache writes and all-reduces only). With ``aux_layers``:
+        """One step -> logits ``[len(step.logits_indices), vocab]`` in the model dtype (every rank: the
+        vocab-parallel head's all-gather gives each the whole rows; rank 0 samples). With ``aux_layers``:
         ``(logits, aux [T, 3 * hidden])`` (from a graph: its static output, valid until it replays)."""
         if self.graphs is not None and step.plan.cuda_graph:
             return self.graphs.run(step)
-        tensors = self.step_tensors(step)
-        if self.model.lm_head is None:
-            self.model.hidden_states(tensors, step.plan, self.caches)
-            return None
-        return self.model.forward(tensors, step.plan, self.caches, self.aux_layers)
+        return self.model.forward(self.step_tensors(step), step.plan, self.caches, self.aux_layers)
 
     def step_tensors(self, step: Step, logits_rows: Optional[np.ndarray] = None) -> StepTensors:
         """A step's numpy metadata on this rank's device."""
@@ -161,14 +161,11 @@ class _DecodeGraphs:
         return self.inputs[batch, n]
 
     def _forward(self, tensors: StepTensors, plan):
-        model = self.runner.model
-        if model.lm_head is None:   # a tensor-parallel worker: hidden states only
-            return model.hidden_states(tensors, plan, self.runner.caches)
-        return model.forward(tensors, plan, self.runner.caches, self.runner.aux_layers)
+        return self.runner.model.forward(tensors, plan, self.runner.caches, self.runner.aux_layers)
 
     def run(self, step: Step):
-        """-> logits ``[len(step.logits_indices), vocab]`` of a pure decode or verify step; None on a
-        rank without ``lm_head``. With the runner's ``aux_layers``: ``(logits, aux)``, ``aux`` the
+        """-> logits ``[len(step.logits_indices), vocab]`` of a pure decode or verify step. With the
+        runner's ``aux_layers``: ``(logits, aux)``, ``aux`` the
         graph's static output buffer (every token row of the step)."""
         gen = step.plan.generation
         batch, n, bound = gen.num_rows, gen.decode_query_len, gen.max_blocks
@@ -179,8 +176,7 @@ class _DecodeGraphs:
             views[name][:] = getattr(step, name).reshape(-1)
         buffer.copy_(host, non_blocking=True)
         copied.record()
-        head = self.runner.model.lm_head is not None
-        rows = torch.from_numpy(step.logits_indices.astype(np.int64)).to(device, non_blocking=True) if head else None
+        rows = torch.from_numpy(step.logits_indices.astype(np.int64)).to(device, non_blocking=True)
         key = (batch, n, bound)
         if key not in self.graphs:
             out = self._forward(static, step.plan)   # eager warm-up: a real step
@@ -194,8 +190,6 @@ class _DecodeGraphs:
         else:
             graph, out = self.graphs[key]
             graph.replay()
-        if not head:
-            return None
         if self.runner.aux_layers:
             logits, aux = out
             return logits.index_select(0, rows), aux

@@ -4,7 +4,8 @@
 :class:`m3_torch.rank.RankRunner`, plus ``tensor_parallel_size - 1`` worker
 processes from ``m3_torch.tp``), runs each step the engine schedules (CUDA
 graphs for pure decode steps on a GPU) and samples with the shared sampling
-kernel (``m3_torch.sample``) on rank 0, which holds ``lm_head``. Its
+kernel (``m3_torch.sample``) on rank 0 (under tensor parallelism every rank
+ends a step with the whole logits, gathered from the vocab-parallel head). Its
 :attr:`TorchRunner.buckets` pads pure decode steps to ``graph_batch_sizes``
 where CUDA graphs replay them (a GPU, without ``enforce_eager``) and nothing
 else: prefill and mixed steps run eagerly at their own shape. With an
@@ -75,15 +76,15 @@ class TorchRunner:
                            kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype,
                            load_format=args.load_format, seed=args.seed)
         self._workers = None
-        all_reduce = None
+        all_reduce = all_gather = None
         if self.tp.size > 1:
             # the worker processes start now and load their slices while rank 0 loads its own
             self._workers = tp.Workers(self.tp, self.device, runner_args)
-            all_reduce = tp.all_reduce
+            all_reduce, all_gather = tp.all_reduce, tp.all_gather
         aux_layers = args.draft.aux_layer_ids if args.draft is not None else ()   # eagle3: one rank (args)
         try:
             self.rank0 = RankRunner(tp=self.tp, rank=0, device=self.device, all_reduce=all_reduce,
-                                aux_layers=aux_layers, **runner_args)
+                                    all_gather=all_gather, aux_layers=aux_layers, **runner_args)
             if self._workers is not None:
                 if self.rank0.graphs is not None:   # freed before the group goes, also when a step fails
                     self._workers.before_destroy = self.rank0.graphs.release

@@ -22,9 +22,14 @@ What ``LLM(..., tensor_parallel_size=N)`` does, as vLLM's ``LLM`` does:
   ~0.25 ms on a CPU, ``benchmarks.host``. A worker whose rank 0 is gone sees
   the pipe close and exits.) The partial sums of ``o_proj`` and of each MLP are summed by :func:`all_reduce` (``torch.distributed.all_reduce``,
   inside the captured graphs on GPUs);
-* only rank 0 holds ``lm_head`` and computes logits (it samples); the
-  embedding is replicated. (A vocab-parallel head would spread the head's
-  GEMM over the ranks at the cost of a gather per step; not done here.)
+* the embedding and ``lm_head`` are vocab-parallel (``m3_engine.tp``): each
+  rank looks up its rows (:func:`all_reduce` completes the embedding) and
+  computes its slice of the logits, which :func:`all_gather` puts side by
+  side on every rank; rank 0 samples them. No rank reads the whole head;
+  the gather moves ``rows x vocab`` logits a step. With
+  ``enable_expert_parallel`` each rank holds ``E / tp`` whole experts and runs
+  the pairs routed to them (``m3_torch.model.local_experts``); the MoE's
+  all-reduce sums the ranks' outputs as it does for the inside split.
 
 Failures: a worker that raises (while loading or in a step) sends its
 traceback to rank 0 through a pipe and exits; rank 0's pending collective then
@@ -61,7 +66,7 @@ from m3_engine.tp import TPPlan
 
 from .rank import RankRunner, rank_device
 
-__all__ = ["Workers", "all_reduce", "portable", "DEFAULT_TIMEOUT"]
+__all__ = ["Workers", "all_reduce", "all_gather", "portable", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # a collective (or start-up) that waits longer fails
 ERROR_GRACE_S = 1.0                               # after a failed step: how long to wait for workers' tracebacks
@@ -73,6 +78,17 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
     """The model's tensor-parallel hook: ``t`` summed over the ranks, in place (the default group)."""
     dist.all_reduce(t)
     return t
+
+
+# torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather(t: torch.Tensor) -> torch.Tensor:
+    """The model's vocab-parallel hook: ``t [L, n]`` of every rank side by side, in rank order -> ``[L, ranks * n]``."""
+    parts = t.new_empty((dist.get_world_size() * t.shape[0], t.shape[1]))
+    _gather_into(parts, t.contiguous())
+    return parts.view(-1, *t.shape).transpose(0, 1).reshape(t.shape[0], -1)
 
 
 def portable(step):
@@ -303,7 +319,8 @@ def _worker_main(rank: int, plan: TPPlan, device: torch.device, runner_args: dic
         else:   # share the CPU with the other ranks instead of each taking every core
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.size))
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=plan.size, timeout=timeout)
-        runner = RankRunner(tp=plan, rank=rank, device=device, all_reduce=all_reduce, **runner_args)
+        runner = RankRunner(tp=plan, rank=rank, device=device, all_reduce=all_reduce, all_gather=all_gather,
+                            **runner_args)
         conn.send(("ready", None))
         while True:
             try:

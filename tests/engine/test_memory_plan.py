@@ -60,7 +60,7 @@ def test_m3_parameters_and_tp8_replicates_kv_heads():
         assert plan.kv_slot_parts == {"K/V": 60 * 2 * max(1, 4 // tp) * 128 * 128 * 2, "index-K": index_k}
     assert plans[8].kv_slot_bytes == plans[4].kv_slot_bytes   # one KV head a rank, replicated on 2 ranks at TP8
     assert plans[8].weights["routed experts"] * 8 == plans[2].weights["routed experts"] * 2
-    assert plans[8].weights["embeddings"] == plans[2].weights["embeddings"] == 200064 * 6144 * 2   # replicated
+    assert plans[8].weights["embeddings"] * 8 == plans[2].weights["embeddings"] * 2 == 200064 * 6144 * 2   # vocab split
 
 
 def test_fp8_halves_the_experts_plus_scales_and_expert_parallel_keeps_the_bytes():
@@ -80,8 +80,8 @@ def test_fp8_halves_the_experts_plus_scales_and_expert_parallel_keeps_the_bytes(
     expert_parallel = plan_memory(config, weight_dtype="fp8", enable_expert_parallel=True, **kwargs)
     assert expert_parallel.weights == fp8.weights
     assert "32 whole routed experts a rank" in expert_parallel.table()
-    vocab = plan_memory(config, vocab_parallel=True, **kwargs)
-    assert 4 * vocab.weights["lm_head"] == bf16.weights["lm_head"]
+    replicated = plan_memory(config, vocab_parallel=False, **kwargs)
+    assert 4 * bf16.weights["lm_head"] == replicated.weights["lm_head"] == 200064 * 6144 * 2
 
 
 def test_verdict_and_the_kv_budget():
@@ -120,4 +120,4 @@ def test_command_line(tiny, capsys):
                  "--max-num-seqs", "2", "--gpu-memory-gib", "4"]) == 0
     out = capsys.readouterr().out
     assert "tensor_parallel_size=2" in out and "verdict: fits" in out
-    assert "embeddings and lm_head replicated (rank 0" in out
+    assert "embeddings and lm_head split over the vocabulary (the engines' split)" in out

@@ -8,7 +8,8 @@ import numpy as np
 
 
 def rank_info(runner) -> dict:
-    """What a rank holds: its heads, its fused q/k/v(/index) rows per layer, lm_head or not, its pool's heads."""
+    """What a rank holds: its heads, its fused q/k/v(/index) rows per layer, its experts' and vocabulary
+    rows, its pool's heads."""
     m = runner.model
     c = m.config
     return dict(rank=runner.rank, device=str(runner.device),
@@ -16,7 +17,8 @@ def rank_info(runner) -> dict:
                 qkv_rows=[layer.qkv.shape[0] for layer in m.layers],
                 expert_rows=[None if layer.experts_gate_up is None else tuple(layer.experts_gate_up.shape)
                              for layer in m.layers],
-                lm_head=m.lm_head is not None, pool_kv_heads=sorted({s.num_kv_heads for s in runner.layout.layers}),
+                expert_start=m.expert_start, vocab=(m.vocab_start, tuple(m.embed.shape), tuple(m.lm_head.shape)),
+                pool_kv_heads=sorted({s.num_kv_heads for s in runner.layout.layers}),
                 graphs=sorted(runner.graphs.graphs) if runner.graphs is not None else None)
 
 

@@ -122,7 +122,7 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
     assert "PJRT_NPROC=3" in out["guard"]
     specs, shapes = out["specs"], out["shapes"]
     tp_rows, tp_cols, rep = "P('tp', None)", "P(None, 'tp')", "P()"
-    assert specs["model.embed_tokens.weight"] == rep and specs["model.layers.1.mlp.gate.weight"] == rep
+    assert specs["model.embed_tokens.weight"] == tp_rows and specs["model.layers.1.mlp.gate.weight"] == rep
     assert specs["model.layers.1.self_attn.indexer.k_proj.weight"] == rep   # the one index-K head: replicated
     assert specs["lm_head.weight"] == tp_rows                               # vocab-parallel head
     for name in ("q_proj", "k_proj", "indexer.q_proj"):
@@ -137,6 +137,68 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
     for rank, (dk, dv, dik, ik_sum) in enumerate(out["cache_diffs"]):   # shard r: KV head r, the whole index-K
         assert max(dk, dv, dik) < 1e-4 and ik_sum > 0, (rank, dk, dv, dik)
     assert out["index_k_equal"]
+
+
+# Runs in a subprocess with 8 CPU devices: argv = model_dir, prompts (JSON), new tokens, runs (JSON [[tp, ep], ...]).
+M3_SCALE_SCRIPT = r"""
+import json, sys, time
+import m3_jax
+from m3_kernels import tuning
+
+model_dir, prompts, new, runs = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+params = m3_jax.SamplingParams(temperature=0, max_tokens=new)
+out = {}
+with tuning.override(target_programs=1, sparse_target_programs=1):
+    for tp, ep in [[1, False]] + runs:
+        start = time.monotonic()
+        llm = m3_jax.LLM(model_dir, device="cpu", max_num_seqs=len(prompts), max_model_len=256,
+                         tensor_parallel_size=tp, enable_expert_parallel=ep)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        specs = {} if tp == 1 else {n: str(llm.runner.params[n].sharding.spec) for n in (
+            "model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.experts.gate_up_proj")}
+        out[f"{tp},{ep}"] = dict(tokens=tokens, seconds=time.monotonic() - start, specs=specs)
+        del llm
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def m3_shaped_dir(tmp_path_factory):
+    """16 query heads over 2 KV heads, 8 experts (tests/test_tp_torch.py's M3-shaped model)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m3_tp_jax_shaped"), seed=3, form="text",
+                                 num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=2,
+                                 num_local_experts=8)
+
+
+@pytest.mark.long   # 8 devices of interpreted kernels on 2 cores: minutes
+def test_m3_scale_tp_gives_the_tokens_of_tp1(m3_shaped_dir):
+    """In a subprocess with 8 fake CPU devices: TP=4 + expert parallel, TP=8 + expert parallel and TP=8 give
+    the greedy tokens of TP=1 (checked up to transformers' near ties); the embedding and head are split over
+    the vocabulary, the experts over their axis under expert parallelism, inside otherwise."""
+    prompts = [prompt(7, seed=7), prompt(150, seed=150)]
+    new = 4
+    runs = [[4, True], [8, True], [8, False]]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PJRT_NPROC="9",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, "-c", M3_SCALE_SCRIPT, str(m3_shaped_dir), json.dumps(prompts), str(new),
+                          json.dumps(runs)], env=env, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, f"subprocess failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    print({key: round(r["seconds"]) for key, r in out.items()})
+    want = out["1,False"]["tokens"]
+    for p, w in zip(prompts, want):
+        ref = hf_reference.reference_generate(m3_shaped_dir, p, new)
+        hf_reference.assert_tokens_match(ref, w)
+    for tp, ep in runs:
+        result = out[f"{tp},{ep}"]
+        for p, w, g in zip(prompts, want, result["tokens"]):
+            n = hf_reference.checked_steps(hf_reference.reference_generate(m3_shaped_dir, p, new))
+            assert n >= 2 and g[:n] == w[:n], f"TP={tp} EP={ep}, prompt of {len(p)}: {g} vs TP=1 {w} (checked {n})"
+        specs = result["specs"]
+        assert specs["model.embed_tokens.weight"] == specs["lm_head.weight"] == "P('tp', None)"
+        assert specs["model.layers.1.mlp.experts.gate_up_proj"] == ("P('tp', None, None)" if ep
+                                                                     else "P(None, 'tp', None)")
 
 
 def test_too_few_devices(model_dir):

@@ -97,7 +97,8 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
         assert rank_info["rank"] == rank and rank_info["heads"] == (2, 1, 1)
         assert rank_info["qkv_rows"] == [4 * d, 4 * d + di + di]   # q 2 heads, k 1, v 1 (+ idx q 1, idx k)
         assert rank_info["expert_rows"][1] == (4, 2 * 32 // 2, 128)       # every expert: half its gate/up rows
-        assert rank_info["lm_head"] == (rank == 0) and rank_info["pool_kv_heads"] == [1]
+        assert rank_info["vocab"] == (256 * rank, (256, 128), (256, 128))   # vocab-parallel embedding and head
+        assert rank_info["pool_kv_heads"] == [1]
     k1, v1, ik1 = tp_helpers.layer_caches(tp1.runner.rank0, 1, [0, 1])
     for rank, (k, v, ik) in enumerate(caches):   # rank r: KV head r of the TP=1 pool, the whole index-K
         np.testing.assert_allclose(k, k1[:, rank:rank + 1], rtol=1e-4, atol=1e-5)
@@ -107,6 +108,59 @@ def test_tp2_gives_the_tokens_of_tp1(model_dir):
     np.testing.assert_array_equal(caches[0][2], caches[1][2])   # one index-K head, computed alike on every rank
     with pytest.raises(RuntimeError, match="closed"):
         generate_ids(tp2, prompts, max_new_tokens=1)
+
+
+# -- M3's shapes: 8 query heads a KV head, KV heads replicated, expert parallelism, the vocabulary split ---------
+
+@pytest.fixture(scope="module")
+def m3_shaped_dir(tmp_path_factory):
+    """16 query heads over 2 KV heads (M3's 8 a KV head), 8 experts of 2 chosen: TP 4 and 8 replicate each KV
+    head on 2 and 4 ranks; expert parallel gives each rank 2 or 1 whole experts."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m3_tp_shaped"), seed=3, num_hidden_layers=2,
+                                 num_attention_heads=16, num_key_value_heads=2, num_local_experts=8)
+
+
+def tp_tokens(model_dir, prompts, new_tokens, tp, ep):
+    """(TP=1 greedy tokens, its margins, TP=tp tokens, every rank's rank_info) on the CPU."""
+    kwargs = dict(device="cpu", max_num_seqs=len(prompts), max_model_len=256)
+    with tuning.override(target_programs=1, sparse_target_programs=1):
+        tp1 = m3_torch.LLM(model_dir, **kwargs)
+        margins = record_margins(tp1)
+        want = generate_ids(tp1, prompts, max_new_tokens=new_tokens)
+        tp1.close()
+        with m3_torch.LLM(model_dir, tensor_parallel_size=tp, enable_expert_parallel=ep, **kwargs) as llm:
+            got = generate_ids(llm, prompts, max_new_tokens=new_tokens)
+            info = llm.runner.collective_rpc(tp_helpers.rank_info)
+    return want, margins, got, info
+
+
+def check_m3_shaped_ranks(info, tp, ep):
+    for rank, r in enumerate(info):
+        assert r["heads"] == (16 // tp, 1, 1) and r["pool_kv_heads"] == [1]
+        assert r["expert_rows"][1] == ((8 // tp, 2 * 32, 128) if ep else (8, 2 * 32 // tp, 128))
+        assert r["expert_start"] == (rank * 8 // tp if ep else 0)
+        assert r["vocab"] == (rank * 512 // tp, (512 // tp, 128), (512 // tp, 128))
+
+
+def test_tp4_expert_parallel_gives_the_tokens_of_tp1(m3_shaped_dir):
+    """TP=4 with expert parallelism (4 gloo processes, 2 whole experts a rank, each KV head on 2 ranks, the
+    vocabulary split 4 ways): the greedy tokens of TP=1. One short prompt, 2 tokens (CI budget); TP 8 and
+    longer runs: test_m3_scale_tp_gives_the_tokens_of_tp1 (long)."""
+    want, margins, got, info = tp_tokens(m3_shaped_dir, [prompt(6, seed=6)], 2, tp=4, ep=True)
+    assert_same_tokens(want, got, margins)
+    check_m3_shaped_ranks(info, 4, True)
+
+
+@pytest.mark.long   # 8 interpreter processes on 2 cores: minutes
+@pytest.mark.parametrize("tp, ep", [(4, True), (8, True), (8, False)], ids=["tp4_ep", "tp8_ep", "tp8"])
+def test_m3_scale_tp_gives_the_tokens_of_tp1(m3_shaped_dir, tp, ep):
+    """TP 4 and 8, with and without expert parallelism (at TP 8: 1 expert a rank, each KV head on 4 ranks):
+    the greedy tokens of TP=1 over a prefill of 2 prompts (one past a 128-token block) and 6 decode steps."""
+    start = time.monotonic()
+    want, margins, got, info = tp_tokens(m3_shaped_dir, [prompt(7, seed=7), prompt(150, seed=150)], 6, tp=tp, ep=ep)
+    print(f"TP={tp} EP={ep}: {got} vs TP=1 {want} in {time.monotonic() - start:.0f} s")
+    assert_same_tokens(want, got, margins)
+    check_m3_shaped_ranks(info, tp, ep)
 
 
 @pytest.mark.parametrize("overrides, tp, words", [
