@@ -337,12 +337,14 @@ def test_prompt_forms(eng):
 
 def test_eos_and_single_prompts(eng):
     """One text prompt and one prompt of token ids (not lists of prompts) -> one output each. The greedy
-    model emits eos: finish_reason "stop", stop_reason None, eos in token_ids, not in the text. With
-    ignore_eos it goes on to max_tokens ("length"); skip_special_tokens=False shows eos in the text."""
+    model emits eos: finish_reason "stop", stop_reason None, eos in token_ids, not in the text (not even
+    with skip_special_tokens=False: the stop token's text is left out, as vLLM's). With ignore_eos it goes
+    on to max_tokens ("length"); skip_special_tokens=False then shows eos in the text."""
     ids = eng.tokenizer.encode(EOS_PROMPT)
     expected = hf_reference.reference_generate(eng.llm.args.model_dir, ids, 1).tokens
     assert expected == [EOS_ID], "the reference no longer emits eos first: pick another EOS_PROMPT"
-    outs = eng.llm.generate(EOS_PROMPT, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    outs = eng.llm.generate(EOS_PROMPT, SamplingParams(temperature=0, max_tokens=4, skip_special_tokens=False),
+                            use_tqdm=False)
     assert len(outs) == 1 and outs[0].prompt == EOS_PROMPT
     c = outs[0].outputs[0]
     assert compare_tokens(c.token_ids, expected) == 1
@@ -398,7 +400,8 @@ def test_prompt_fills_the_context(eng):
 def test_stop_strings_and_stop_tokens(eng):
     """A stop string (spanning two tokens) is cut from the text, or kept with include_stop_str_in_output;
     the request ends at the token completing it, whose id stays (with its logprobs); a stop token id is
-    kept in token_ids and is the stop_reason; a stop string before a stop token wins."""
+    kept in token_ids and is the stop_reason, its text left out of the text (vLLM's rule); a stop string
+    before a stop token wins."""
     tok, model_dir = eng.tokenizer, eng.llm.args.model_dir
     ids0 = hf_greedy(model_dir, tok, STOP_PROMPT, 8)
     ids1 = hf_greedy(model_dir, tok, PROMPTS[1], 8)
@@ -422,7 +425,7 @@ def test_stop_strings_and_stop_tokens(eng):
     i = ids1.index(x)
     n += compare_tokens(by_token.token_ids, ids1[:i + 1])
     assert by_token.finish_reason == "stop" and by_token.stop_reason == x
-    assert by_token.text == tok.decode(ids1[:i + 1])
+    assert by_token.text == tok.decode(ids1[:i]) != tok.decode(ids1[:i + 1])
     n += compare_tokens(first_wins.token_ids, ids0[:k + 2])
     assert first_wins.stop_reason == s
     assert n == 3 * (k + 2) + i + 1
