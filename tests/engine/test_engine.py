@@ -432,6 +432,36 @@ def test_stop_strings_and_stop_tokens(eng):
     assert _idle(eng.llm)
 
 
+def test_stop_token_adds_no_text(model_dir):
+    """The output processor alone: the eos or stop_token_ids id that ended a request stays in token_ids
+    and adds no text, even with skip_special_tokens=False (vLLM's detokenizer); with
+    include_stop_str_in_output it does; an eos that did not end the request (ignore_eos) is text."""
+    from m3_engine.engine_core import CoreOutput
+    from m3_engine.output_processor import OutputProcessor
+    from m3_engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir)
+    ids = tok.encode("The quick brown fox", add_special_tokens=False)
+    word = ids[-1]   # a stop token that is a plain word
+    cases = {   # name: (params, the core's tokens, finish_reason, stop_reason, the expected text)
+        "eos": (SamplingParams(skip_special_tokens=False), ids + [EOS_ID], "stop", None, tok.decode(ids)),
+        "kept": (SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True), ids + [EOS_ID], "stop",
+                 None, tok.decode(ids) + "</s>"),
+        "word": (SamplingParams(stop_token_ids=[word]), ids, "stop", word, tok.decode(ids[:-1])),
+        "through": (SamplingParams(skip_special_tokens=False, ignore_eos=True), [EOS_ID] + ids, "length", None,
+                    "</s>" + tok.decode(ids)),
+    }
+    processor = OutputProcessor(tok)
+    for name, (params, tokens, reason, stop_reason, _) in cases.items():
+        processor.add_request(name, None, [BOS_ID], params, arrival_time=0.0)
+        *steps, last = [CoreOutput(name, [t]) for t in tokens]   # one token per step
+        last.finish_reason, last.stop_reason = reason, stop_reason
+        outputs = [processor.process([step], 0.0)[0][0] for step in [*steps, last]]
+        c = outputs[-1].outputs[0]
+        assert (c.text, c.token_ids, c.finish_reason) == (cases[name][4], tokens, reason), name
+    assert not processor.requests
+
+
 # -- streaming -------------------------------------------------------------------------------------
 
 def test_generate_stream(eng):
