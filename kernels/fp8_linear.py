@@ -56,9 +56,6 @@ import triton
 import triton.language as tl
 
 from .common import E4M3_MAX, mma, release_next_grid, to_e4m3, wait_for_previous_grid
-
-# the block size of the format (weights: 128 x 128; activations: 128 channels of one token)
-FP8_BLOCK = 128
 # a group's amax is at least this (an all-zero group: scale 2.2e-15, codes 0); a kernel constant, its
 # ``.value`` on the host
 AMAX_FLOOR = tl.constexpr(1e-12)

@@ -21,6 +21,9 @@ import functools
 import numpy as np
 
 PAGE_SIZE = 128  # tokens per sparse block and per KV page (SPEC.md); the kernels' PAGE_SIZE is this int
+# block-scaled FP8 weights: one float32 scale per FP8_BLOCK x FP8_BLOCK weight block and per FP8_BLOCK
+# channels of a token's activations (kernels/fp8_linear.py, fp8_moe.py)
+FP8_BLOCK = 128
 
 # Rows of one MMA tile (tokens x heads) are capped here; tl.dot wants >= 16.
 MAX_TILE_ROWS = 128

@@ -22,9 +22,8 @@ from typing import Optional
 
 from . import tuning
 from .common import aligned
-from .fp8_linear import FP8_BLOCK
 from .launches import TRITON_DTYPES, Launch, Operand, Output, Prev
-from .maps import cdiv, contiguous_strides, next_pow2
+from .maps import FP8_BLOCK, cdiv, contiguous_strides, next_pow2
 from .validate import FP8, QKRopeCall
 
 # bytes per element of the float dtypes the GEMMs read (tuning.moe sizes their pipeline stages by it)

@@ -20,8 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from .fp8_linear import FP8_BLOCK
-from .maps import MAX_TILE_ROWS, PAGE_SIZE, RowTile, cdiv, next_pow2
+from .maps import FP8_BLOCK, MAX_TILE_ROWS, PAGE_SIZE, RowTile, cdiv, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,7 @@ import os
 
 import numpy as np
 
-from .fp8_linear import FP8_BLOCK
-from .maps import PAGE_SIZE, cdiv
+from .maps import FP8_BLOCK, PAGE_SIZE, cdiv
 from .norm import MAX_WIDTH
 from .router import MAX_EXPERTS, MAX_TOP_K
 from .sampling import MAX_VOCAB

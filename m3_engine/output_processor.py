@@ -9,8 +9,12 @@ Per request it keeps the tokens, their logprobs (``Logprob`` entries with the to
 incremental detokenizer, and the text handed out: a stop string found in the text cuts it there
 and ends the request; while a request runs, the last ``len(longest stop string) - 1`` characters
 are held back (they may begin a stop string). Tokens are taken one at a time, so a stop string
-inside an accepted run of drafts ends the output where plain decoding would have. ``LLMEngine``
-uses it in its own process; ``m3-serve`` in its HTTP process, beside the engine core's process.
+inside an accepted run of drafts ends the output where plain decoding would have. The stop token
+that ended a request (an eos or a ``stop_token_ids`` id: the core's ``finish_reason`` "stop")
+stays in ``token_ids`` and is left out of the text unless ``include_stop_str_in_output``, as
+vLLM's detokenizer leaves it out (it shows when special tokens are kept, or for a stop token that
+is a plain word). ``LLMEngine`` uses it in its own process; ``m3-serve`` in its HTTP process,
+beside the engine core's process.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ class RequestState:
                 reason, stop_reason = out.finish_reason, out.stop_reason
             if self.detokenizer is not None:
                 start = len(self.text)
-                self.text += self.detokenizer.add([token])
+                if reason != "stop" or self.params.include_stop_str_in_output:   # a stop token adds no text
+                    self.text += self.detokenizer.add([token])
                 if reason is not None:
                     self.text += self.detokenizer.finish()
                 hit = self._find_stop(start)

@@ -46,7 +46,9 @@ class SamplingParams:
     stop:         a string or list of strings; generation stops when the text
                   contains one (it is cut from the text unless
                   ``include_stop_str_in_output``).
-    stop_token_ids: token ids that end the request (kept in ``token_ids``).
+    stop_token_ids: token ids that end the request (kept in ``token_ids``; the
+                  text of the stop token that ended it, one of these or an eos,
+                  is left out unless ``include_stop_str_in_output``, as vLLM's).
     ignore_eos:   keep generating past the model's end-of-sequence tokens.
     logprobs:     None (no logprobs), or N in [0, 20]: per generated token the
                   logprobs of the N most likely tokens and of the sampled one
@@ -55,7 +57,7 @@ class SamplingParams:
                   log-softmax is over the logits the grammar allows (the others
                   are -inf: logprob -inf), as vLLM's, whose runner masks the
                   logits before its sampler takes the raw logprobs.
-    include_stop_str_in_output: keep the matched stop string in the text.
+    include_stop_str_in_output: keep the matched stop string (or stop token's text) in the text.
     repetition_penalty: > 0; tokens seen in the prompt or output get
                   ``logit / p`` (logit > 0) or ``logit * p``; 1 is off.
     presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the

@@ -15,8 +15,8 @@ import torch
 
 from m3_kernels import step_launches, validate
 from m3_kernels.common import E4M3_MAX
-from m3_kernels.fp8_linear import AMAX_FLOOR, FP8_BLOCK
-from m3_kernels.maps import cdiv
+from m3_kernels.fp8_linear import AMAX_FLOOR
+from m3_kernels.maps import FP8_BLOCK, cdiv
 
 from . import guards
 from .ops import operand, run

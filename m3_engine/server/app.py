@@ -19,12 +19,14 @@ token ids, a list of token-id lists: ``n`` choices per prompt), ``messages``,
 ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
 ``stop``, ``logprobs`` / ``top_logprobs``, ``presence_penalty``,
 ``frequency_penalty``, ``n``, ``echo``, ``stream``, ``stream_options``,
-``response_format``, ``tools``, ``tool_choice`` (chat); and vLLM's extensions
-``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
-``include_stop_str_in_output``, ``skip_special_tokens``, ``return_token_ids``
-(each choice / chunk gets ``token_ids``, and ``prompt_token_ids``),
-``structured_outputs``, ``add_generation_prompt`` (chat). Tools, tool choice,
-constrained output and the reasoning split: ``m3_engine.server.chat``.
+``response_format`` (chat and completions), ``tools``, ``tool_choice`` (chat); and
+vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``return_token_ids`` (each choice / chunk gets ``token_ids``, and
+``prompt_token_ids``), ``structured_outputs`` (chat and completions),
+``add_generation_prompt`` (chat). Tools, tool choice, constrained output and the
+reasoning split: ``m3_engine.server.chat`` (a constraint goes to the engine process
+as the requests' ``SamplingParams.structured_outputs``).
 Unknown fields are ignored; fields this engine cannot honour (``logit_bias``,
 ``best_of`` > 1, ``suffix``, ``functions``, ...) are a 400.
 
@@ -46,6 +48,10 @@ Semantics worth knowing:
   prompt 0's choices first); a seeded request's choice ``i`` samples with ``seed + i``
   (vLLM's rule). The prompt is tokenized once and counted once in ``usage``; its KV is
   computed by each choice unless ``--enable-prefix-caching`` shares its full blocks.
+* A choice's text leaves out the text of the stop token that ended it (an eos or a
+  ``stop_token_ids`` id; it shows with ``skip_special_tokens=false``, which chat's
+  parsers set) unless ``include_stop_str_in_output``, as vLLM's (``m3_engine.output_processor``).
+  A stop string ends its request in the engine process too (the engine sees no text).
 * ``echo`` (completions) puts the prompt text before the completion; with
   ``logprobs`` it is a 400 (the engine computes no prompt logprobs). In chat,
   ``echo`` puts the last message's content first when that message is the
@@ -64,7 +70,9 @@ Semantics worth knowing:
   ``/ping``, ``/version`` and ``/metrics`` stay open), 404 for an unknown model or
   path, 503 when the waiting queue is full (``--max-queue``) or the server is
   stopping, 500 when a model step fails (the requests of that step fail; the
-  server goes on).
+  server goes on) and when the engine process dies (every open request fails,
+  a stream with an error event; ``/health`` answers 503 and ``m3-serve`` exits
+  with status 1: ``m3_engine.server.engine_client``).
 
 A client that goes away (a closed stream, a dropped connection while waiting
 for a non-streamed answer) has its requests aborted, which frees their cache
@@ -644,9 +652,6 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
                     arrival)
     created = int(arrival)
 
-    def answer_text(reader: ChoiceOutput, c) -> str:
-        return _without_stop_token(server, c) if reader.parses else c.text
-
     if not body.stream:
         try:
             if not await job.collect(request):
@@ -657,7 +662,7 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
         choices = []
         for i, (out, reader) in enumerate(zip(outs, readers)):
             c = out.outputs[0]
-            message, finish_reason = reader.message(answer_text(reader, c), c.finish_reason)
+            message, finish_reason = reader.message(c.text, c.finish_reason)
             if echo:
                 message["content"] = echo + (message["content"] or "")
             choice = {"index": i, "message": message,
@@ -693,10 +698,9 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
                 i = job.index[out.request_id]
                 reader, c = readers[i], out.outputs[0]
                 new_tokens = c.token_ids[sent_tokens[i]:]
-                answer = answer_text(reader, c)
-                if not new_tokens and len(answer) == sent_text[i] and not out.finished:
+                if not new_tokens and len(c.text) == sent_text[i] and not out.finished:
                     continue
-                delta = reader.feed(answer[sent_text[i]:])
+                delta = reader.feed(c.text[sent_text[i]:])
                 finish = None
                 if out.finished:
                     last, finish = reader.finish(c.finish_reason)
@@ -706,7 +710,7 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
                 extra = {"token_ids": new_tokens} if body.return_token_ids else {}
                 if out.finished:
                     extra["stop_reason"] = c.stop_reason
-                sent_text[i], sent_tokens[i] = len(answer), len(c.token_ids)
+                sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                 if not delta and not out.finished and logprobs is None and not extra:
                     continue   # text the parser holds back (a tag still arriving)
                 yield chunk(i, delta, finish=finish, logprobs=logprobs, extra=extra)
@@ -716,18 +720,6 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
                         "model": model, "choices": [], "usage": _usage(outs, len(outs))})
 
     return _EventStream(_events_then_done(events(), job), on_close=job.close)
-
-
-def _without_stop_token(server: _Server, c) -> str:
-    """A choice's text without the text of the stop token that ended it (an eos or a
-    ``stop_token_ids`` id, decoded when special tokens are kept), as vLLM's detokenizer leaves it out."""
-    if c.finish_reason != "stop" or not c.token_ids or isinstance(c.stop_reason, str):
-        return c.text
-    last = c.token_ids[-1]
-    if last != c.stop_reason and last not in server.client.eos_token_ids:
-        return c.text
-    piece = server.token_text(last)
-    return c.text[:len(c.text) - len(piece)] if piece and c.text.endswith(piece) else c.text
 
 
 async def _events_then_done(events, job: "_Job"):

@@ -43,8 +43,8 @@ The response side (one :class:`ChoiceOutput` per choice)
   ``message.reasoning_content`` / ``delta.reasoning_content`` (None / absent when empty); a
   prompt that ends with ``<mm:think>`` starts the answer inside the span.
 * While a parser reads the text it is decoded with ``skip_special_tokens=False`` (M3's markup may
-  be made of special tokens), and the text of the stop token that ended the answer (eos or a
-  ``stop_token_ids`` id) is left out, as vLLM's detokenizer leaves it out.
+  be made of special tokens); the text of the stop token that ended the answer (eos or a
+  ``stop_token_ids`` id) is not in it (``m3_engine.output_processor``, vLLM's rule).
 """
 
 from __future__ import annotations
@@ -193,8 +193,6 @@ class ChoiceOutput:
     """One chat choice's answer out of its generated text: content, ``reasoning_content``,
     ``tool_calls``, ``finish_reason``. Whole (:meth:`message`) or streamed (:meth:`feed` each
     text delta, then :meth:`finish`); a fresh one per choice.
-
-    ``parses``: whether the text is read by a parser (then it is decoded with special tokens).
     """
 
     def __init__(self, tools: ToolChoice, features: ChatFeatures, prompt: str):
@@ -218,10 +216,6 @@ class ChoiceOutput:
         span (``--reasoning-parser``; not under "required" / named, whose output is JSON)."""
         return tools.kind == "auto" or (features.reasoning_parser is not None
                                         and tools.kind not in ("required", "named"))
-
-    @property
-    def parses(self) -> bool:
-        return self.parser is not None
 
     def message(self, text: str, finish_reason: Optional[str]) -> tuple:
         """The whole text -> ``(message dict, finish_reason)``."""

@@ -8,9 +8,9 @@ The engine flags are ``m3-generate``'s (``m3_engine.args.add_engine_flags``: one
 ``--host``, ``--port``, ``--api-key``, ``--served-model-name``, ``--chat-template``,
 ``--enable-auto-tool-choice``, ``--tool-call-parser``, ``--reasoning-parser`` (vLLM's; see
 ``m3_engine.server.chat``), ``--max-queue``, ``--shutdown-timeout``, ``--log-level``,
-``--no-access-log``. A bad command
-line, a model folder without config.json, a port that cannot be bound or an engine option the
-engine refuses is one ``error: ...`` line on stderr and exit status 2.
+``--no-access-log``. A bad command line, a model folder without config.json, a port that cannot
+be bound or an engine option the engine refuses is one ``error: ...`` line on stderr and exit
+status 2.
 
 The engine runs in a process of its own (``m3_engine.server.core_process``), started before
 the port is served; an engine that fails to load is one ``error: ...`` line too (exit status
@@ -122,7 +122,7 @@ def _exit_cleanly(signum, frame):
 
 def main(argv=None) -> int:
     """Serve until SIGTERM / SIGINT; -> the exit status (0 stopped, 2 a user error, 1 the server
-    did not start)."""
+    did not start or its engine process died)."""
     try:
         return _serve(build_parser().parse_args(argv))
     except UsageError as e:

@@ -25,7 +25,6 @@ ends when the server process is gone. SIGINT is ignored here: the server stops t
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import os
 import shutil
@@ -44,6 +43,7 @@ except ModuleNotFoundError as e:
     raise ModuleNotFoundError(f"m3-serve needs pyzmq and msgspec ({e.name} is missing): "
                               "pip install 'm3-msa-kernels[server]'", name=e.name) from None
 
+from .. import load_class
 from ..engine_core import CoreOutput, EngineCore
 from ..sampling_params import SamplingParams
 from ..structured_outputs import StructuredOutputsParams
@@ -256,8 +256,7 @@ def run_engine_core(llm_class: str, model_dir: str, options: dict, max_queue: Op
     commands.connect(in_address)
     encoder = msgspec.msgpack.Encoder()
     try:
-        module, _, name = llm_class.partition(":")
-        llm = getattr(importlib.import_module(module), name)(Path(model_dir), **options)
+        llm = load_class(llm_class)(Path(model_dir), **options)
     except Exception as e:
         if type(e).__name__ not in USER_ERRORS:
             traceback.print_exc()
@@ -269,7 +268,7 @@ def run_engine_core(llm_class: str, model_dir: str, options: dict, max_queue: Op
         sc = llm.scheduler_config
         output.send(encoder.encode(Ready(dict(
             framework=llm.framework, max_model_len=llm.max_model_len, vocab_size=llm.config.vocab_size,
-            eos_token_ids=list(llm.config.eos_token_ids), max_num_seqs=sc.max_batch, num_kv_pages=sc.num_slots, generation_defaults=llm.engine.generation_defaults,
+            max_num_seqs=sc.max_batch, num_kv_pages=sc.num_slots, generation_defaults=llm.engine.generation_defaults,
             stats=_stats(llm.engine.core), pid=os.getpid()))))
         _CoreLoop(llm.engine.core, commands, output, encoder, max_queue).run()
     finally:

@@ -89,7 +89,6 @@ class EngineClient:
         self.max_num_seqs: int = facts["max_num_seqs"]
         self.num_kv_pages: int = facts["num_kv_pages"]
         self.generation_defaults: dict = facts["generation_defaults"]
-        self.eos_token_ids = frozenset(facts["eos_token_ids"])
         self.chat_template = chat_template
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()

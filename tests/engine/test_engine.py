@@ -358,12 +358,14 @@ def test_steps_are_padded_and_planned_once(eng, monkeypatch):
 
 def test_eos_and_single_prompts(eng):
     """One text prompt and one prompt of token ids (not lists of prompts) -> one output each. The greedy
-    model emits eos: finish_reason "stop", stop_reason None, eos in token_ids, not in the text. With
-    ignore_eos it goes on to max_tokens ("length"); skip_special_tokens=False shows eos in the text."""
+    model emits eos: finish_reason "stop", stop_reason None, eos in token_ids, not in the text (not even
+    with skip_special_tokens=False: the stop token's text is left out, as vLLM's). With ignore_eos it goes
+    on to max_tokens ("length"); skip_special_tokens=False then shows eos in the text."""
     ids = eng.tokenizer.encode(EOS_PROMPT)
     expected = hf_reference.reference_generate(eng.llm.args.model_dir, ids, 1).tokens
     assert expected == [EOS_ID], "the reference no longer emits eos first: pick another EOS_PROMPT"
-    outs = eng.llm.generate(EOS_PROMPT, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    outs = eng.llm.generate(EOS_PROMPT, SamplingParams(temperature=0, max_tokens=4, skip_special_tokens=False),
+                            use_tqdm=False)
     assert len(outs) == 1 and outs[0].prompt == EOS_PROMPT
     c = outs[0].outputs[0]
     assert compare_tokens(c.token_ids, expected) == 1
@@ -419,7 +421,8 @@ def test_prompt_fills_the_context(eng):
 def test_stop_strings_and_stop_tokens(eng):
     """A stop string (spanning two tokens) is cut from the text, or kept with include_stop_str_in_output;
     the request ends at the token completing it, whose id stays (with its logprobs); a stop token id is
-    kept in token_ids and is the stop_reason; a stop string before a stop token wins."""
+    kept in token_ids and is the stop_reason, its text left out of the text (vLLM's rule); a stop string
+    before a stop token wins."""
     tok, model_dir = eng.tokenizer, eng.llm.args.model_dir
     ids0 = hf_greedy(model_dir, tok, STOP_PROMPT, 8)
     ids1 = hf_greedy(model_dir, tok, PROMPTS[1], 8)
@@ -443,11 +446,41 @@ def test_stop_strings_and_stop_tokens(eng):
     i = ids1.index(x)
     n += compare_tokens(by_token.token_ids, ids1[:i + 1])
     assert by_token.finish_reason == "stop" and by_token.stop_reason == x
-    assert by_token.text == tok.decode(ids1[:i + 1])
+    assert by_token.text == tok.decode(ids1[:i]) != tok.decode(ids1[:i + 1])
     n += compare_tokens(first_wins.token_ids, ids0[:k + 2])
     assert first_wins.stop_reason == s
     assert n == 3 * (k + 2) + i + 1
     assert _idle(eng.llm)
+
+
+def test_stop_token_adds_no_text(model_dir):
+    """The output processor alone: the eos or stop_token_ids id that ended a request stays in token_ids
+    and adds no text, even with skip_special_tokens=False (vLLM's detokenizer); with
+    include_stop_str_in_output it does; an eos that did not end the request (ignore_eos) is text."""
+    from m3_engine.engine_core import CoreOutput
+    from m3_engine.output_processor import OutputProcessor
+    from m3_engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir)
+    ids = tok.encode("The quick brown fox", add_special_tokens=False)
+    word = ids[-1]   # a stop token that is a plain word
+    cases = {   # name: (params, the core's tokens, finish_reason, stop_reason, the expected text)
+        "eos": (SamplingParams(skip_special_tokens=False), ids + [EOS_ID], "stop", None, tok.decode(ids)),
+        "kept": (SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True), ids + [EOS_ID], "stop",
+                 None, tok.decode(ids) + "</s>"),
+        "word": (SamplingParams(stop_token_ids=[word]), ids, "stop", word, tok.decode(ids[:-1])),
+        "through": (SamplingParams(skip_special_tokens=False, ignore_eos=True), [EOS_ID] + ids, "length", None,
+                    "</s>" + tok.decode(ids)),
+    }
+    processor = OutputProcessor(tok)
+    for name, (params, tokens, reason, stop_reason, _) in cases.items():
+        processor.add_request(name, None, [BOS_ID], params, arrival_time=0.0)
+        *steps, last = [CoreOutput(name, [t]) for t in tokens]   # one token per step
+        last.finish_reason, last.stop_reason = reason, stop_reason
+        outputs = [processor.process([step], 0.0)[0][0] for step in [*steps, last]]
+        c = outputs[-1].outputs[0]
+        assert (c.text, c.token_ids, c.finish_reason) == (cases[name][4], tokens, reason), name
+    assert not processor.requests
 
 
 # -- streaming -------------------------------------------------------------------------------------

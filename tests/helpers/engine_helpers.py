@@ -1,4 +1,5 @@
-"""Shared by the model tests: greedy (or seeded) generation as lists of token ids."""
+"""Shared by the model tests: greedy (or seeded) generation as lists of token ids; the server tests'
+fake runner (:class:`FakeLLM`, which ``m3-serve``'s engine process runs in their servers)."""
 
 import time
 
@@ -8,6 +9,7 @@ from m3_engine import SamplingParams
 from m3_engine.buckets import StepBuckets
 from m3_engine.llm import LLM
 from m3_engine.runner import SampleResult
+from m3_engine.tokenizer import Tokenizer
 
 
 def generate_ids(llm, prompts, max_new_tokens=16, *, temperature=0.0, top_p=1.0, seed=None, **params):
@@ -17,32 +19,70 @@ def generate_ids(llm, prompts, max_new_tokens=16, *, temperature=0.0, top_p=1.0,
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-# -- a model runner without a model, for the server's in-process tests (test_serve.py) ---------------
+# -- a model runner without a model, for the server's fake-runner tests (tests/server/test_serve.py) --
 
 FAIL_SEED = 990_000   # a request seeded FAIL_SEED + k makes the step that samples its token k fail
+SAY, END_SAY = "[[say]]", "[[/say]]"
+
+
+def say(text: str) -> str:
+    """Prompt text (a completion prompt, or part of a chat message) that makes :class:`FakeRunner`
+    answer ``text``: its tokens, then eos."""
+    return f"{SAY}{text}{END_SAY}"
 
 
 class FakeRunner:
-    """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3); the sampled token's logprob is
-    -temperature (so a test sees the temperature that reached the runner). A row seeded
-    ``FAIL_SEED + k`` makes the step sampling its token ``k`` raise. Runs in the engine process of
-    ``m3-serve``: tests steer it through requests only."""
+    """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3). A row under a structured-outputs
+    token bitmask takes the allowed token number (seed + 7 * index) % (how many are allowed) instead
+    (a walk through the grammar, as random weights would take). A request whose prompt holds
+    ``say(text)`` answers ``text``'s tokens (``tokenizer.encode(text, add_special_tokens=False)``),
+    then eos, whatever the bitmask. The sampled token's logprob is -temperature (so a test sees the
+    temperature that reached the runner). A row seeded ``FAIL_SEED + k`` makes the step sampling its
+    token ``k`` raise. Runs in the engine process of ``m3-serve``: tests steer it through requests
+    only."""
 
     def __init__(self, args):
         self.vocab = args.config.vocab_size
         self.buckets = StepBuckets.from_config(args.scheduler, args.speculative, pad_prefill=False, pad_decode=False)
+        self.eos = args.config.eos_token_ids[0]
+        self.tokenizer = Tokenizer(args.model_dir)
+        self.scripts: dict = {}   # scheduler request id -> the token ids its prompt says, or None
 
     def execute(self, step, sampling):
         time.sleep(0.005)
         if np.any(sampling.seeds - sampling.counters == FAIL_SEED):
             raise RuntimeError("injected step failure")
-        tokens = (3 + (sampling.seeds + 7 * sampling.counters) % (self.vocab - 3)).astype(np.int32)
+        walk = sampling.seeds + 7 * sampling.counters
+        tokens = (3 + walk % (self.vocab - 3)).astype(np.int32)
+        if sampling.token_bitmask is not None:
+            bits = np.unpackbits(sampling.token_bitmask.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab]
+            for row, allowed in enumerate(bits):
+                if not allowed.all():
+                    choices = np.flatnonzero(allowed)
+                    tokens[row] = choices[walk[row] % len(choices)]
+        requests = [r for (r, _), count in zip(step.rows, step.num_logits.tolist()) for _ in range(count)]
+        for row, (request, index) in enumerate(zip(requests, sampling.counters.tolist())):
+            script = self._script(request)
+            if script is not None:
+                tokens[row] = script[index] if index < len(script) else self.eos
         rows = len(tokens)
         n = sampling.num_logprobs
         top = None if n is None else (tokens[:, None] + np.arange(max(n, 1))[None]) % self.vocab
         return SampleResult(tokens=tokens, logprobs=-sampling.temperature.astype(np.float32),
                             top_ids=top, top_logprobs=None if n is None else np.full(top.shape, -0.5, np.float32),
                             ranks=None if n is None else np.ones(rows, np.int32))
+
+    def _script(self, request):
+        """The token ids ``say(text)`` in the request's prompt asks for, or None."""
+        if request.id not in self.scripts:
+            prompt = self.tokenizer.decode(request.prompt.tolist(), skip_special_tokens=False)
+            start = prompt.find(SAY)
+            script = None
+            if start >= 0:
+                text = prompt[start + len(SAY):prompt.index(END_SAY, start)]
+                script = self.tokenizer.encode(text, add_special_tokens=False)
+            self.scripts[request.id] = script
+        return self.scripts[request.id]
 
     def close(self):
         pass

@@ -11,9 +11,11 @@ seeded and greedy, logprobs, echo, stop strings and stop tokens) go to the serve
 ``LLM.generate`` of the same framework in this process with the same parameters (computed while the
 server starts; every selected framework's server starts at once, see ``Launch``): seeded and
 greedy sampling through the server give the same tokens. ``fake_server`` runs the app in this
-process over the real engine with a fake model runner (no framework, instantaneous steps) for what
-the real model cannot be made to do on demand (a step that fails, a burst of 64 clients, the
-prefix cache) in a second.
+process (its engine process with a fake model runner, ``engine_helpers.FakeLLM``: no framework,
+instantaneous steps) for what the real model cannot be made to do on demand (a step that fails, a
+burst of 64 clients, the prefix cache) in a second; ``agent_server`` is the same with chat's
+tool-call and reasoning parsers, for the agent tests (a prompt holding ``say(text)`` makes the fake
+answer ``text``; under structured outputs the fake walks the grammar's token bitmask).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import time
 import typing
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -41,10 +42,9 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from benchmarks.serve import parse_metrics                              # noqa: E402
+from engine_helpers import FAIL_SEED, FakeLLM, say                     # noqa: E402
 from m3_engine import SamplingParams, engine_class                      # noqa: E402
-from m3_engine.buckets import StepBuckets                               # noqa: E402
-from m3_engine.runner import SampleResult                               # noqa: E402
-from m3_engine.tiny_model import EOS_ID, write_tiny_checkpoint          # noqa: E402
+from m3_engine.tiny_model import write_tiny_checkpoint                 # noqa: E402
 from m3_engine.tokenizer import Tokenizer                               # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("serve")   # one worker for the module under --dist loadgroup
@@ -258,7 +258,7 @@ def running_server(framework, launches):
     srv = launches[framework].ready()
     yield srv
     # SIGTERM with a stream open: the server lets it run for --shutdown-timeout (1 s), then ends
-    # it with an error event, stops the engine thread, closes the LLM and exits 0.
+    # it with an error event, stops the engine process (which closes its LLM) and exits 0.
     stream = srv.client().completions.create(model=MODEL, prompt="long", max_tokens=200, stream=True,
                                              extra_body={"ignore_eos": True})
     chunks = iter(stream)
@@ -686,75 +686,19 @@ def test_bad_requests_while_streaming(server):
         client.chat.completions.create(model="nope", messages=MESSAGES)
 
 
-# -- the app in this process, over a fake runner ------------------------------------------------------
-
-class FakeRunner:
-    """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3); a row under structured outputs
-    takes the allowed token number (seed + 7 * index) % (how many are allowed) instead (a walk like
-    random weights'); with ``script`` set, every row takes the script's token at its index (then
-    eos). ``fail_in`` steps from now fail. ``bitmasks`` collects the steps' token bitmasks."""
-    fail_in: "int | None" = None
-    script: "list | None" = None
-    bitmasks: list = []
-
-    def __init__(self, args):
-        self.vocab = args.config.vocab_size
-        self.buckets = StepBuckets.from_config(args.scheduler, args.speculative, pad_prefill=False, pad_decode=False)
-
-    def execute(self, step, sampling):
-        FakeRunner.last_temperature = sampling.temperature.tolist()
-        time.sleep(0.005)
-        if FakeRunner.fail_in is not None:
-            FakeRunner.fail_in -= 1
-            if FakeRunner.fail_in < 0:
-                FakeRunner.fail_in = None
-                raise RuntimeError("injected step failure")
-        if sampling.token_bitmask is not None:
-            FakeRunner.bitmasks.append(sampling.token_bitmask.copy())
-        tokens = (3 + (sampling.seeds + 7 * sampling.counters) % (self.vocab - 3)).astype(np.int32)
-        if sampling.token_bitmask is not None:
-            bits = np.unpackbits(sampling.token_bitmask.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab]
-            for row, allowed in enumerate(bits):
-                if not allowed.all():
-                    choices = np.flatnonzero(allowed)
-                    tokens[row] = choices[(sampling.seeds[row] + 7 * sampling.counters[row]) % len(choices)]
-        if FakeRunner.script is not None:
-            tokens = np.array([FakeRunner.script[c] if c < len(FakeRunner.script) else EOS_ID
-                               for c in sampling.counters.tolist()], np.int32)
-        rows = len(tokens)
-        n = sampling.num_logprobs
-        top = None if n is None else (tokens[:, None] + np.arange(max(n, 1))[None]) % self.vocab
-        return SampleResult(tokens=tokens, logprobs=np.full(rows, -0.5, np.float32),
-                            top_ids=top, top_logprobs=None if n is None else np.full(top.shape, -0.5, np.float32),
-                            ranks=None if n is None else np.ones(rows, np.int32))
-
-    def close(self):
-        pass
-
-
-def fake_llm(model_dir, **options):
-    from m3_engine.llm import LLM
-
-    class FakeLLM(LLM):
-        framework = "fake"
-
-        @classmethod
-        def _runner_class(cls):
-            return FakeRunner
-
-    return FakeLLM(model_dir, **options)
-
+# -- the app in this process, its engine process over a fake runner ----------------------------------
 
 @contextlib.contextmanager
-def fake_app(llm, features=None):
-    """``llm``'s app served by uvicorn in a thread of this process: -> a :class:`Server`."""
+def fake_app(model_dir, options: dict, features=None):
+    """The app in this process (uvicorn in a thread) -> a :class:`Server`; its engine process runs
+    ``engine_helpers.FakeLLM(model_dir, **options)``."""
     import uvicorn
 
     from m3_engine.server.app import create_app
     from m3_engine.server.engine_client import EngineClient
 
-    app = create_app(EngineClient(llm, max_queue=8), served_model_name=[MODEL, ALIAS], api_key=KEY,
-                     features=features)
+    client = EngineClient("engine_helpers:FakeLLM", model_dir, options, max_queue=8)
+    app = create_app(client, served_model_name=[MODEL, ALIAS], api_key=KEY, features=features)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
@@ -766,22 +710,22 @@ def fake_app(llm, features=None):
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.01)
     srv = Server(port=sock.getsockname()[1])
-    srv.llm = llm
+    srv.engine_client = client
     try:
         yield srv
     finally:
         uv.should_exit = True
         thread.join(30)
         assert not thread.is_alive()
-        assert not app.state.m3.client.alive   # the lifespan stopped the engine thread
-        llm.close()
+        assert not client.alive and client.process.process.exitcode == 0   # the lifespan stopped the engine
+        client.close()
         sock.close()
 
 
 @pytest.fixture(scope="module")
 def fake_server(model_dir):
     """The app over a fake runner (no tool-call or reasoning parser)."""
-    with fake_app(fake_llm(model_dir, max_num_seqs=4, max_model_len=256, enable_prefix_caching=True)) as srv:
+    with fake_app(model_dir, dict(max_num_seqs=4, max_model_len=256, enable_prefix_caching=True)) as srv:
         yield srv
 
 
@@ -793,16 +737,15 @@ def agent_server(model_dir):
 
     features = ChatFeatures(enable_auto_tool_choice=True, tool_call_parser="minimax_m3",
                             reasoning_parser="minimax_m3")
-    with fake_app(fake_llm(model_dir, max_num_seqs=4, max_model_len=2048), features) as srv:
+    with fake_app(model_dir, dict(max_num_seqs=4, max_model_len=2048), features) as srv:
         yield srv
 
 
 def test_failed_step_fails_its_requests_and_the_server_goes_on(fake_server):
     client = fake_server.client()
     for failures in (1, 2, 3):   # one failed step after another: each fails its request; the third makes
-        FakeRunner.fail_in = 0   # /health answer 503
-        with pytest.raises(openai.InternalServerError, match="injected step failure"):
-            client.completions.create(model=MODEL, prompt="a", max_tokens=5)
+        with pytest.raises(openai.InternalServerError, match="injected step failure"):   # /health answer 503
+            client.completions.create(model=MODEL, prompt="a", max_tokens=5, seed=FAIL_SEED)
         status, health = call(fake_server.port, "GET", "/health", key=None)
         assert status == (503 if failures == 3 else 200) and "injected" in health["last_error"], health
         assert health["failed_steps"] == failures
@@ -811,11 +754,10 @@ def test_failed_step_fails_its_requests_and_the_server_goes_on(fake_server):
     status, health = call(fake_server.port, "GET", "/health", key=None)
     assert status == 200 and health["failed_steps"] == 0
     # mid-stream: the chunks so far arrive, then an error event that the client raises
-    FakeRunner.fail_in = 3
     chunks = []
     with pytest.raises(openai.APIError, match="injected step failure"):
         for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=50, stream=True,
-                                                    extra_body={"ignore_eos": True}):
+                                                    seed=FAIL_SEED + 3, extra_body={"ignore_eos": True}):
             chunks.append(chunk)
     assert 1 <= len(chunks) <= 4
     m = wait_idle(fake_server.port, timeout=10)
@@ -828,16 +770,17 @@ def test_fake_generation_defaults_fill_only_absent_fields(fake_server):
     """The model's generation_config values fill the fields a request leaves out, and only those:
     an explicit temperature equal to the class default (1.0) stays; an absent max_tokens is the
     model's max_new_tokens."""
-    defaults = fake_server.llm.engine.generation_defaults
+    defaults = fake_server.engine_client.generation_defaults   # the fake runner's logprob is -temperature
     saved = dict(defaults)
     defaults.update(temperature=0.25, max_tokens=3)
     try:
         client = fake_server.client()
-        out = client.completions.create(model=MODEL, prompt="a", extra_body={"ignore_eos": True})
-        assert out.usage.completion_tokens == 3 and FakeRunner.last_temperature == [0.25]
+        out = client.completions.create(model=MODEL, prompt="a", logprobs=0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3 and out.choices[0].logprobs.token_logprobs == [-0.25] * 3
         out = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, max_tokens=5,
-                                             extra_body={"ignore_eos": True})
-        assert out.usage.completion_tokens == 5 and FakeRunner.last_temperature == [1.0]
+                                             logprobs=True, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 5
+        assert [c.logprob for c in out.choices[0].logprobs.content] == [-1.0] * 5
     finally:
         defaults.clear()
         defaults.update(saved)
@@ -917,6 +860,77 @@ def test_fake_context_limit_alias_version_ping_and_vllm_metrics(fake_server):
         assert m[vllm] == m[ours], (ours, vllm)
 
 
+def test_fake_stop_string_ends_the_request_in_the_engine(fake_server):
+    """A stop string is found in this process (the engine process sees token ids only): the answer
+    is cut before it, and the request ends in the engine too instead of running to max_tokens."""
+    client = fake_server.client()
+    before = metrics(fake_server.port)
+    out = client.completions.create(model=MODEL, prompt=say("one two three"), max_tokens=200, stop=["two"],
+                                    extra_body={"ignore_eos": True})
+    c = out.choices[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == ("one ", "stop", "two")
+    after = wait_idle(fake_server.port, timeout=10)
+    generated = after["m3_generation_tokens_total"] - before["m3_generation_tokens_total"]
+    assert out.usage.completion_tokens <= generated < 100, generated   # 200 if the engine went on
+
+
+def test_fake_disconnect_aborts_in_the_engine(fake_server):
+    """A client that closes its stream, or leaves while waiting for a non-streamed answer, has its
+    request aborted in the engine process: nothing runs there any more."""
+    before = metrics(fake_server.port)
+    stream = fake_server.client().completions.create(model=MODEL, prompt="go on", max_tokens=200, stream=True,
+                                                     extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    wait_idle(fake_server.port, timeout=10)
+    body = json.dumps({"model": MODEL, "prompt": "go on", "max_tokens": 200, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", fake_server.port))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    wait_for(fake_server.port, lambda m: m["m3_num_requests_running"] == 1, "the request running", timeout=10)
+    sock.close()
+    after = wait_idle(fake_server.port, timeout=10)
+    assert after["m3_request_aborted_total"] - before["m3_request_aborted_total"] == 2
+    assert after["m3_generation_tokens_total"] - before["m3_generation_tokens_total"] < 2 * 200
+
+
+@pytest.mark.long
+def test_engine_process_death(model_dir, tmp_path):
+    """The engine process killed mid-stream: the stream ends with an error event, a non-streamed
+    request gets a 500, /health answers 503, and the server exits with status 1 within seconds."""
+    srv = Server("torch", model_dir, tmp_path / "server.log")
+    try:
+        health = srv.wait_ready()
+        client = srv.client()
+        result = {}
+
+        def plain():
+            try:
+                client.completions.create(model=MODEL, prompt="wait", max_tokens=200, extra_body={"ignore_eos": True})
+            except openai.APIStatusError as e:
+                result["status"], result["message"] = e.status_code, e.message
+
+        thread = threading.Thread(target=plain)
+        thread.start()
+        stream = client.completions.create(model=MODEL, prompt="go on", max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        wait_for(srv.port, lambda m: m["m3_num_requests_running"] == 2, "both requests running")
+        os.kill(health["engine_pid"], signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="engine process was killed by SIGKILL"):
+            for chunk in chunks:
+                assert chunk.choices[0].finish_reason is None
+        status, health = call(srv.port, "GET", "/health", key=None)
+        assert status == 503 and "SIGKILL" in health["error"], health
+        thread.join(30)
+        assert result.get("status") == 500 and "SIGKILL" in result["message"], result
+        assert srv.proc.wait(timeout=15) == 1, srv.log.read_text()[-4000:]
+        assert "error: the engine process was killed by SIGKILL" in srv.log.read_text()
+    finally:
+        srv.kill()
+
+
 # -- agents: tools, tool_choice, response_format, reasoning, n (fake runner) ----------------------------
 
 TOOLS = [
@@ -941,14 +955,16 @@ def valid(arguments: dict, schema: dict) -> bool:
         (isinstance(v, int) and props[k]["minimum"] <= v <= props[k]["maximum"]) for k, v in arguments.items())
 
 
-@contextlib.contextmanager
-def scripted(tok, text):
-    """The fake runner writes ``text`` (then eos) for every request while this lasts."""
-    FakeRunner.script, FakeRunner.bitmasks = tok.encode(text, add_special_tokens=False), []
-    try:
-        yield
-    finally:
-        FakeRunner.script = None
+def scripted(text, messages=MESSAGES) -> list:
+    """``messages`` whose system message makes the fake runner answer ``text`` (then eos)."""
+    system, *rest = messages
+    assert system["role"] == "system"
+    return [{**system, "content": system["content"] + say(text)}, *rest]
+
+
+def unconstrained(seed: int, count: int, vocab: int) -> list:
+    """The fake runner's first ``count`` tokens for a request seeded ``seed`` without a token bitmask."""
+    return [3 + (seed + 7 * k) % (vocab - 3) for k in range(count)]
 
 
 def streamed(chunks, index=0) -> tuple:
@@ -986,11 +1002,11 @@ def test_fake_auto_tool_calls_and_reasoning(agent_server, tok):
     markup = TOOL_CALL_START + "\n" + "".join(f'{NS}<invoke name="{name}">{to_xml(args)}{NS}</invoke>\n'
                                               for name, args in calls) + TOOL_CALL_END
     client = agent_server.client()
-    ask = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=400, temperature=0)
-    with scripted(tok, "<mm:think>Weather first.</mm:think>Checking." + markup):
-        answer = client.chat.completions.create(**ask)
-        chunks = list(client.chat.completions.create(**ask, stream=True))
-        plain = client.chat.completions.create(**ask, tool_choice="none")
+    ask = dict(model=MODEL, tools=TOOLS, max_tokens=400, temperature=0)
+    thought = scripted("<mm:think>Weather first.</mm:think>Checking." + markup)
+    answer = client.chat.completions.create(**ask, messages=thought)
+    chunks = list(client.chat.completions.create(**ask, messages=thought, stream=True))
+    plain = client.chat.completions.create(**ask, messages=thought, tool_choice="none")
     c = answer.choices[0]
     assert (c.message.reasoning_content, c.message.content, whole(c.message), c.finish_reason) == \
         ("Weather first.", "Checking.", calls, "tool_calls")
@@ -998,34 +1014,32 @@ def test_fake_auto_tool_calls_and_reasoning(agent_server, tok):
     assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]) >= 2
     p = plain.choices[0]
     assert (p.message.content, p.message.tool_calls, p.finish_reason) == ("Checking." + markup, None, "stop")
-    with scripted(tok, markup):   # only calls: content None
-        only = client.chat.completions.create(**ask).choices[0].message
+    only = client.chat.completions.create(**ask, messages=scripted(markup)).choices[0].message   # content None
     assert only.content is None and whole(only) == calls and only.reasoning_content is None
-    with scripted(tok, "No tools needed."):
-        c = client.chat.completions.create(**ask).choices[0]
+    c = client.chat.completions.create(**ask, messages=scripted("No tools needed.")).choices[0]
     assert (c.message.content, c.message.tool_calls, c.finish_reason) == ("No tools needed.", None, "stop")
     # a request's assistant tool_calls and tool results are rendered by the template
     history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
-    with scripted(tok, "It is noon."):
-        c = client.chat.completions.create(**{**ask, "messages": history}, extra_body={"return_token_ids": True})
+    c = client.chat.completions.create(**ask, messages=scripted("It is noon.", history),
+                                       extra_body={"return_token_ids": True})
     prompt = tok.decode(c.prompt_token_ids, skip_special_tokens=False)
     assert "<response>12:00</response>" in prompt and 'invoke name="get_time"' in prompt and "<tools>" in prompt
     assert c.choices[0].message.content == "It is noon."
     wait_idle(agent_server.port, timeout=10)
 
 
-def test_fake_required_and_named_tool_choice(agent_server, tok):
+def test_fake_required_and_named_tool_choice(agent_server):
     """"required" and a named function are enforced by structured outputs (a JSON array of
     {name, parameters} / the parameters object): the walk of a random model through the mask gives
     valid calls, streamed or not."""
     client = agent_server.client()
+    vocab = agent_server.engine_client.vocab_size
     ask = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=10)   # a seed whose walk ends
-    FakeRunner.bitmasks = []
-    required = client.chat.completions.create(**ask, tool_choice="required")
-    assert FakeRunner.bitmasks, "no structured-outputs bitmask reached the runner"
+    required = client.chat.completions.create(**ask, tool_choice="required", extra_body={"return_token_ids": True})
     c = required.choices[0]
+    assert c.token_ids != unconstrained(10, len(c.token_ids), vocab), "no structured-outputs bitmask reached the runner"
     assert c.finish_reason == "tool_calls" and c.message.content is None, c
     assert len(whole(c.message)) == 2 and all(valid(args, SCHEMAS[name]) for name, args in whole(c.message)), c
     chunks = list(client.chat.completions.create(**ask, tool_choice="required", stream=True))
@@ -1041,14 +1055,14 @@ def test_fake_required_and_named_tool_choice(agent_server, tok):
     # the scripted array of two calls: each element one call
     text = '[{"name": "get_time", "parameters": {"zone": "CET"}}, {"name": "get_weather", "parameters": ' \
            '{"city": "Rome", "days": 2}}]'
-    with scripted(tok, text):
-        c = client.chat.completions.create(**ask, tool_choice="required").choices[0]
-        _, _, calls, _ = streamed(list(client.chat.completions.create(**ask, tool_choice="required", stream=True)))
+    ask = {**ask, "messages": scripted(text)}
+    c = client.chat.completions.create(**ask, tool_choice="required").choices[0]
+    _, _, calls, _ = streamed(list(client.chat.completions.create(**ask, tool_choice="required", stream=True)))
     assert whole(c.message) == calls == [("get_time", {"zone": "CET"}), ("get_weather", {"city": "Rome", "days": 2})]
     wait_idle(agent_server.port, timeout=10)
 
 
-def test_fake_response_format_and_structured_outputs(agent_server, tok):
+def test_fake_response_format_and_structured_outputs(agent_server):
     """response_format json_schema / json_object, chat.completions.parse with a pydantic model,
     vLLM's structured_outputs (chat and completions): the constraint reaches the engine and the
     answers fit it."""
@@ -1062,25 +1076,27 @@ def test_fake_response_format_and_structured_outputs(agent_server, tok):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                                  "maximum": 5}},
               "required": ["ok", "n"]}
-    FakeRunner.bitmasks = []
+    vocab = agent_server.engine_client.vocab_size
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, seed=3, response_format={
-        "type": "json_schema", "json_schema": {"name": "flags", "schema": schema, "strict": True}})
-    assert FakeRunner.bitmasks
+        "type": "json_schema", "json_schema": {"name": "flags", "schema": schema, "strict": True}},
+        extra_body={"return_token_ids": True})
+    ids = out.choices[0].token_ids
+    assert ids != unconstrained(3, len(ids), vocab), "no structured-outputs bitmask reached the runner"
     value = json.loads(out.choices[0].message.content)
     assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 5
-    with scripted(tok, '{"city": "Paris", "days": 4}'):
-        parsed = client.chat.completions.parse(model=MODEL, messages=MESSAGES, max_tokens=60, response_format=Weather)
-        obj = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60,
-                                             response_format={"type": "json_object"})
-        done = client.completions.create(model=MODEL, prompt="x", max_tokens=60,
-                                         extra_body={"response_format": {"type": "json_object"}})
+    text = '{"city": "Paris", "days": 4}'
+    parsed = client.chat.completions.parse(model=MODEL, messages=scripted(text), max_tokens=60,
+                                           response_format=Weather)
+    obj = client.chat.completions.create(model=MODEL, messages=scripted(text), max_tokens=60,
+                                         response_format={"type": "json_object"})
+    done = client.completions.create(model=MODEL, prompt=say(text), max_tokens=60,
+                                     extra_body={"response_format": {"type": "json_object"}})
     assert parsed.choices[0].message.parsed == Weather(city="Paris", days=4)
     assert json.loads(obj.choices[0].message.content) == json.loads(done.choices[0].text) == {"city": "Paris",
                                                                                                "days": 4}
-    FakeRunner.bitmasks = []
-    yes_no = client.completions.create(model=MODEL, prompt="x", max_tokens=10, seed=5,
-                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
-    assert yes_no.choices[0].text in ("yes", "no") and FakeRunner.bitmasks
+    yes_no = client.completions.create(model=MODEL, prompt="x", max_tokens=10, seed=5, extra_body={
+        "structured_outputs": {"choice": ["yes", "no"]}, "return_token_ids": True}).choices[0]
+    assert yes_no.text in ("yes", "no") and yes_no.token_ids != unconstrained(5, len(yes_no.token_ids), vocab)
     digits = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, seed=5,
                                             extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
     assert re.fullmatch("[0-9]{3}", digits.choices[0].message.content)
@@ -1091,7 +1107,7 @@ def test_fake_n_choices(agent_server):
     """n choices: own indexes, seeds seed + i (the fake's first token is 3 + seed % (vocab - 3)),
     the prompt counted once in usage; streamed chunks carry their choice's index."""
     client = agent_server.client()
-    vocab = agent_server.llm.config.vocab_size
+    vocab = agent_server.engine_client.vocab_size
     ask = dict(model=MODEL, max_tokens=3, seed=100, n=3, extra_body={"ignore_eos": True, "return_token_ids": True})
     chat = client.chat.completions.create(messages=MESSAGES, **ask)
     assert [c.index for c in chat.choices] == [0, 1, 2]
@@ -1153,7 +1169,7 @@ def test_fake_agent_bad_requests(agent_server, fake_server):
 
 
 def test_fake_llm_chat_renders_tools(model_dir):
-    llm = fake_llm(model_dir, max_num_seqs=2, max_model_len=2048)
+    llm = FakeLLM(model_dir, max_num_seqs=2, max_model_len=2048)
     try:
         [out] = llm.chat(MESSAGES, SamplingParams(max_tokens=1), tools=TOOLS, use_tqdm=False)
     finally:
