@@ -31,6 +31,7 @@ class FakeRunner:
     def __init__(self, args):
         self.vocab = args.config.vocab_size
         self.buckets = StepBuckets.from_config(args.scheduler, args.speculative, pad_prefill=False, pad_decode=False)
+        self.on_gpu = False   # precompile off by default: warm_up is never called
 
     def execute(self, step, sampling):
         time.sleep(0.005)

@@ -700,6 +700,7 @@ class FakeRunner:
     def __init__(self, args):
         self.vocab = args.config.vocab_size
         self.buckets = StepBuckets.from_config(args.scheduler, args.speculative, pad_prefill=False, pad_decode=False)
+        self.on_gpu = False   # precompile off by default: warm_up is never called
 
     def execute(self, step, sampling):
         FakeRunner.last_temperature = sampling.temperature.tolist()
