@@ -112,3 +112,14 @@ def test_second_start_reads_the_jax_cache(model_dir, tmp_path):
     assert first["dir"] == str(cache / "jax") and entries
     second = json.loads(subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
     assert second["hits"] >= len([e for e in entries if e.endswith("-cache")]) > 0 and first["hits"] == 0
+
+
+def test_precompile_and_cache_flags():
+    from m3_engine.args import ArgumentParser, add_engine_flags, engine_options
+
+    p = ArgumentParser()
+    add_engine_flags(p)
+    assert engine_options(p.parse_args([]))["precompile"] is None   # the runner decides: on a GPU
+    assert engine_options(p.parse_args(["--no-precompile"]))["precompile"] is False
+    options = engine_options(p.parse_args(["--precompile", "--compile-cache-dir", "/c"]))
+    assert options["precompile"] is True and options["compile_cache_dir"] == "/c"
