@@ -78,6 +78,7 @@ class PrefillPlan:
     """
     q_lens: tuple
     token_map: np.ndarray
+    tile_tokens: int = 0   # the query length the row tiles are sized for; 0: the longest row's
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -115,7 +116,7 @@ class PrefillPlan:
     def _row_tile(self, heads: int, kind: str):
         if kind not in TILE_KINDS:
             raise ValueError(f"tile kind {kind!r}: expected one of {TILE_KINDS}")
-        max_tokens = 1 if kind == "token" else max(self.max_q_len, 1)
+        max_tokens = 1 if kind == "token" else max(self.tile_tokens or self.max_q_len, 1)
         return (index_tile if kind == "index" else row_tile)(int(heads), max_tokens)
 
     def max_tiles(self, heads: int, kind: str = "attention") -> int:
@@ -141,11 +142,11 @@ def prefill_plan(cu_seqlens_q) -> PrefillPlan:
     return _from_q_lens(q_lens)
 
 
-def _from_q_lens(q_lens) -> PrefillPlan:
+def _from_q_lens(q_lens, tile_tokens: int = 0) -> PrefillPlan:
     if len(q_lens) == 0:   # a step without context rows (every decode step): nothing to map
         return PrefillPlan((), _NO_TOKENS)
     _, token_map = varlen_maps(q_lens, 1)
-    return PrefillPlan(tuple(int(x) for x in q_lens), token_map)
+    return PrefillPlan(tuple(int(x) for x in q_lens), token_map, tile_tokens=int(tile_tokens))
 
 
 _NO_TOKENS = np.zeros((0, 2), np.int32)
@@ -206,6 +207,9 @@ class StepConfig:
     graph_batch_sizes: generation batch sizes captured as CUDA graphs; a pure
         generation step is padded (rows with ``seq_len = 0``) to the smallest
         one that fits.
+    static_row_tiles: size the context span's row tiles for its token count, not
+        its longest row (the tiles then follow from the padded shape alone: a
+        compiled step's key never depends on the query lengths).
     """
     num_q_heads: int
     num_kv_heads: int
@@ -215,6 +219,7 @@ class StepConfig:
     max_blocks: int
     topk: int = 16
     graph_batch_sizes: tuple = ()
+    static_row_tiles: bool = False
 
     def __post_init__(self):
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "max_batch", "max_num_tokens", "max_blocks",
@@ -419,7 +424,8 @@ class StepPlanner:
         # -- context span: the row prefix, any query lengths
         ctx_kv = max(seq_lens[:Rc], default=0)
         context = Span(row_start=0, num_rows=Rc, token_start=0, num_tokens=Tc, max_kv_len=ctx_kv,
-                       max_blocks=block_bound(ctx_kv, cfg.max_blocks), prefill=_from_q_lens(q_lens[:Rc]))
+                       max_blocks=block_bound(ctx_kv, cfg.max_blocks),
+                       prefill=_from_q_lens(q_lens[:Rc], Tc if cfg.static_row_tiles else 0))
 
         plan = StepPlan(cfg, context, generation, self.layout)
         if plan.num_rows > cfg.max_batch:

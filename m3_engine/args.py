@@ -26,6 +26,7 @@ from m3_kernels.planner import StepConfig
 from m3_kernels.maps import PAGE_SIZE
 from m3_kernels.pool import CACHE_DTYPE_ALIASES
 
+from .compile_cache import resolve_cache_dir
 from .dummy_weights import LOAD_FORMATS, check_load_format
 from .eagle3 import Eagle3Config
 from .model_config import M3TextConfig, load_config
@@ -175,6 +176,13 @@ class EngineArgs:
         '"num_speculative_tokens": 4}\' or \'{"method": "eagle3", "model": DRAFT_DIR, '
         '"num_speculative_tokens": 3}\' (eagle3: tensor_parallel_size 1)', type=parse_json, metavar="JSON")
 
+    precompile: Optional[bool] = _option(
+        None, "compile (JAX) or capture (torch's CUDA graphs) every step program at start, before the engine "
+        "is ready (default: on a GPU; --no-precompile: compile on first use)", type=bool)
+    compile_cache_dir: Optional[str] = _option(
+        None, "folder of the persistent JAX and Triton compile caches (default: $M3_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/m3-msa/compile or ~/.cache/m3-msa/compile)", metavar="DIR")
+
     def check(self) -> "CheckedArgs":
         """Every option checked and resolved, before any framework work."""
         if not isinstance(self.model, (str, Path)):
@@ -195,6 +203,9 @@ class EngineArgs:
             raise ValueError(f"seed: expected an int in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
+        if self.precompile is not None and not isinstance(self.precompile, bool):
+            raise TypeError(f"precompile: expected None (on a GPU only) or a bool, got {self.precompile!r}")
+        compile_cache_dir = resolve_cache_dir(self.compile_cache_dir)
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {utilization!r}")
@@ -213,7 +224,8 @@ class EngineArgs:
                            scheduler=scheduler, kv_cache_dtype=self.kv_cache_dtype,
                            index_cache_dtype=self.index_cache_dtype, seed=self.seed,
                            enforce_eager=self.enforce_eager, load_format=load_format, speculative=speculative,
-                           draft=draft, gpu_memory_utilization=float(utilization))
+                           draft=draft, gpu_memory_utilization=float(utilization), precompile=self.precompile,
+                           compile_cache_dir=compile_cache_dir)
 
 
 def _draft_config(speculative: SpeculativeConfig, config: M3TextConfig, tp: TPPlan) -> Optional[Eagle3Config]:
@@ -250,6 +262,12 @@ class CheckedArgs:
     speculative: Optional[SpeculativeConfig] = None
     draft: Optional[Eagle3Config] = None   # speculative method "eagle3": the draft head's config
     gpu_memory_utilization: float = 0.9   # a GPU runner's memory budget (kv_cache_pages); unused on a CPU
+    precompile: Optional[bool] = None     # None: on a GPU (the runner knows its device)
+    compile_cache_dir: Optional[Path] = None   # m3_engine.compile_cache; None: the runners set no cache
+
+    def precompile_on(self, on_gpu: bool) -> bool:
+        """Whether the runner compiles its step programs at start (``precompile``, None: on a GPU)."""
+        return on_gpu if self.precompile is None else self.precompile
 
     def step_config(self) -> StepConfig:
         """The step planner's config of the engine: one rank's heads, the scheduler's limits."""
@@ -306,6 +324,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         flags = [flag_of(field.name), *meta["aliases"]]
         if isinstance(default, bool):
             group.add_argument(*flags, dest=field.name, action="store_true", help=meta["help"])
+            continue
+        if meta["type"] is bool:   # None (decided later), or --flag / --no-flag
+            group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=meta["help"])
             continue
         help_ = meta["help"] if default is None else f"{meta['help']} (default: {default})"
         group.add_argument(*flags, dest=field.name, default=default, type=meta["type"], choices=meta["choices"],

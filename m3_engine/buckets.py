@@ -15,17 +15,27 @@ the whole engine; the step builder applies it, and a runner that compiles
   ``context_token_buckets`` (8, 12, 16, 24, 32, 48, ...: powers of two and 1.5x
   them, so padding wastes at most a third, then ``max_num_tokens``) by one
   padding context row holding the extra tokens (``seq_len = 0``: its tokens see
-  nothing and write nothing), the context rows (that one included) to a power
-  of two with empty rows (no tokens), and the generation rows as in a pure
-  generation step. Without ``pad_prefill`` such steps keep their own shape.
+  nothing and write nothing), the context rows (that one included) with empty
+  rows (no tokens) to the most a step of that bucket can have
+  (:meth:`StepBuckets.context_rows`), and the generation rows, if any, to the
+  most a step with context rows can have (:meth:`StepBuckets.mixed_generation_rows`).
+  So a token bucket gives at most one shape per generation query length (none,
+  one token, ``k + 1``): the set stays small enough to compile at start. The
+  padding costs empty rows (a row of block table each, empty tiles) and up to
+  ``max_num_seqs`` one-token generation rows in a mixed step, cheap beside its
+  context tokens. Without ``pad_prefill`` such steps keep their own shape.
 
 JAX pads everything (each shape is one compilation, so the set must be
 bounded); torch pads pure generation steps where CUDA graphs replay them and
 runs prefill steps eagerly at their own shape (padding them would only add
 work). :meth:`StepBuckets.shapes` enumerates every shape the policy can give a
 step the scheduler makes, so that an engine can compile that set at start-up;
-within a shape, the kernels are further specialised by the block bounds and row
-tiles the planner derives from lengths (powers of two: a bounded set too).
+within a shape, the kernels are further specialised by the block bounds
+(:func:`block_bounds`) and row tiles the planner derives from lengths. With
+``pad_prefill`` the planner sizes the context row tiles from the padded shape
+(``StepConfig.static_row_tiles``), and the JAX runner gives every span the
+table's width as its block bound, so one compiled program serves each shape
+(docs/ENGINE.md, "Ready means ready").
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from typing import Iterator, NamedTuple
 from m3_kernels.maps import next_pow2
 from m3_kernels.planner import StepConfig
 
-__all__ = ["StepBuckets", "StepShape", "token_buckets"]
+__all__ = ["StepBuckets", "StepShape", "token_buckets", "block_bounds"]
 
 MIN_TOKEN_BUCKET = 8
 
@@ -65,6 +75,16 @@ def token_buckets(max_num_tokens: int) -> tuple:
         buckets |= {b, b * 3 // 2}
         b *= 2
     return tuple(sorted(x for x in buckets if x < max_num_tokens)) + (max_num_tokens,)
+
+
+def block_bounds(max_blocks: int) -> tuple:
+    """Every block bound the planner gives a span (``planner.block_bound``): the powers of two below
+    ``max_blocks`` (the table's width), then ``max_blocks``."""
+    bounds, b = [], 1
+    while b < max_blocks:
+        bounds.append(b)
+        b *= 2
+    return tuple(bounds) + (max_blocks,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,12 +152,26 @@ class StepBuckets:
         if not self.pad_prefill:
             return StepShape(context_rows, context_tokens, generation_rows, query_len)
         tokens = next(b for b in self.context_token_buckets if b >= context_tokens)
-        rows = next_pow2(context_rows + (tokens > context_tokens))   # + the row holding the padding tokens
-        return StepShape(rows, tokens, self.generation_rows(generation_rows), query_len)
+        return StepShape(self.context_rows(tokens), tokens,
+                         self.mixed_generation_rows(query_len) if generation_rows else 0, query_len)
+
+    def context_rows(self, tokens: int) -> int:
+        """Context rows of a padded step of ``tokens`` (a bucket) context tokens: a power of two holding
+        every context row such a step can have and the padding row (each real row has a token)."""
+        return min(next_pow2(self.max_batch + 1), next_pow2(tokens))
+
+    def mixed_generation_rows(self, query_len: int) -> int:
+        """Generation rows of a padded step with context rows and generation rows of ``query_len``
+        tokens: the most such a step can have (one row and one token go to context), padded as in a
+        pure generation step."""
+        rows = min(self.max_batch - 1, (self.max_num_tokens - 1) // query_len)
+        if query_len > 1:
+            rows = min(rows, self.max_verify_rows)
+        return self.generation_rows(rows)
 
     # -- the bounded set ------------------------------------------------------------------------
 
-    def _generation_parts(self) -> Iterator[tuple]:
+    def generation_parts(self) -> Iterator[tuple]:
         """``(real generation rows, tokens per row)`` of every step the scheduler can make, ``(0, 0)``
         (no generation rows) included."""
         yield 0, 0
@@ -155,7 +189,7 @@ class StepBuckets:
         ``max_num_tokens`` tokens. Without ``pad_prefill`` a step with context rows has the shape
         of its own lengths: every row and token count (a large set)."""
         seen = set()
-        for gen_rows, q in self._generation_parts():
+        for gen_rows, q in self.generation_parts():
             if gen_rows:
                 shape = self.shape(0, 0, gen_rows, q)
                 if shape not in seen:
@@ -189,7 +223,7 @@ class StepBuckets:
     def max_rows(self) -> int:
         """Rows of a padded step at most (the planner's ``max_batch``)."""
         if self.pad_prefill:   # a power of two of context rows (the padding row included) + generation rows
-            return next_pow2(self.max_batch + 1) + self.max_batch
+            return next_pow2(self.max_batch + 1) + self.generation_rows(self.max_batch)
         return self.max_batch
 
     @property
@@ -206,4 +240,4 @@ class StepBuckets:
         """``step_config`` (one rank's heads and the table width) with this policy's limits: the config
         of the planner that plans the padded steps."""
         return dataclasses.replace(step_config, max_batch=self.max_rows, max_num_tokens=self.max_tokens,
-                                   graph_batch_sizes=self.decode_batch_sizes)
+                                   graph_batch_sizes=self.decode_batch_sizes, static_row_tiles=self.pad_prefill)

@@ -14,6 +14,8 @@ frameworks accept and refuse the same things with the same messages.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
@@ -28,6 +30,8 @@ from .step_inputs import StepBuilder
 from .tokenizer import check_messages, load_tokenizer
 
 __all__ = ["LLM", "generation_defaults"]
+
+logger = logging.getLogger(__name__)
 
 # generation_config.json key -> SamplingParams field (the defaults a request does not set)
 _GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -51,7 +55,13 @@ class LLM:
     max_num_batched_tokens, prefill_chunk, graph_batch_sizes, gpu_memory_utilization,
     tensor_parallel_size, enable_expert_parallel, quantization, kv_cache_dtype,
     index_cache_dtype, seed, enforce_eager, enable_prefix_caching, load_format,
-    speculative_config), vLLM's names."""
+    speculative_config, precompile, compile_cache_dir), vLLM's names.
+
+    The constructor returns a ready engine: with ``precompile`` (default on a GPU) the runner has
+    compiled (JAX) or captured (torch's CUDA graphs) every program a step can need
+    (``runner.warm_up``; docs/ENGINE.md, "Ready means ready"). :attr:`startup_times` says where the
+    time to ready went, in seconds: ``load`` (weights and pool), ``compile``, ``capture``,
+    ``total``, and ``programs`` (how many step programs the warm-up made)."""
 
     framework = "?"   # "torch" | "jax", set by the framework's subclass
 
@@ -67,10 +77,20 @@ class LLM:
         self.config, self.tp, self.scheduler_config = args.config, args.tp, args.scheduler
         self.tokenizer = load_tokenizer(args.model_dir)
         defaults = generation_defaults(args.model_dir)
+        start = time.perf_counter()
         self.runner = self._runner_class()(args)
         self._closed = False
+        load = time.perf_counter() - start
         builder = StepBuilder(self.runner.buckets, args.step_config())   # the padding the runner declares
         self.planner = builder.planner   # one rank's heads: every rank runs the plans made here
+        warm = dict(programs=0, compile=0.0, capture=0.0)
+        if args.precompile_on(self.runner.on_gpu):
+            warm = self.runner.warm_up(builder)
+        self.startup_times = dict(load=load, compile=warm["compile"], capture=warm["capture"],
+                                  total=time.perf_counter() - start, programs=warm["programs"])
+        logger.info("%s engine ready in %.1f s: load %.1f s, compile %.1f s, capture %.1f s (%d step programs "
+                    "made at start)", self.framework, self.startup_times["total"], load, warm["compile"],
+                    warm["capture"], warm["programs"])
         self.engine = LLMEngine(self.runner, Scheduler(args.scheduler, self.config, builder=builder,
                                                        speculative=args.speculative),
                                 tokenizer=self.tokenizer, seed=args.seed, generation_defaults=defaults)

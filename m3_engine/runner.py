@@ -6,6 +6,8 @@ only, so everything a request does outside the model step lives once, here in
 ``m3_engine``:
 
     runner.buckets: StepBuckets                       # how the engine pads its steps for this runner
+    runner.on_gpu: bool                               # precompile's default (m3_engine.args)
+    runner.warm_up(builder) -> dict                   # make every step program now (precompile)
     runner.execute(step, sampling) -> SampleResult   # one step: model forward + sampling, on every rank
     runner.propose(work) -> drafts [n, k] int32       # EAGLE-3 only: the draft model after that step
     runner.close()                                    # free the device state (and end TP workers)
@@ -15,7 +17,10 @@ options) is the padding the runner wants: the engine builds every step with it
 (``m3_engine.step_inputs``), so ``step`` (a :class:`m3_engine.step_inputs.Step`:
 ids, positions, slot mapping, block table, lengths, the planner's plan) comes
 already padded and planned, and the runner consumes it as it is;
-``sampling`` holds one entry per logits row of the step. A runner owns the
+``sampling`` holds one entry per logits row of the step. ``warm_up`` (run by
+``LLM()`` when ``precompile`` is on, before it returns) compiles or captures
+every program a step of ``builder`` (the engine's ``StepBuilder``) can need,
+and returns ``{"programs": n, "compile": seconds, "capture": seconds}``. A runner owns the
 weights on its device(s), the KV pool, CUDA graphs or jitted steps, tensor
 parallelism, and launches the shared sampling kernel (``m3_torch.sample`` /
 ``m3_jax.sample``).
@@ -37,7 +42,7 @@ import numpy as np
 
 from .buckets import StepBuckets
 from .scheduler import DraftPass
-from .step_inputs import Step
+from .step_inputs import Step, StepBuilder
 
 __all__ = ["Runner", "SamplingBatch", "SampleResult"]
 
@@ -111,8 +116,11 @@ class Runner(Protocol):
     """A framework's model runner (see the module docstring)."""
 
     buckets: StepBuckets
+    on_gpu: bool
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult: ...
+
+    def warm_up(self, builder: StepBuilder) -> dict: ...
 
     def propose(self, work: DraftPass) -> np.ndarray: ...
 

@@ -167,6 +167,36 @@ class StepBuilder:
                     drafts=tuple(tuple(drafts[r.id].tolist()) if r.id in drafts else () for r, _ in rows))
 
 
+    def dummy(self, shape, kv_len: int = 0) -> Step:
+        """A step of ``shape`` (a ``StepShape``) that reads slot 0 only and writes nothing: a start-up
+        warm-up runs it to compile (JAX) or capture (torch) the programs of that shape. Every row has
+        ``kv_len`` KV tokens (at least its query tokens; 0: padding rows, which read nothing), its
+        block table slot 0 in every column, its tokens slot -1; the context tokens all sit in the
+        first context row. One logits row: the first token."""
+        R, T, max_blocks = shape.num_rows, shape.num_tokens, self.planner.config.max_blocks
+        q_lens = np.zeros(R, np.int64)
+        if shape.context_rows:
+            q_lens[0] = shape.context_tokens
+        q_lens[shape.context_rows:] = shape.query_len
+        seq_lens = np.zeros(R, np.int32)
+        if kv_len:
+            if kv_len < q_lens.max():
+                raise ValueError(f"kv_len: expected 0 or at least the query tokens of a row "
+                                 f"({int(q_lens.max())}), got {kv_len}")
+            seq_lens[q_lens > 0] = kv_len
+        cu = np.zeros(R + 1, np.int32)
+        cu[1:] = np.cumsum(q_lens)
+        plan = self.planner.plan(seq_lens, q_lens=q_lens, num_context=shape.context_rows)
+        positions = np.concatenate([np.arange(s - q, s) if s else np.zeros(q, np.int64)
+                                    for q, s in zip(q_lens, seq_lens)]).astype(np.int32)
+        one = np.zeros(1, np.int32)
+        return Step(input_ids=np.zeros(T, np.int32), positions=positions, slot_mapping=np.full(T, -1, np.int32),
+                    block_table=np.zeros((R, max_blocks), np.int32) if kv_len else
+                    np.full((R, max_blocks), -1, np.int32),
+                    seq_lens=seq_lens, cu_seqlens_q=cu, logits_indices=one, request_ids=one, output_index=one,
+                    plan=plan)
+
+
 def _verify_tokens(r, q: int, drafts: np.ndarray) -> np.ndarray:
     """A verify row's ``q`` input tokens: the token sampled last, the drafts, then that last token
     again as padding (padding positions are never accepted: only ``len(drafts)`` are checked)."""

@@ -14,9 +14,16 @@ donated (cache writes in place). What the compile cache is keyed by:
   columns), so no length ever recompiles: one compilation per batch size.
 * **steps with context rows** (prefill, mixed): context tokens padded to a
   bucket (8, 12, 16, 24, 32, 48, ...) by one padding context row, context rows
-  to a power of two, generation rows to a graph batch size. With the context
-  span's block bound and row tile (powers of two) that is the key: it depends
-  on buckets, never on lengths.
+  to a power of two, generation rows to a graph batch size. The context span
+  too reads the whole block table, and its row tiles are sized for its padded
+  token count (``StepConfig.static_row_tiles``): the key is the padded shape,
+  never a length.
+
+So the step programs are exactly one per shape of ``buckets.shapes()`` (and
+sampling variant, below): :meth:`JaxRunner.warm_up` compiles them all at start
+(``precompile``), and the persistent compilation cache
+(``m3_engine.compile_cache``, set up when the runner starts) keeps them for the
+next start.
 
 With ``tensor_parallel_size=N`` the same jitted function runs the model step
 in ``shard_map`` over a mesh of N devices (``m3_jax.tp``); the scheduler,
@@ -28,6 +35,8 @@ Sampling parameters join the key only through what changes the traced
 function: whether a row uses penalties (their id arrays padded to powers of
 two), whether a row is constrained (structured outputs: the token bitmask)
 and how many top logprobs are asked.
+The warm-up compiles the plain variant (temperature, top-k/p, min-p: arrays,
+one program); the others compile on their first use of a shape.
 
 With an EAGLE-3 draft (``speculative_config`` method "eagle3", one device)
 the jitted step also returns the target's aux hidden states, and
@@ -42,6 +51,8 @@ import contextlib
 import dataclasses
 import math
 import os
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +64,7 @@ from m3_engine.buckets import StepBuckets
 from m3_engine.dummy_weights import dummy_dtype
 from m3_engine.runner import SampleResult, SamplingBatch
 from m3_engine.scheduler import DraftPass
-from m3_engine.step_inputs import Step
+from m3_engine.step_inputs import Step, StepBuilder
 from m3_kernels.maps import next_pow2
 
 from . import eagle3, model, tp
@@ -105,12 +116,31 @@ def resolve_devices(args: CheckedArgs) -> list:
     return devices
 
 
+def use_compile_cache(folder: Path) -> None:
+    """Point JAX's persistent compilation cache at ``folder/jax`` and Triton's (jax-triton's kernels)
+    at ``folder/triton`` (``m3_engine.compile_cache``), caching every program whatever its compile
+    time or size. The one place the JAX runner sets them; a later engine of this process with
+    another folder moves both."""
+    import triton
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax_dir = str(folder / "jax")
+    if jax.config.jax_compilation_cache_dir != jax_dir:
+        jax.config.update("jax_compilation_cache_dir", jax_dir)
+        compilation_cache.reset_cache()   # a cache opened before reads the new folder from now on
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    triton.knobs.cache.dir = str(folder / "triton")
+
+
 class JaxRunner:
     """The JAX side of an engine (``m3_engine.runner.Runner``). ``args``: the checked options."""
 
     def __init__(self, args: CheckedArgs):
         if args.enforce_eager:
             raise ValueError("enforce_eager: the JAX engine always runs jitted steps (expected False)")
+        if args.compile_cache_dir is not None:
+            use_compile_cache(args.compile_cache_dir)
         self.config = config = args.config
         self.tp = args.tp
         devices = resolve_devices(args)
@@ -175,6 +205,23 @@ class JaxRunner:
         return SampleResult(tokens=out["tokens"], logprobs=out["logprobs"], top_ids=out.get("top_ids"),
                             top_logprobs=out.get("top_logprobs"), ranks=out.get("ranks"))
 
+    @property
+    def on_gpu(self) -> bool:
+        device = self.device if self.device is not None else jax.devices()[0]
+        return device.platform == "gpu"
+
+    def warm_up(self, builder: StepBuilder) -> dict:
+        """Compile the step program of every shape of ``self.buckets`` (``shapes()``: the bounded set),
+        plain sampling, by running a step of it that reads and writes nothing (``builder.dummy``)."""
+        from tqdm.auto import tqdm
+
+        start, before = time.perf_counter(), len(self.compiled_steps)
+        sampling = SamplingBatch.greedy(1)
+        for shape in tqdm(list(self.buckets.shapes()), desc="Compiling step programs (jax)", unit="shape"):
+            self.execute(builder.dummy(shape), sampling)
+        self._last = None
+        return dict(programs=len(self.compiled_steps) - before, compile=time.perf_counter() - start, capture=0.0)
+
     def propose(self, work: DraftPass) -> np.ndarray:
         """EAGLE-3: the draft after the step just executed (``work.step``) -> drafts ``[n, k]`` int32."""
         if self.proposer is None:
@@ -211,8 +258,11 @@ class JaxRunner:
         """The step, already padded and planned (``m3_engine.step_inputs``), as the jitted step takes it:
         (StepBatch of numpy arrays, StepSpec, PrefillMaps | None)."""
         spec, maps = step_inputs(step.plan)
-        if spec.generation_rows:   # the generation span reads the whole table: no length recompiles a step
-            spec = dataclasses.replace(spec, generation_max_blocks=self.scheduler_config.max_blocks)
+        # every span reads the whole table: no length recompiles a step (the key is the padded shape)
+        width = self.scheduler_config.max_blocks
+        spec = dataclasses.replace(spec, context_max_blocks=width if spec.context_rows else spec.context_max_blocks,
+                                   generation_max_blocks=width if spec.generation_rows else
+                                   spec.generation_max_blocks)
         batch = model.StepBatch(step.input_ids, step.positions, step.slot_mapping, step.block_table, step.seq_lens,
                                 _padded(step.logits_indices, _num_logits(spec)))
         return batch, spec, maps

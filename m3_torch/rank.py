@@ -13,6 +13,7 @@ everything runs eagerly (the kernels through Triton's interpreter).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -32,9 +33,17 @@ from .cache import allocate_pool, layer_caches
 from .dummy_weights import iter_dummy_weights
 from .model import M3Model, StepTensors
 
-__all__ = ["RankRunner", "rank_device", "DTYPES"]
+__all__ = ["RankRunner", "rank_device", "use_compile_cache", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def use_compile_cache(folder) -> None:
+    """Triton's cache (the kernels' compiled variants) in ``folder/triton`` (``m3_engine.compile_cache``):
+    the one place the torch runner sets it, when each rank starts."""
+    import triton
+
+    triton.knobs.cache.dir = str(Path(folder) / "triton")
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -59,6 +68,8 @@ class RankRunner:
                 device from ``seed``: ``m3_engine.dummy_weights``).
     aux_layers: an EAGLE-3 draft's aux layers (one rank only): every step also returns the
                 residual stream after them (``M3Model.hidden_states``), from the graphs too.
+    compile_cache_dir: the engine's compile cache folder (``m3_engine.compile_cache``): Triton's
+                cache goes to its ``triton`` folder (None: Triton's own default).
     Under tensor parallelism every rank holds its vocabulary rows of the embedding
     and ``lm_head`` and its experts (``m3_engine.tp``), and every rank's step
     ends with the whole logits rows (rank 0 samples them).
@@ -67,8 +78,10 @@ class RankRunner:
     def __init__(self, *, model_dir, tp: TPPlan, rank: int, device, dtype, num_slots: int, max_blocks: int,
                  cuda_graphs: bool, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
                  all_reduce: Optional[Callable] = None, all_gather: Optional[Callable] = None,
-                 load_format: str = "auto", seed: int = 0, aux_layers: tuple = ()):
+                 load_format: str = "auto", seed: int = 0, aux_layers: tuple = (), compile_cache_dir=None):
         c = tp.config
+        if compile_cache_dir is not None:
+            use_compile_cache(compile_cache_dir)
         self.rank, self.device, self.max_blocks = rank, rank_device(torch.device(device), rank), max_blocks
         self.aux_layers = tuple(aux_layers)
         weights, self.dtype = {}, dtype

@@ -12,20 +12,32 @@ else: prefill and mixed steps run eagerly at their own shape. With an
 EAGLE-3 draft (one rank) each step also returns the target's aux hidden
 states, and :meth:`TorchRunner.propose` runs the draft on them, eagerly
 (``m3_torch.eagle3.Eagle3Proposer``).
+
+:meth:`TorchRunner.warm_up` (``precompile``) runs, before the engine is
+ready, a step of every program key (:func:`program_keys`) a step can have:
+every CUDA graph (padded decode batch x tokens per row x block bound), and
+for the eager steps every context span (block bound x row-tile class) and
+generation span (rows x tokens per row x block bound), so that Triton compiles
+their kernel variants then (into the persistent cache of
+``m3_engine.compile_cache``), not on the request path.
+:attr:`TorchRunner.cold_programs` lists the keys of later steps that the
+warm-up did not run (empty when the set is whole).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from m3_engine.args import CheckedArgs, check_gpu_device
-from m3_engine.buckets import StepBuckets
+from m3_engine.buckets import StepBuckets, StepShape, block_bounds
 from m3_engine.runner import SampleResult, SamplingBatch
 from m3_engine.scheduler import DraftPass
-from m3_engine.step_inputs import Step
+from m3_engine.step_inputs import Step, StepBuilder
+from m3_kernels.maps import PAGE_SIZE
 
 from . import tp
 from .eagle3 import Eagle3Draft, Eagle3Proposer
@@ -74,7 +86,8 @@ class TorchRunner:
                            num_slots=sc.num_slots, max_blocks=sc.max_blocks,
                            cuda_graphs=bool(self.buckets.decode_batch_sizes),
                            kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype,
-                           load_format=args.load_format, seed=args.seed)
+                           load_format=args.load_format, seed=args.seed,
+                           compile_cache_dir=args.compile_cache_dir)
         self._workers = None
         all_reduce = all_gather = None
         if self.tp.size > 1:
@@ -105,12 +118,43 @@ class TorchRunner:
                                            num_speculative_tokens=args.speculative.num_speculative_tokens,
                                            kv_cache_dtype=args.kv_cache_dtype)
         self._aux = None   # eagle3: (the last step, its aux hidden states)
+        self.warm_programs: Optional[set] = None   # program_keys run by warm_up (None: no warm-up)
+        self.cold_programs: list = []              # keys of steps run since that the warm-up did not run
 
     # -- the protocol ----------------------------------------------------------------------------
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
+        if self.warm_programs is not None:
+            self.cold_programs += [k for k in program_keys(step, self.graphs is not None)
+                                   if k not in self.warm_programs]
         logits = self.step_logits(step)
         return sample_logits(logits, sampling)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def warm_up(self, builder: StepBuilder) -> dict:
+        """Run a step of every program key of ``warm_up_shapes`` (on every rank): graphs are captured,
+        eager steps compile their Triton kernel variants. The steps read slot 0 and write nothing."""
+        from tqdm.auto import tqdm
+
+        graphs = self.graphs is not None
+        times = dict(graph=0.0, eager=0.0)
+        self.warm_programs = set()
+        work = warm_up_shapes(self.buckets, self.rank0.max_blocks, graphs,
+                              index_heads=builder.planner.config.num_kv_heads)
+        for shape, kv_len in tqdm(work, desc="Compiling step programs (torch)", unit="step"):
+            step = builder.dummy(shape, kv_len)
+            keys = program_keys(step, graphs)
+            start = time.perf_counter()
+            self.step_logits(step)
+            if self.on_gpu:
+                torch.cuda.synchronize(self.device)
+            times["graph" if keys[0][0] == "graph" else "eager"] += time.perf_counter() - start
+            self.warm_programs.update(keys)
+        self._aux = None
+        return dict(programs=len(work), compile=times["eager"], capture=times["graph"])
 
     def propose(self, work: DraftPass) -> np.ndarray:
         """EAGLE-3: the draft after the step just executed (``work.step``) -> drafts ``[n, k]`` int32."""
@@ -151,6 +195,55 @@ class TorchRunner:
         if self._workers is None:
             return [fn(self.rank0, *args)]
         return self._workers.call(fn, args, self.rank0)
+
+
+def program_keys(step: Step, graphs: bool) -> tuple:
+    """What picks the programs of a step: ``("graph", rows, tokens per row, block bound)`` for a step
+    replayed from a CUDA graph; else one key per span, ``("context", block bound, index row tile's
+    tokens)`` and ``("generation", rows, tokens per row, block bound)`` (the kernels of a span follow
+    from these; a span's launches are its own, whatever the other span holds)."""
+    plan = step.plan
+    ctx, gen = plan.context, plan.generation
+    if graphs and plan.cuda_graph:
+        return (("graph", gen.num_rows, gen.decode_query_len, gen.max_blocks),)
+    keys = ()
+    if ctx.num_rows:
+        tile, _ = ctx.prefill.tiles(plan.config.num_kv_heads, "index")
+        keys += (("context", ctx.max_blocks, tile.tokens_per_tile),)
+    if gen.num_rows:
+        keys += (("generation", gen.num_rows, gen.decode_query_len, gen.max_blocks),)
+    return keys
+
+
+def warm_up_shapes(buckets: StepBuckets, max_blocks: int, graphs: bool, *, index_heads: int) -> list:
+    """``(StepShape, kv_len)`` of the warm-up's steps: for every block bound (``kv_len`` = its
+    tokens), each CUDA graph (``graphs``: the padded pure generation shapes), a context row of each
+    row-tile class (1, 2, 4, ... query tokens until the indexer's tile is full), and each
+    generation part (rows, tokens per row) of the policy beside a one-token context row (where it
+    fits; else alone) that no graph holds."""
+    from m3_kernels.maps import index_tile
+
+    longest = min(buckets.prefill_chunk, buckets.max_num_tokens)
+    work = []
+    for bound in block_bounds(max_blocks):
+        kv_len = bound * PAGE_SIZE
+        tokens, previous = 1, None
+        while tokens <= min(longest, kv_len):   # the context row-tile classes
+            tile = index_tile(index_heads, tokens).tokens_per_tile
+            if tile != previous:
+                work.append((StepShape(1, tokens, 0, 0), kv_len))
+            previous, tokens = tile, tokens * 2
+        for rows, n in buckets.generation_parts():
+            if not rows:
+                continue
+            alone = buckets.shape(0, 0, rows, n)
+            if graphs and alone.generation_rows in buckets.decode_batch_sizes:
+                work.append((alone, kv_len))   # a graph (pure generation steps of these rows)
+            if rows < buckets.max_batch and rows * n < buckets.max_num_tokens:
+                work.append((StepShape(1, 1, rows, n), kv_len))   # eager, beside a context row
+            elif not (graphs and alone.generation_rows in buckets.decode_batch_sizes):
+                work.append((alone, kv_len))   # eager, alone
+    return list(dict.fromkeys(work))
 
 
 def sample_logits(logits: torch.Tensor, s: SamplingBatch) -> SampleResult:

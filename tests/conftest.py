@@ -3,6 +3,11 @@ import os
 # JAX must not grab most of the GPU memory when torch shares the process (DEVICE.md);
 # set before any test module imports jax.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# the engines' compile caches (m3_engine.compile_cache) in a folder of this run, not the user's ~/.cache
+if "M3_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["M3_CACHE_DIR"] = tempfile.mkdtemp(prefix="m3-compile-cache-")
 
 import pytest
 import torch

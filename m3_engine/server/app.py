@@ -7,7 +7,8 @@
   and ``vocab_size``), ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes).
 * ``GET /health``: 200 ``{"status": "ok", "running", "waiting", "unfinished",
   "kv_pages_used", "kv_pages_total", "in_flight", "failed_steps", "last_error",
-  "engine_pid", ...the engine's stats}``; 503 when the engine process is not running
+  "engine_pid", "startup_times" (``LLM.startup_times``: seconds to ready, by part),
+  ...the engine's stats}``; 503 when the engine process is not running
   or the last 3 steps all failed. ``GET``/``POST /ping``: 200 (empty) or 503 alike (vLLM's).
   ``GET /version``: ``{"version": ...}`` (vLLM's shape; this package's version).
 * ``GET /metrics``: Prometheus text (``m3_engine.server.metrics``; our names and

@@ -269,7 +269,7 @@ def run_engine_core(llm_class: str, model_dir: str, options: dict, max_queue: Op
         output.send(encoder.encode(Ready(dict(
             framework=llm.framework, max_model_len=llm.max_model_len, vocab_size=llm.config.vocab_size,
             max_num_seqs=sc.max_batch, num_kv_pages=sc.num_slots, generation_defaults=llm.engine.generation_defaults,
-            stats=_stats(llm.engine.core), pid=os.getpid()))))
+            stats=_stats(llm.engine.core), pid=os.getpid(), startup_times=llm.startup_times))))
         _CoreLoop(llm.engine.core, commands, output, encoder, max_queue).run()
     finally:
         llm.close()

@@ -89,6 +89,7 @@ class EngineClient:
         self.max_num_seqs: int = facts["max_num_seqs"]
         self.num_kv_pages: int = facts["num_kv_pages"]
         self.generation_defaults: dict = facts["generation_defaults"]
+        self.startup_times: dict = facts["startup_times"]   # LLM.startup_times: seconds to ready, by part
         self.chat_template = chat_template
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
@@ -160,7 +161,7 @@ class EngineClient:
         ``UNHEALTHY_AFTER`` steps all failed (a step that fails now and then is reported in
         ``last_error`` only: its requests failed, the engine serves on)."""
         detail = {**self.snapshot, "failed_steps": self.failed_steps, "last_error": self.error,
-                  "engine_pid": self.process.pid}
+                  "engine_pid": self.process.pid, "startup_times": self.startup_times}
         if not self.alive:
             return False, {**detail, "error": self.dead or "the engine process is not running"}
         if self.failed_steps >= UNHEALTHY_AFTER:

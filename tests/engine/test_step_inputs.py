@@ -87,8 +87,12 @@ def test_shape_rule():
     assert token_buckets(100) == (8, 12, 16, 24, 32, 48, 64, 96, 100)
     assert b.shape(0, 0, 3, 1) == StepShape(0, 0, 4, 1)          # decode: the next decode batch size
     assert b.shape(0, 0, 5, 3) == StepShape(0, 0, 5, 3)          # more rows than the largest: as they are
-    assert b.shape(3, 17, 1, 3) == StepShape(4, 24, 2, 3)        # 17 tokens -> 24 (+ a padding row), rows -> 4
-    assert b.shape(2, 24, 0, 1) == StepShape(2, 24, 0, 0)        # a bucket exactly: no padding row
+    # 17 tokens -> 24 (+ a padding row); context rows -> the most a 24-token step holds (max_batch + 1 -> 16);
+    # verify rows -> the most a mixed step holds (7: more than the largest decode size, as they are)
+    assert b.shape(3, 17, 1, 3) == StepShape(16, 24, 7, 3)
+    assert b.shape(2, 24, 0, 1) == StepShape(16, 24, 0, 0)       # a bucket exactly: no padding row
+    assert b.shape(1, 5, 0, 0) == StepShape(8, 8, 0, 0)          # a bucket of 8 tokens holds 8 rows at most
+    assert b.shape(1, 5, 1, 1) == StepShape(8, 8, 7, 1)          # one token a generation row: 7 rows, as they are
     eager = StepBuckets(max_batch=8, max_num_tokens=100, prefill_chunk=100, decode_batch_sizes=(2, 4))
     assert eager.shape(3, 17, 1, 1) == StepShape(3, 17, 1, 1)    # steps with context rows keep their shape
     assert eager.max_rows == 8 and eager.max_tokens == 100

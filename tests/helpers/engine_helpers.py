@@ -47,6 +47,7 @@ class FakeRunner:
         self.eos = args.config.eos_token_ids[0]
         self.tokenizer = Tokenizer(args.model_dir)
         self.scripts: dict = {}   # scheduler request id -> the token ids its prompt says, or None
+        self.on_gpu = False   # precompile off by default: warm_up is never called
 
     def execute(self, step, sampling):
         time.sleep(0.005)

@@ -1,0 +1,125 @@
+"""Ready means ready: ``precompile`` makes every step program before ``LLM()`` returns, so a varied
+workload after it compiles (JAX) or warms (torch) nothing new; the compile cache folder
+(``m3_engine.compile_cache``) resolves option > ``M3_CACHE_DIR`` > XDG > ``~/.cache``, and a second
+start in a new process reads what the first wrote. CPU, the tiny checkpoint, few buckets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from m3_engine.compile_cache import resolve_cache_dir
+from m3_engine.tiny_model import write_tiny_checkpoint
+
+from jax_helpers import _jax_device  # noqa: F401  (autouse: CPU tests run on JAX's CPU device)
+from engine_helpers import generate_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+# few buckets: 2 rows, 8 tokens a step (JAX: 4 step shapes), 128 KV tokens
+SMALL = dict(max_num_seqs=2, max_model_len=128, max_num_batched_tokens=8, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("m3_tiny_warm"), seed=0, form="text", num_hidden_layers=2)
+
+
+@pytest.fixture
+def one_program_per_tile():
+    """Fewer interpreter programs (no split-K): the warm-up's steps pay per program."""
+    from m3_kernels import tuning
+
+    with tuning.override(target_programs=1, sparse_target_programs=1):
+        yield
+
+
+def varied_workload(llm):
+    """Prompts of 1 and 10 tokens (the second chunked): prefill, mixed and decode steps at both batch
+    sizes, logprob-free sampling (the variant the warm-up compiles)."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 512, n).tolist() for n in (1, 10)]
+    return generate_ids(llm, prompts, max_new_tokens=3)
+
+
+def test_cache_dir_resolution(tmp_path):
+    env = {"HOME": "/home/u"}
+    assert resolve_cache_dir(None, env) == Path("/home/u/.cache/m3-msa/compile")
+    env["XDG_CACHE_HOME"] = "/xdg"
+    assert resolve_cache_dir(None, env) == Path("/xdg/m3-msa/compile")
+    env["M3_CACHE_DIR"] = str(tmp_path / "env")
+    assert resolve_cache_dir(None, env) == tmp_path / "env"
+    assert resolve_cache_dir(tmp_path / "option", env) == tmp_path / "option"
+    with pytest.raises(TypeError, match="compile_cache_dir"):
+        resolve_cache_dir(3, env)
+
+
+def test_jax_compiles_nothing_after_precompile(model_dir, one_program_per_tile):
+    import m3_jax
+
+    llm = m3_jax.LLM(model_dir, precompile=True, **SMALL)
+    warmed = list(llm.runner.compiled_steps)
+    assert len(warmed) == len(set(llm.runner.buckets.shapes())) == llm.startup_times["programs"]
+    assert llm.startup_times["compile"] > 0 and llm.startup_times["total"] >= llm.startup_times["load"]
+    varied_workload(llm)
+    assert llm.runner.compiled_steps == warmed   # every step hit a program the warm-up compiled
+    llm.close()
+
+
+def test_torch_runs_nothing_cold_after_precompile(model_dir, one_program_per_tile):
+    import m3_torch
+
+    llm = m3_torch.LLM(model_dir, precompile=True, **SMALL)
+    runner = llm.runner
+    assert runner.warm_programs and llm.startup_times["programs"] > 0
+    assert {("context", 1, 1), ("context", 1, 8), ("generation", 2, 1, 1)} <= runner.warm_programs
+    varied_workload(llm)
+    assert runner.cold_programs == []
+    llm.close()
+    off = m3_torch.LLM(model_dir, **SMALL)   # a CPU: no precompile by default
+    assert off.runner.warm_programs is None and off.startup_times["programs"] == 0
+    off.close()
+
+
+FIRST_START = """
+import json, sys
+import jax
+from jax import monitoring
+hits = []
+monitoring.register_event_listener(lambda event, **kw: hits.append(event) if event.endswith("cache_hits") else None)
+import m3_jax
+llm = m3_jax.LLM(sys.argv[1], max_num_seqs=1, max_model_len=128, device="cpu", load_format="dummy",
+                 compile_cache_dir=sys.argv[2])
+print(json.dumps(dict(hits=len(hits), dir=jax.config.jax_compilation_cache_dir)))
+"""
+
+
+@pytest.mark.long
+def test_second_start_reads_the_jax_cache(model_dir, tmp_path):
+    """Two processes, one cache folder: the first writes JAX cache entries (on a CPU the step's
+    interpreted kernels are host callbacks, which JAX never caches; the weights' random draws and
+    the pool's programs are cached), the second loads them."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests' / 'helpers'}")
+    run = [sys.executable, "-c", FIRST_START, str(model_dir), str(cache)]
+    first = json.loads(subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    entries = sorted(p.name for p in (cache / "jax").iterdir())
+    assert first["dir"] == str(cache / "jax") and entries
+    second = json.loads(subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    assert second["hits"] >= len([e for e in entries if e.endswith("-cache")]) > 0 and first["hits"] == 0
+
+
+def test_precompile_and_cache_flags():
+    from m3_engine.args import ArgumentParser, add_engine_flags, engine_options
+
+    p = ArgumentParser()
+    add_engine_flags(p)
+    assert engine_options(p.parse_args([]))["precompile"] is None   # the runner decides: on a GPU
+    assert engine_options(p.parse_args(["--no-precompile"]))["precompile"] is False
+    options = engine_options(p.parse_args(["--precompile", "--compile-cache-dir", "/c"]))
+    assert options["precompile"] is True and options["compile_cache_dir"] == "/c"
