@@ -277,7 +277,7 @@ def test_cuda_graph_capture_after_jax_ran(n, batch, hq, hk):
 
 COMMAND_BUFFER_PROBE = """
 import sys
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/helpers")
 import jax
 import m3_jax
 from m3_jax import _triton_call
