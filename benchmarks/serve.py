@@ -3,6 +3,9 @@
     python3 -m benchmarks.serve --model /tmp/m3e2e --e2e-model --max-num-seqs 64 --max-model-len 4096 \\
         --input-len 1024 --output-len 256 --num-requests 256 --request-rate 4,16,inf --max-concurrency 64 \\
         --out benchmarks/results/latest                     # GPU: the random M3-shaped model of benchmarks.e2e
+    python3 -m benchmarks.serve --model /tmp/m3e2e --e2e-model --max-num-seqs 64 --max-model-len 4096 \\
+        --input-len 1024 --output-len 256 --num-requests 128,16 --max-concurrency 64,1 --offline \\
+        --out DIR                                           # the server against the engine alone (--framework jax too)
     python3 -m benchmarks.serve --url http://127.0.0.1:8000/v1 --api-key KEY ...   # a server already running
     python3 -m benchmarks.serve --tiny                      # CPU smoke run: the tiny test model, a few requests
 
@@ -15,7 +18,8 @@ writes ``benchmarks.e2e``'s random bf16 model (MiniMax-M3's attention shapes,
 4 layers, a 32k vocabulary, no tokenizer) into ``--model`` first when that
 folder has no ``config.json``.
 
-Load: ``--num-requests`` requests per row; arrivals are a Poisson process of
+Load: ``--num-requests`` requests per row (a comma list: one count per
+``--max-concurrency`` value); arrivals are a Poisson process of
 ``--request-rate`` requests/s (``inf``: all at once), at most
 ``--max-concurrency`` in flight (a request that arrives beyond it waits for a
 free place, as vLLM's ``benchmark_serving`` does). Prompt and output lengths
@@ -38,6 +42,21 @@ on the load side). When it starts the server on a GPU it measures the
 device's copy bandwidth first (``benchmarks.run.copy_bandwidth``) and
 records it with the GPU's name. ``--out DIR`` writes ``serve.json`` and
 ``serve.md``.
+
+``--offline``: once the server has stopped, the same requests through the
+engine alone, ``m3_<framework>.LLM`` built with the server's engine options
+(its command line read by ``m3-serve``'s own parser) in a spawned process of
+its own (:func:`offline`). Per concurrency: a warm-up pass (the same lengths,
+other token ids: everything compiled, no prefix-cache hits), then the row's
+requests (the same prompt token ids and output lengths, ``ignore_eos``) run as
+``LLM.generate`` runs them, at most ``concurrency`` in flight
+(:func:`offline_pass`): its output tok/s, per-request TPOT, and the wall time of
+each ``llm.engine.step()`` that was decode-only, by batch (the engine's decode
+step, host work included). The "server vs offline" table puts beside each
+row: offline and server output tok/s and their ratio, the server's TPOT p50
+against the median decode step at batch ``min(concurrency, max_num_seqs)``,
+and the targets (:data:`THROUGHPUT_RATIO_MIN`, :data:`TPOT_STEP_RATIO_MAX_FULL`,
+:data:`TPOT_STEP_RATIO_MAX_ONE`).
 """
 
 from __future__ import annotations
@@ -192,11 +211,19 @@ def _lengths(rng: random.Random, n: int, mean: int, ratio: float) -> list:
     return [rng.randint(low, high) for _ in range(n)]
 
 
-async def run_row(ep: Endpoint, model: str, vocab: int, args, rate: float, concurrency: int, seed: int) -> dict:
-    rng = random.Random(seed)
-    inputs = _lengths(rng, args.num_requests, args.input_len, args.range_ratio)
-    outputs = _lengths(rng, args.num_requests, args.output_len, args.range_ratio)
+def make_requests(rng: random.Random, args, num_requests: int, vocab: int) -> tuple:
+    """-> ``(prompts, output lengths)``: ``num_requests`` prompts of random token ids in ``[3, vocab)``
+    and their output lengths, drawn from ``rng`` (a row's requests; the offline run draws the same)."""
+    inputs = _lengths(rng, num_requests, args.input_len, args.range_ratio)
+    outputs = _lengths(rng, num_requests, args.output_len, args.range_ratio)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in inputs]
+    return prompts, outputs
+
+
+async def run_row(ep: Endpoint, model: str, vocab: int, args, rate: float, concurrency: int, num_requests: int,
+                  seed: int) -> dict:
+    rng = random.Random(seed)
+    prompts, outputs = make_requests(rng, args, num_requests, vocab)
     gaps = [0.0 if math.isinf(rate) else rng.expovariate(rate) for _ in prompts]
     gate = asyncio.Semaphore(concurrency)
     _, before = await ep.request("GET", ep.root + "/metrics")
@@ -261,17 +288,27 @@ async def wait_idle(ep: Endpoint, timeout: float = 60.0) -> bool:
 
 # -- the server subprocess ------------------------------------------------------------------------------
 
-def start_server(args, log_path: Path):
-    cmd = [sys.executable, "-m", "m3_engine.server", str(args.model), "--host", "127.0.0.1", "--port", "0",
-           "--framework", args.framework, "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench",
-           "--no-access-log", "--max-queue", str(max(args.num_requests, 1024))]
+# the server's environment beyond ours (the offline engine's too): JAX takes GPU memory as it needs it
+ENGINE_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def server_argv(args) -> list:
+    """``m3_engine.server``'s command line (after ``python -m m3_engine.server``); the offline run reads
+    its engine options from it too."""
+    argv = [str(args.model), "--host", "127.0.0.1", "--port", "0", "--framework", args.framework,
+            "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench", "--no-access-log",
+            "--max-queue", str(max(*args.num_requests, 1024))]
     for flag, value in (("--max-model-len", args.max_model_len), ("--dtype", args.dtype),
                         ("--kv-cache-dtype", args.kv_cache_dtype), ("--index-cache-dtype", args.index_cache_dtype),
                         ("--tensor-parallel-size", args.tensor_parallel_size), ("--device", args.device)):
         if value is not None:
-            cmd += [flag, str(value)]
-    cmd += shlex.split(args.server_args or "")
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+            argv += [flag, str(value)]
+    return argv + shlex.split(args.server_args or "")
+
+
+def start_server(args, log_path: Path):
+    cmd = [sys.executable, "-m", "m3_engine.server", *server_argv(args)]
+    env = dict(os.environ, **ENGINE_ENV,
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     log = open(log_path, "w")
     print("server:", " ".join(cmd), f"(log: {log_path})", flush=True)
@@ -316,6 +353,122 @@ async def wait_healthy(ep: Endpoint, timeout: float, proc=None) -> dict:
     raise SystemExit(f"the server at {ep.host}:{ep.port} is not healthy after {timeout} s")
 
 
+# -- offline: the same requests through the engine alone ----------------------------------------------
+
+def offline_pass(llm, prompts: list, output_lens: list, concurrency: int, temperature: float) -> dict:
+    """The requests through ``llm.engine`` as ``LLM.generate`` runs them (``add_request``, then
+    ``engine.step()`` until they finish), at most ``concurrency`` in flight: a new one is added as
+    soon as one finishes, as the load side's clients do (with ``concurrency >= max_num_seqs`` the
+    engine runs them exactly as one ``LLM.generate`` call would).
+
+    Each step's wall time is recorded with its decode batch: the number of requests that have their
+    first token (each prefilled and running: the scheduler never preempts) when no other one can
+    join the step (every request in flight has its first token, or ``max_num_seqs`` of them do: the
+    step is decode-only at that batch), else 0. It is the engine's whole step seen from
+    its caller: scheduling, the runner (its launches and the wait for the sampled tokens) and the
+    output processor. Not meant for speculative decoding (a verify step emits several tokens).
+    -> output tok/s over the pass, per-request TPOT (ms), and per decode batch the count, median and
+    mean of its steps (ms)."""
+    from m3_engine import SamplingParams
+
+    engine, max_num_seqs = llm.engine, llm.scheduler_config.max_batch
+    queue = list(zip(prompts, output_lens))[::-1]
+    counts, first = {}, {}      # request in flight -> tokens so far; -> time of its first token
+    steps, tpot, output_tokens = [], [], 0
+    start = time.perf_counter()
+    while queue or counts:
+        while queue and len(counts) < concurrency:
+            prompt, n = queue.pop()
+            params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=temperature)
+            counts[engine.add_request(None, {"prompt_token_ids": prompt}, params)] = 0
+        decoding = sum(1 for n in counts.values() if n)
+        batch = decoding if decoding in (len(counts), max_num_seqs) else 0
+        before = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps.append((batch, now - before))
+        for out in outputs:
+            n = len(out.outputs[0].token_ids)
+            if n and not counts[out.request_id]:
+                first[out.request_id] = now
+            counts[out.request_id] = n
+            if out.finished:
+                del counts[out.request_id]
+                output_tokens += n
+                began = first.pop(out.request_id)
+                if n > 1:
+                    tpot.append((now - began) / (n - 1))
+    duration = time.perf_counter() - start
+    decode = []
+    for batch in sorted({b for b, _ in steps if b}):
+        ms = np.array([t for b, t in steps if b == batch]) * 1e3
+        decode.append(dict(batch=batch, steps=len(ms), median_ms=float(np.median(ms)), mean_ms=float(ms.mean())))
+    return dict(max_concurrency=concurrency, num_requests=len(prompts), duration_s=duration,
+                output_tokens=output_tokens, output_throughput=output_tokens / duration, steps=len(steps),
+                tpot_ms=_summary(tpot), decode_steps=decode)
+
+
+def run_offline(llm_class: str, model: str, options: dict, workloads: list, temperature: float) -> list:
+    """``llm_class(model, **options)`` (``"m3_torch:LLM"``: the server's engine class, built with the
+    server's options and environment, :data:`ENGINE_ENV`, set here first: run it in a process of its
+    own); then per workload ``(concurrency, prompts, output lengths)`` a warm-up pass of the same
+    lengths (other token ids: the same step shapes compiled, no prefix-cache hits for what follows)
+    and the measured pass. -> the measured passes (:func:`offline_pass`)."""
+    os.environ.update(ENGINE_ENV)
+    from m3_engine import load_class
+
+    rng = np.random.default_rng(0)
+    results = []
+    with load_class(llm_class)(model, **options) as llm:
+        for concurrency, prompts, output_lens in workloads:
+            other = [rng.integers(3, llm.config.vocab_size, len(p)).tolist() for p in prompts]
+            offline_pass(llm, other, output_lens, concurrency, temperature)
+            results.append(offline_pass(llm, prompts, output_lens, concurrency, temperature))
+    return results
+
+
+def offline(llm_class: str, model: str, options: dict, workloads: list, temperature: float) -> list:
+    """:func:`run_offline` in a spawned process: its GPU memory is gone when it returns (run it when
+    no server holds the GPU)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_offline, llm_class, model, options, workloads, temperature).result()
+
+
+# targets of the server against the offline engine, for rows at request rate inf: output tok/s at least
+# this fraction of the offline engine's with concurrency >= max_num_seqs; TPOT p50 at most this many
+# decode steps of the engine at that batch, with concurrency >= max_num_seqs and with concurrency 1
+THROUGHPUT_RATIO_MIN = 0.9
+TPOT_STEP_RATIO_MAX_FULL, TPOT_STEP_RATIO_MAX_ONE = 1.3, 1.2
+
+
+def versus_offline(rows: list, offline_rows: list, max_num_seqs: int) -> list:
+    """Per server row: the offline pass of its concurrency and request count, output tok/s of both
+    and their ratio; its TPOT p50 against the engine's median decode step at batch
+    ``min(concurrency, max_num_seqs)``; the targets where they apply (None elsewhere)."""
+    by_workload = {(o["max_concurrency"], o["num_requests"]): o for o in offline_rows}
+    out = []
+    for r in rows:
+        c, o = r["max_concurrency"], by_workload[r["max_concurrency"], r["num_requests"]]
+        batch = min(c, max_num_seqs)
+        step = next((d for d in o["decode_steps"] if d["batch"] == batch), None)
+        tpot = r["tpot_ms"]["p50"]
+        saturated = r["request_rate"] == "inf"
+        out.append(dict(
+            request_rate=r["request_rate"], max_concurrency=c, num_requests=r["num_requests"],
+            offline_output_throughput=o["output_throughput"], server_output_throughput=r["output_throughput"],
+            throughput_ratio=r["output_throughput"] / o["output_throughput"],
+            throughput_ratio_min=THROUGHPUT_RATIO_MIN if saturated and c >= max_num_seqs else None,
+            server_tpot_p50_ms=tpot, offline_tpot_p50_ms=o["tpot_ms"]["p50"], decode_batch=batch,
+            decode_step_ms=step["median_ms"] if step else None, decode_steps=step["steps"] if step else 0,
+            tpot_step_ratio=tpot / step["median_ms"] if step and tpot is not None else None,
+            tpot_step_ratio_max=(TPOT_STEP_RATIO_MAX_ONE if c == 1 else TPOT_STEP_RATIO_MAX_FULL
+                                 if c >= max_num_seqs else None) if saturated else None))
+    return out
+
+
 # -- report ---------------------------------------------------------------------------------------------
 
 def _fmt(v, spec="{:.1f}") -> str:
@@ -325,7 +478,8 @@ def _fmt(v, spec="{:.1f}") -> str:
 def markdown(result: dict) -> str:
     s = result["setup"]
     lines = [f"# m3-serve load test ({result['date']})", "",
-             f"Server: {s['server']}. Model: {s['model']}. Requests per row: {s['num_requests']}, prompt "
+             f"Server: {s['server']}. Model: {s['model']}. Requests per row: "
+             f"{', '.join(map(str, s['num_requests']))} (per concurrency), prompt "
              f"{s['input_len']} and output {s['output_len']} tokens (range ratio {s['range_ratio']}), temperature "
              f"{s['temperature']}, streamed /v1/completions with ignore_eos. Command: `{result['command']}`.", "",
              *([f"GPU: {s['gpu']}; copy bandwidth (same run, before the server started): "
@@ -352,7 +506,37 @@ def markdown(result: dict) -> str:
                 for r in result["rows"] if r["failed"] or r["short_outputs"] or not r["server_idle_after"]]
     if problems:
         lines += ["", "Problems:", *problems]
+    if result.get("versus_offline"):
+        lines += ["", "## Server vs offline", "",
+                  f"Offline: {s['offline']}. Per row: offline out tok/s over the measured pass; the engine's "
+                  "decode step = median wall time of `llm.engine.step()` over that pass's decode-only steps at "
+                  "batch min(concurrency, max_num_seqs) (host work included: scheduling, the runner's launches "
+                  "and its wait for the sampled tokens, the output processor); TPOT p50 in ms. Targets (rate inf "
+                  f"rows): server / offline >= {THROUGHPUT_RATIO_MIN} with concurrency >= max_num_seqs; TPOT p50 "
+                  f"<= {TPOT_STEP_RATIO_MAX_FULL} decode steps there and <= {TPOT_STEP_RATIO_MAX_ONE} at "
+                  "concurrency 1.", "",
+                  "| rate | concurrency | requests | offline out tok/s | server out tok/s | server / offline | "
+                  "target | offline TPOT p50 | server TPOT p50 | decode step (batch: ms, steps) | server TPOT / step | "
+                  "target |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for v in result["versus_offline"]:
+            lines.append(
+                f"| {v['request_rate']} | {v['max_concurrency']} | {v['num_requests']} | "
+                f"{v['offline_output_throughput']:.1f} | {v['server_output_throughput']:.1f} | "
+                f"{v['throughput_ratio']:.3f} | {_target(v['throughput_ratio'], v['throughput_ratio_min'], '>=')} | "
+                f"{_fmt(v['offline_tpot_p50_ms'], '{:.2f}')} | {_fmt(v['server_tpot_p50_ms'], '{:.2f}')} | "
+                f"{v['decode_batch']}: {_fmt(v['decode_step_ms'], '{:.2f}')}, {v['decode_steps']} | "
+                f"{_fmt(v['tpot_step_ratio'], '{:.3f}')} | "
+                f"{_target(v['tpot_step_ratio'], v['tpot_step_ratio_max'], '<=')} |")
     return "\n".join(lines) + "\n"
+
+
+def _target(value, bound, relation: str) -> str:
+    """``">= 0.9 met"`` / ``"<= 1.3 MISSED"``; ``-`` where no target applies."""
+    if bound is None:
+        return "-"
+    met = value is not None and (value >= bound if relation == ">=" else value <= bound)
+    return f"{relation} {bound} {'met' if met else 'MISSED'}"
 
 
 def _floats(text: str) -> list:
@@ -383,7 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--server-args", default="", help="more m3-serve flags, e.g. \"--max-num-batched-tokens 8192\"")
     where.add_argument("--start-timeout", type=float, default=1800.0)
     load = ap.add_argument_group("load")
-    load.add_argument("--num-requests", type=int, default=256)
+    load.add_argument("--num-requests", type=_ints, default=[256], help="requests per row; a comma list gives "
+                      "one per --max-concurrency value (e.g. 128,16 with --max-concurrency 64,1)")
     load.add_argument("--request-rate", type=_floats, default=[math.inf], help="req/s, Poisson; a comma list "
                       "(inf = all at once; default inf)")
     load.add_argument("--max-concurrency", type=_ints, default=[64], help="in-flight limit; a comma list")
@@ -394,6 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--warmup", type=int, default=None, help="requests run before measuring (default: one "
                       "round of max concurrency, at most 16)")
     load.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--offline", action="store_true", help="after the server stopped: the same requests through "
+                    "the engine alone (m3_<framework>.LLM with the server's engine options, in a process of its own) "
+                    "and a server-vs-offline table")
     ap.add_argument("--out", default=None, help="write serve.json and serve.md here")
     return ap
 
@@ -403,7 +591,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     tmp = None
     if args.tiny:
-        defaults = dict(num_requests=8, input_len=16, output_len=4, max_num_seqs=8, max_model_len=512, device="cpu",
+        defaults = dict(num_requests=[8], input_len=16, output_len=4, max_num_seqs=8, max_model_len=512, device="cpu",
                         warmup=1)
         given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
         for name, value in defaults.items():
@@ -417,6 +605,13 @@ def main(argv=None) -> dict:
             args.model = write_tiny_checkpoint(Path(tmp.name) / "tiny", seed=0)
     if (args.model is None) == (args.url is None):
         ap.error("expected one of --model DIR (start a server) or --url URL (use a running one)")
+    if args.offline and args.url is not None:
+        ap.error("--offline: needs --model (a server started here, whose engine options the offline engine takes)")
+    if len(args.num_requests) not in (1, len(args.max_concurrency)):
+        ap.error(f"--num-requests: expected one count or one per --max-concurrency value "
+                 f"({len(args.max_concurrency)}), got {len(args.num_requests)}")
+    args.num_requests = args.num_requests * len(args.max_concurrency) if len(args.num_requests) == 1 \
+        else args.num_requests
     longest = int(args.input_len * (1 + args.range_ratio)) + int(args.output_len * (1 + args.range_ratio))
     if args.model is not None:
         if args.max_model_len is None:
@@ -470,9 +665,9 @@ async def _main(args, argv, longest) -> dict:
                 raise SystemExit(f"warm-up failed: {errors[0]}")
         rows = []
         for rate in args.request_rate:
-            for concurrency in args.max_concurrency:
-                print(f"rate {rate} req/s, concurrency {concurrency}: {args.num_requests} requests ...", flush=True)
-                row = await run_row(ep, model, vocab, args, rate, concurrency, args.seed)
+            for concurrency, num_requests in zip(args.max_concurrency, args.num_requests):
+                print(f"rate {rate} req/s, concurrency {concurrency}: {num_requests} requests ...", flush=True)
+                row = await run_row(ep, model, vocab, args, rate, concurrency, num_requests, args.seed)
                 rows.append(row)
                 print(f"  {row['completed']} done, {row['failed']} failed in {row['duration_s']:.1f} s: "
                       f"{row['request_throughput']:.2f} req/s, {row['output_throughput']:.1f} out tok/s, TTFT p50 "
@@ -481,6 +676,23 @@ async def _main(args, argv, longest) -> dict:
     finally:
         if proc is not None:
             rc = stop_server(proc, log, log_path)
+    offline_rows = versus = offline_setup = None
+    if args.offline:   # the server has stopped: the GPU is the offline engine's
+        from m3_engine.args import engine_options
+        from m3_engine.server.cli import build_parser as server_parser
+
+        options = engine_options(server_parser().parse_args(server_argv(args)))
+        llm_class = f"m3_{args.framework}:LLM"
+        workloads = [(c, *make_requests(random.Random(args.seed), args, n, vocab))
+                     for c, n in dict.fromkeys(zip(args.max_concurrency, args.num_requests))]
+        print(f"offline: {llm_class} with the server's engine options, concurrency "
+              f"{', '.join(str(c) for c, *_ in workloads)} ...", flush=True)
+        offline_rows = offline(llm_class, str(args.model), options, workloads, args.temperature)
+        versus = versus_offline(rows, offline_rows, options["max_num_seqs"])
+        offline_setup = (f"`{llm_class}` with the server's engine options, in a process of its own after the "
+                         "server stopped; per concurrency a warm-up pass (the same lengths, other token ids), then "
+                         "the row's requests (the same prompt token ids and output lengths, ignore_eos) through "
+                         "LLM.generate's loop with at most that many in flight")
     server = (f"m3-serve {args.framework}, max_num_seqs {args.max_num_seqs}, max_model_len {args.max_model_len}"
               + (f", tp {args.tensor_parallel_size}" if args.tensor_parallel_size else "")
               + (f", dtype {args.dtype}" if args.dtype else "")
@@ -491,7 +703,7 @@ async def _main(args, argv, longest) -> dict:
         server=server, model=str(args.model) if args.model else card.get("root"), health=health,
         num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, temperature=args.temperature, server_exit_status=rc, gpu=args.gpu,
-        copy_tbps=args.copy_tbps), rows=rows)
+        copy_tbps=args.copy_tbps, offline=offline_setup), rows=rows, offline=offline_rows, versus_offline=versus)
     text = markdown(result)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
