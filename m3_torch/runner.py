@@ -74,7 +74,8 @@ class TorchRunner:
                            num_slots=sc.num_slots, max_blocks=sc.max_blocks,
                            cuda_graphs=bool(self.buckets.decode_batch_sizes),
                            kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype,
-                           load_format=args.load_format, seed=args.seed)
+                           load_format=args.load_format, seed=args.seed, quantization=args.quantization,
+                           checkpoint_quantization=args.checkpoint_quantization)
         self._workers = None
         all_reduce = all_gather = None
         if self.tp.size > 1:
