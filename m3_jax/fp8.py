@@ -16,10 +16,11 @@ from m3_kernels import step_launches, validate
 from m3_kernels.common import E4M3_MAX
 from m3_kernels.fp8_linear import AMAX_FLOOR, FP8_BLOCK
 from m3_kernels.maps import cdiv
-from m3_engine.quantization import MX_BLOCK
 
 from ._triton_call import on_gpu
 from .ops import operand, run
+
+MX_BLOCK = 32   # MXFP8 (OCP MX): one UE8M0 scale per 32 elements along K (m3_engine.quantization.MX_BLOCK)
 
 __all__ = ["quantize_weight", "dequantize_mxfp8", "quantize_activation", "fp8_linear", "fused_moe_fp8"]
 

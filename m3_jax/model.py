@@ -22,7 +22,9 @@ once, in docs/ENGINE.md ("The model's semantics"). The torch twin is
 ``m3_torch/model.py`` (same math and roundings). On the CPU the experts run as
 ``jax.lax.ragged_dot_general`` over token rows sorted by expert (the canonical
 ``[E, out, in]`` weights, no transpose); the sum over the k experts is float32
-on both. The module-level ``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` are
+on both. FP8 weights (an :class:`Fp8Weight`: a weight and its ``_scale_inv`` in
+the params) run in ``fp8_linear`` / ``fused_moe_fp8`` on both backends (the
+kernels in the interpreter on the CPU), as in torch. The module-level ``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` are
 that math in XLA ops (and the EAGLE-3 head's building blocks).
 """
 

@@ -23,6 +23,11 @@ the cache rows, ``grouped_mm`` for the experts): their interpreted kernels
 cost 25-110 ms a call. tests/ops/test_fused_ops.py and tests/ops/test_moe.py check the
 kernels against these ops.
 
+FP8 weights (``quantization="fp8"``, an :class:`Fp8Weight` per linear weight)
+run in ``fp8_linear`` and ``fused_moe_fp8`` on both devices (on the CPU in the
+interpreter: there is no torch-op twin of their roundings); :func:`linear`
+dispatches on the weight.
+
 No step synchronises with the host, so decode steps are captured in CUDA
 graphs. Weights and activations stay in the weights' dtype; norms, the router
 and the attention softmax compute in float32 where transformers does, and each
