@@ -187,10 +187,10 @@ def take_weight(weights: dict, name: str) -> torch.Tensor:
 
 def take_linear(weights: dict, name: str):
     """A linear weight, popped: an :class:`Fp8Weight` when ``weights`` holds its scale
-    (``<name>_scale_inv``), else the tensor."""
+    (``<name>_scale_inv``; made contiguous, as the FP8 kernels read them), else the tensor."""
     weight = take_weight(weights, name)
     scale = weights.pop(scale_name(name), None)
-    return weight if scale is None else Fp8Weight(weight, scale)
+    return weight if scale is None else Fp8Weight(weight.contiguous(), scale.contiguous())
 
 
 def _concat_rows(parts: list):

@@ -168,6 +168,23 @@ def test_engines_agree_with_fp8_weights(checkpoints):
     assert n >= 1 and torch_tokens[:n] == jax_tokens[:n], f"torch {torch_tokens} vs jax {jax_tokens}"
 
 
+@pytest.mark.long   # ~15 s: a worker process, the interpreter on both ranks
+def test_tp2_fp8_gives_the_tokens_of_tp1(tmp_path):
+    """TP 2 of an FP8 checkpoint whose MLPs split into whole blocks: each rank reads its blocks' codes and
+    scales (column slices made contiguous for the kernels), and the greedy tokens are TP 1's."""
+    model_dir = write_tiny_checkpoint(tmp_path / "wide", seed=3, form="vl", quantization="fp8",
+                                      **{**tiny_fp8_config(), "num_attention_heads": 4, "num_key_value_heads": 2,
+                                         "intermediate_size": 256, "shared_intermediate_size": 256,
+                                         "dense_intermediate_size": 256})
+    prompts, kwargs = [prompt(5, seed=5)], dict(device="cpu", max_num_seqs=1, max_model_len=128)
+    with tuning.override(target_programs=1, sparse_target_programs=1):
+        (want, logprobs), = generate(m3_torch.LLM(model_dir, **kwargs), prompts, 3)
+        with m3_torch.LLM(model_dir, tensor_parallel_size=2, **kwargs) as tp2:
+            (got, _), = generate(tp2, prompts, 3)
+    n = checked_steps(logprobs, hf_reference.NEAR_TIE)
+    assert n >= 1 and got[:n] == want[:n], f"tp2 {got} vs tp1 {want}"
+
+
 # -- MXFP8 ---------------------------------------------------------------------------------------
 
 def mxfp8(w: torch.Tensor):
