@@ -147,8 +147,9 @@ def scale_slice(cut: Optional[TensorSlice], ndim: int, method: str = "fp8") -> O
     if cut is None:
         return None
     block = MX_BLOCK if method == "mxfp8" else FP8_BLOCK
-    if method == "mxfp8" and cut.dim != ndim - 1:
-        return cut   # MXFP8 scales are per row: the rows' slice is the weight's
+    blocked_dims = (ndim - 1,) if method == "mxfp8" else (ndim - 2, ndim - 1)
+    if cut.dim not in blocked_dims:
+        return cut   # a leading axis (experts), or MXFP8's rows: the scales' slice is the weight's
     if any(start % block or stop % block for start, stop in cut.ranges):
         raise ValueError(f"scale slice: the weight's ranges {cut.ranges} split a block of {block}")
     return TensorSlice(cut.dim, tuple((start // block, stop // block) for start, stop in cut.ranges))
