@@ -202,8 +202,10 @@ class EngineArgs:
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {utilization!r}")
-        checkpoint_quantization = None if load_format == "dummy" else quant.checkpoint_quantization(model_dir)
+        checkpoint_quantization = quant.checkpoint_quantization(model_dir)
         weight_quantization = quant.resolve_quantization(self.quantization, checkpoint_quantization)
+        if load_format == "dummy":
+            checkpoint_quantization = None   # random weights, quantized as they are made when the model is FP8
         if weight_quantization is not None:
             quant.check_fp8_shapes(tp, expected_shapes(config))
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
@@ -257,7 +259,7 @@ class CheckedArgs:
     draft: Optional[Eagle3Config] = None   # speculative method "eagle3": the draft head's config
     gpu_memory_utilization: float = 0.9   # a GPU runner's memory budget (kv_cache_pages); unused on a CPU
     quantization: Optional[str] = None    # the weights the engine runs: None or "fp8" (m3_engine.quantization)
-    checkpoint_quantization: Optional[str] = None   # the checkpoint's: None, "fp8" or "mxfp8" (converted at load)
+    checkpoint_quantization: Optional[str] = None   # the stored weights': None (or dummy), "fp8", "mxfp8" (converted)
 
     def step_config(self) -> StepConfig:
         """The step planner's config of the engine: one rank's heads, the scheduler's limits."""

@@ -38,6 +38,7 @@ Framework-neutral: no torch, no jax.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from .model_config import read_json
@@ -86,7 +87,6 @@ def scale_name(name: str, method: str = "fp8") -> str:
 def checkpoint_quantization(model_dir) -> Optional[str]:
     """The quantization of a model folder's weights: None, ``"fp8"`` (128 x 128 blocks) or ``"mxfp8"``,
     from ``config.json``'s ``quantization_config`` (top level, or under ``text_config``)."""
-    from pathlib import Path
     outer = read_json(Path(model_dir) / "config.json")
     q = outer.get("quantization_config")
     if q is None and isinstance(outer.get("text_config"), dict):

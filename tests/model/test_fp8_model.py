@@ -111,6 +111,14 @@ def test_tp_keeps_whole_blocks(checkpoints, tmp_path):
                                want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want), name
 
 
+def test_dummy_weights_follow_the_config(checkpoints):
+    """load_format="dummy" with an FP8 checkpoint's config.json: random weights, quantized as they are made."""
+    llm = m3_torch.LLM(checkpoints["fp8"], load_format="dummy", max_num_seqs=1, max_model_len=128)
+    layer = layer_weights(llm)
+    assert isinstance(layer.qkv, m3_torch.model.Fp8Weight) and isinstance(layer.experts_down, m3_torch.model.Fp8Weight)
+    assert layer.experts_down.scale.shape == (4, 1, 1) and layer.router.dtype == torch.float32
+
+
 # -- the models ----------------------------------------------------------------------------------
 
 def test_fp8_checkpoint_is_quantize_at_load(checkpoints):
