@@ -24,8 +24,9 @@ once, in docs/ENGINE.md ("The model's semantics"). The torch twin is
 ``[E, out, in]`` weights, no transpose); the sum over the k experts is float32
 on both. FP8 weights (an :class:`Fp8Weight`: a weight and its ``_scale_inv`` in
 the params) run in ``fp8_linear`` / ``fused_moe_fp8`` on both backends (the
-kernels in the interpreter on the CPU), as in torch. The module-level ``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` are
-that math in XLA ops (and the EAGLE-3 head's building blocks).
+kernels in the interpreter on the CPU), as in torch. The module-level
+``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` are that math in XLA ops (and
+the EAGLE-3 head's building blocks).
 """
 
 from __future__ import annotations
