@@ -26,10 +26,13 @@ from m3_kernels.planner import StepConfig
 from m3_kernels.maps import PAGE_SIZE
 from m3_kernels.pool import CACHE_DTYPE_ALIASES
 
+from . import quantization as quant
+from .checkpoint import expected_shapes
 from .compile_cache import resolve_cache_dir
 from .dummy_weights import LOAD_FORMATS, check_load_format
 from .eagle3 import Eagle3Config
 from .model_config import M3TextConfig, load_config
+from .quantization import SUPPORTED_QUANTIZATION
 from .scheduler import SchedulerConfig
 from .speculative import SpeculativeConfig
 from .tp import TPPlan
@@ -42,7 +45,6 @@ __all__ = ["EngineArgs", "DTYPE_NAMES", "SUPPORTED_QUANTIZATION", "RENAMED_OPTIO
 DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
                "float16": "float16", "half": "float16"}
 CACHE_DTYPES = ("auto",) + tuple(CACHE_DTYPE_ALIASES)
-SUPPORTED_QUANTIZATION: tuple = ()   # weight quantization methods the engine runs (vLLM's names)
 # options that took vLLM's names: the old name -> the option (a TypeError names the new one)
 RENAMED_OPTIONS = {"max_batch": "max_num_seqs", "max_context": "max_model_len", "max_cache_pages":
                    "num_gpu_blocks_override", "max_num_tokens": "max_num_batched_tokens"}
@@ -158,7 +160,9 @@ class EngineArgs:
     enable_expert_parallel: bool = _option(False, "each rank holds num_experts / tensor_parallel_size whole "
                                            "MoE experts instead of a slice of every expert (needs "
                                            "tensor_parallel_size > 1 dividing the experts)")
-    quantization: Optional[str] = _option(None, "weight quantization method (supported: none yet)", metavar="NAME")
+    quantization: Optional[str] = _option(
+        None, "weight quantization: fp8 (e4m3 linear weights, a float32 scale per 128x128 block; an unquantized "
+        "checkpoint is quantized at load); unset: as the checkpoint's quantization_config says", metavar="NAME")
     kv_cache_dtype: str = _option("auto", "K/V cache: auto (the model's dtype) or fp8 (float8_e4m3fn)",
                                   choices=CACHE_DTYPES)
     index_cache_dtype: str = _option("auto", "index-K cache: auto (the model's dtype) or fp8 (float8_e4m3fn)",
@@ -209,9 +213,12 @@ class EngineArgs:
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {utilization!r}")
-        if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
-            raise ValueError(f"quantization: expected None (unquantized weights; supported methods: "
-                             f"{SUPPORTED_QUANTIZATION or 'none'}), got {self.quantization!r}")
+        checkpoint_quantization = quant.checkpoint_quantization(model_dir)
+        weight_quantization = quant.resolve_quantization(self.quantization, checkpoint_quantization)
+        if load_format == "dummy":
+            checkpoint_quantization = None   # random weights, quantized as they are made when the model is FP8
+        if weight_quantization is not None:
+            quant.check_fp8_shapes(tp, expected_shapes(config))
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
         draft = _draft_config(speculative, config, tp) if speculative is not None else None
         scheduler = SchedulerConfig.from_engine_args(
@@ -225,7 +232,8 @@ class EngineArgs:
                            index_cache_dtype=self.index_cache_dtype, seed=self.seed,
                            enforce_eager=self.enforce_eager, load_format=load_format, speculative=speculative,
                            draft=draft, gpu_memory_utilization=float(utilization), precompile=self.precompile,
-                           compile_cache_dir=compile_cache_dir)
+                           compile_cache_dir=compile_cache_dir, quantization=weight_quantization,
+                           checkpoint_quantization=checkpoint_quantization)
 
 
 def _draft_config(speculative: SpeculativeConfig, config: M3TextConfig, tp: TPPlan) -> Optional[Eagle3Config]:
@@ -264,6 +272,8 @@ class CheckedArgs:
     gpu_memory_utilization: float = 0.9   # a GPU runner's memory budget (kv_cache_pages); unused on a CPU
     precompile: Optional[bool] = None     # None: on a GPU (the runner knows its device)
     compile_cache_dir: Optional[Path] = None   # m3_engine.compile_cache; None: the runners set no cache
+    quantization: Optional[str] = None    # the weights the engine runs: None or "fp8" (m3_engine.quantization)
+    checkpoint_quantization: Optional[str] = None   # the stored weights': None (or dummy), "fp8", "mxfp8" (converted)
 
     def precompile_on(self, on_gpu: bool) -> bool:
         """Whether the runner compiles its step programs at start (``precompile``, None: on a GPU)."""

@@ -63,6 +63,7 @@ from typing import Any, Callable, Collection, Iterator
 
 import numpy as np
 
+from . import quantization
 from .model_config import M3TextConfig, load_config, read_json
 from .tp import RankShard, TensorSlice
 
@@ -133,10 +134,15 @@ def canonical_name(name: str) -> tuple[str, tuple] | None:
     a whole tensor, ``(half,)`` for ``gate_proj`` (0) / ``up_proj`` (1),
     ``(expert, half)`` for ``w1`` (0) / ``w3`` (1) and ``(expert,)`` for ``w2``.
     The name is returned as is when it matches no rule (the caller decides
-    whether it is known).
+    whether it is known). A quantized checkpoint's scale tensor (``<weight>_scale_inv``,
+    ``<weight>_scale``: ``m3_engine.quantization``) maps as its weight does, its suffix kept.
     """
     if _SKIPPED.search(name):
         return None
+    for suffix in quantization.SCALE_SUFFIXES.values():
+        if name.endswith(".weight" + suffix):
+            weight = canonical_name(name.removesuffix(suffix))
+            return None if weight is None else (weight[0] + suffix, weight[1])
     for pattern, repl in _PREFIXES:
         name = pattern.sub(repl, name)
     for pattern, repl in _RENAMES:
@@ -208,7 +214,9 @@ def iter_weights(model_dir, config: M3TextConfig | None = None, *, framework: st
     skip:        canonical names not to read nor yield (e.g. ``"lm_head.weight"`` on a
                  rank that does not compute logits).
 
-    Tensors keep the checkpoint's dtype. Everything is checked before the first
+    A quantized checkpoint (``config.json``'s ``quantization_config``: ``m3_engine.quantization``)
+    also yields each quantized weight's scale tensor right after the weight (a rank's slice: the
+    blocks of its rows / columns). Tensors keep the checkpoint's dtype. Everything is checked before the first
     tensor is read: an unknown, missing or duplicated tensor raises
     ``ValueError`` naming it, skipped ones (vision, projector, ``mtp.*``) are
     logged once. Shapes are checked against the files' headers before a tensor
@@ -224,6 +232,16 @@ def iter_weights(model_dir, config: M3TextConfig | None = None, *, framework: st
     if shard is not None and shard.plan.config != config:
         raise ValueError("shard: its TPPlan was made for another model config")
     shapes = expected_shapes(config)
+    method = quantization.checkpoint_quantization(model_dir)
+    if method is not None:
+        if shard is not None:
+            quantization.check_fp8_shapes(shard.plan, shapes)
+        with_scales = {}
+        for name, shape in shapes.items():   # each scale right after its weight: the order they are yielded in
+            with_scales[name] = shape
+            if quantization.is_quantized(name):
+                with_scales[quantization.scale_name(name, method)] = quantization.scale_shape(shape, method)
+        shapes = with_scales
     plan = _plan(checkpoint_index(model_dir), shapes, config)
     reader = TensorReader(framework, device)
     try:
@@ -234,7 +252,9 @@ def iter_weights(model_dir, config: M3TextConfig | None = None, *, framework: st
             if full != shapes[name]:
                 raise ValueError(f"tensor {name!r} (from {_sources(pieces)}): expected shape {shapes[name]}, "
                                  f"got {full}")
-            cut = None if shard is None else shard.slice(name)
+            cut = None if shard is None else shard.slice(quantization.weight_name(name))
+            if cut is not None and quantization.is_scale(name):
+                cut = quantization.scale_slice(cut, len(full), method)
             tensor = _assemble(name, pieces, reader, concatenate, cut)
             want = shapes[name] if cut is None else cut.shape(shapes[name])
             if tuple(tensor.shape) != want:   # pieces of inconsistent shapes
@@ -292,7 +312,7 @@ def _plan(index: dict[str, Path], shapes: dict, config: M3TextConfig) -> dict[st
 
 def _check_pieces(name, pieces: dict, config: M3TextConfig):
     """A merged tensor must have all its pieces and nothing else."""
-    keys = set(pieces)
+    keys, name = set(pieces), quantization.weight_name(name)
     if keys == {()}:
         return
     if () in keys:
@@ -330,7 +350,7 @@ def _groups(name, pieces: dict):
     keys = sorted(pieces)
     if keys == [()]:
         return False, [[pieces[()]]]
-    if len(keys[0]) == 1 and name.endswith(".down_proj"):
+    if len(keys[0]) == 1 and quantization.weight_name(name).endswith(".down_proj"):
         return True, [[pieces[k]] for k in keys]
     if len(keys[0]) == 1:
         return False, [[pieces[k] for k in keys]]
@@ -422,7 +442,7 @@ class TensorReader:
         index = None if dim is None else (slice(None),) * dim + (slice(start, stop),)
         try:
             return f.get_tensor(stored) if index is None else f.get_slice(stored)[index]
-        except TypeError:  # numpy cannot name bfloat16 / float8: view the raw bytes through ml_dtypes
+        except (TypeError, AttributeError):  # numpy cannot name bfloat16 / float8: the raw bytes through ml_dtypes
             return _read_raw(path, stored, index)
 
     def close(self):

@@ -40,7 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["write_tiny_checkpoint", "tiny_text_config", "PAD_ID", "BOS_ID", "EOS_ID", "CHAT_TEMPLATE", "main"]
+from .quantization import CHECKPOINT_METHODS, FP8_BLOCK, MX_BLOCK, SCALE_SUFFIXES, is_quantized, scale_name
+
+__all__ = ["write_tiny_checkpoint", "tiny_text_config", "tiny_fp8_config", "PAD_ID", "BOS_ID", "EOS_ID",
+           "CHAT_TEMPLATE", "main"]
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 _SPECIALS = ("<pad>", "<s>", "</s>")
@@ -181,8 +184,17 @@ def tiny_text_config(*, vocab_size=512, hidden_size=128, num_hidden_layers=4, nu
     }
 
 
+def tiny_fp8_config() -> dict:
+    """Keyword arguments of :func:`tiny_text_config` (and :func:`write_tiny_checkpoint`) for a tiny model
+    whose quantized weights are whole 128 x 128 blocks (the FP8 kernels' unit): 2 layers (layer 0 dense
+    attention + dense MLP, layer 1 MSA + MoE), hidden 128, 2 query / 1 KV heads of 128, 1 index head of
+    128, 4 experts (top 2) of 128, shared expert and dense MLP of 128."""
+    return dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                index_head_dim=128, intermediate_size=128, shared_intermediate_size=128, dense_intermediate_size=128)
+
+
 def write_tiny_checkpoint(path, *, seed: int = 0, dtype: str = "float32", form: str = "vl", num_shards: int = 1,
-                          **config_overrides) -> Path:
+                          quantization: str | None = None, **config_overrides) -> Path:
     """Write a tiny random M3 checkpoint to directory ``path`` (created); -> ``Path(path)``.
 
     seed:       weights are a function of the seed (and the shapes) only.
@@ -190,6 +202,13 @@ def write_tiny_checkpoint(path, *, seed: int = 0, dtype: str = "float32", form: 
     form:       "vl" (nested config, original tensor names, plus vision/projector/mtp
                 tensors) or "text" (flat config, transformers' text-model names).
     num_shards: > 1 writes ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``.
+    quantization: None, "fp8" or "mxfp8": the linear weights of ``m3_engine.quantization.is_quantized``
+                as a quantized checkpoint stores them (the same random weights, rounded to ``dtype``,
+                then quantized), with config.json's ``quantization_config``: "fp8": e4m3 +
+                ``weight_scale_inv`` float32 per 128 x 128 block (DeepSeek-V3's format; quantized as
+                ``m3_torch.fp8.quantize_weight`` does, bit for bit); "mxfp8": e4m3 + ``weight_scale``
+                uint8 UE8M0 exponents per 1 x 32 block along K. Every dimension of those weights must
+                then be a multiple of 128 (see :func:`tiny_fp8_config`).
     config_overrides: keyword arguments of :func:`tiny_text_config` (``hidden_size=64``, ...).
     """
     from safetensors.numpy import save_file
@@ -200,23 +219,36 @@ def write_tiny_checkpoint(path, *, seed: int = 0, dtype: str = "float32", form: 
         raise ValueError(f"form: expected 'vl' or 'text', got {form!r}")
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards: expected an int >= 1, got {num_shards!r}")
+    if quantization not in (None,) + CHECKPOINT_METHODS:
+        raise ValueError(f"quantization: expected None or one of {CHECKPOINT_METHODS}, got {quantization!r}")
     text = tiny_text_config(dtype=dtype, **config_overrides)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
-    tensors = _random_weights(text, np.random.default_rng(seed))
-    if form == "vl":
-        config = _vl_config(text)
-        tensors = {_original_name(n): t for n, t in tensors.items()}
-        tensors = _split_merged(tensors)
-        tensors.update(_extra_vl_tensors(config, np.random.default_rng(seed + 1)))
-    else:
-        config = _flat_config(text)
     np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)
     if np_dtype is None:
         import ml_dtypes  # installed with JAX (not a dependency of the package); only bfloat16 needs it
         np_dtype = ml_dtypes.bfloat16
-    tensors = {n: np.ascontiguousarray(t.astype(np_dtype)) for n, t in sorted(tensors.items())}
+    tensors = _random_weights(text, np.random.default_rng(seed))
+    stored = set()   # quantized tensors and scales: kept as they are
+    if quantization is not None:
+        quantize = _quantize_fp8 if quantization == "fp8" else _quantize_mxfp8
+        for name in [n for n in tensors if is_quantized(n)]:
+            codes, scale = quantize(tensors[name].astype(np_dtype).astype(np.float32))
+            tensors[name], tensors[scale_name(name, quantization)] = codes, scale
+            stored |= {name, scale_name(name, quantization)}
+    if form == "vl":
+        config = _vl_config(text)
+        stored = {_original_name(n) for n in stored}
+        tensors = _split_merged({_original_name(n): t for n, t in tensors.items()}, stored)
+        tensors.update(_extra_vl_tensors(config, np.random.default_rng(seed + 1)))
+    else:
+        config = _flat_config(text)
+    if quantization is not None:
+        config["quantization_config"] = (
+            {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+            if quantization == "fp8" else {"quant_method": "mxfp8"})
+    tensors = {n: np.ascontiguousarray(t if n in stored else t.astype(np_dtype)) for n, t in sorted(tensors.items())}
 
     for old in list(path.glob("*.safetensors")) + [path / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
@@ -301,24 +333,57 @@ def _original_name(name: str) -> str:
     return name
 
 
-def _split_merged(tensors: dict) -> dict:
-    """Merged tensors -> the original per-expert / gate-up pieces."""
+def _split_merged(tensors: dict, stored: set) -> dict:
+    """Merged tensors -> the original per-expert / gate-up pieces (a quantized weight's scales split as the
+    weight does; the pieces of a name in ``stored`` are added to it)."""
     out = {}
     for name, t in tensors.items():
-        if name.endswith(".experts.gate_up_proj"):
-            base, half = name.removesuffix(".gate_up_proj"), t.shape[1] // 2
+        suffix = next((s for s in SCALE_SUFFIXES.values() if name.endswith(s)), "")   # a scale's, or none
+        merged = name.removesuffix(suffix) if suffix else name
+        pieces = {}
+        if merged.endswith(".experts.gate_up_proj"):
+            base, half = merged.removesuffix(".gate_up_proj"), t.shape[1] // 2
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = t[e, :half], t[e, half:]
-        elif name.endswith(".experts.down_proj"):
-            base = name.removesuffix(".down_proj")
+                pieces[f"{base}.{e}.w1.weight{suffix}"] = t[e, :half]
+                pieces[f"{base}.{e}.w3.weight{suffix}"] = t[e, half:]
+        elif merged.endswith(".experts.down_proj"):
+            base = merged.removesuffix(".down_proj")
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.w2.weight"] = t[e]
-        elif name.endswith(".gate_up_proj.weight"):
-            base, half = name.removesuffix(".gate_up_proj.weight"), t.shape[0] // 2
-            out[f"{base}.gate_proj.weight"], out[f"{base}.up_proj.weight"] = t[:half], t[half:]
+                pieces[f"{base}.{e}.w2.weight{suffix}"] = t[e]
+        elif merged.endswith(".gate_up_proj.weight"):
+            base, half = merged.removesuffix(".gate_up_proj.weight"), t.shape[0] // 2
+            pieces[f"{base}.gate_proj.weight{suffix}"], pieces[f"{base}.up_proj.weight{suffix}"] = t[:half], t[half:]
         else:
-            out[name] = t
+            pieces[name] = t
+        if name in stored:
+            stored |= set(pieces)
+        out.update(pieces)
     return out
+
+
+def _quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``[..., N, K]`` -> (e4m3 codes, float32 scales ``[..., ceil(N / 128), ceil(K / 128)]``):
+    ``m3_torch.fp8.quantize_weight``'s formula in float32 numpy (the same bits)."""
+    import ml_dtypes
+    *lead, n, k = w.shape
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = np.zeros((*lead, nb * FP8_BLOCK, kb * FP8_BLOCK), np.float32)
+    padded[..., :n, :k] = w
+    blocks = padded.reshape(*lead, nb, FP8_BLOCK, kb, FP8_BLOCK)
+    scale = np.maximum(np.abs(blocks).max(axis=(-3, -1)), np.float32(1e-12)) / np.float32(448.0)
+    codes = np.clip(blocks / scale[..., :, None, :, None], -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+    return codes.reshape(padded.shape)[..., :n, :k], scale
+
+
+def _quantize_mxfp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``[..., N, K]`` (K a multiple of 32) -> (e4m3 codes, uint8 UE8M0 scales ``[..., N, K / 32]``):
+    per 1 x 32 block the smallest power of two ``2 ** e`` with ``amax / 2 ** e <= 448``, stored as ``e + 127``."""
+    import ml_dtypes
+    blocks = w.reshape(*w.shape[:-1], w.shape[-1] // MX_BLOCK, MX_BLOCK)
+    amax = np.abs(blocks).max(axis=-1)
+    exponent = np.clip(np.ceil(np.log2(np.maximum(amax, np.float32(2.0 ** -126)) / np.float32(448.0))), -127, 127)
+    codes = np.clip(blocks / np.exp2(exponent)[..., None], -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+    return codes.reshape(w.shape), (exponent + 127).astype(np.uint8)
 
 
 def _extra_vl_tensors(config: dict, rng: np.random.Generator) -> dict:

@@ -20,7 +20,9 @@ from m3_kernels.maps import FP8_BLOCK, cdiv
 from ._triton_call import on_gpu
 from .ops import operand, run
 
-__all__ = ["quantize_weight", "quantize_activation", "fp8_linear", "fused_moe_fp8"]
+MX_BLOCK = 32   # MXFP8 (OCP MX): one UE8M0 scale per 32 elements along K (m3_engine.quantization.MX_BLOCK)
+
+__all__ = ["quantize_weight", "dequantize_mxfp8", "quantize_activation", "fp8_linear", "fused_moe_fp8"]
 
 
 @jax.jit
@@ -37,6 +39,26 @@ def quantize_weight(weight):
     scale = jnp.maximum(jnp.abs(blocks).max(axis=(-3, -1)), jnp.float32(AMAX_FLOOR.value)) / e4m3_max
     codes = jnp.clip(blocks / scale[..., :, None, :, None], -e4m3_max, e4m3_max).astype(jnp.float8_e4m3fn)
     return codes.reshape(*lead, nb * block, kb * block)[..., :n, :k], scale
+
+
+def dequantize_mxfp8(codes, scale):
+    """An MXFP8 weight -> float32 ``[..., N, K]`` (exact): as ``m3_torch.fp8.dequantize_mxfp8`` (codes
+    float8_e4m3fn, scale ``[..., N, ceil(K / 32)]`` uint8 UE8M0)."""
+    if codes.dtype != jnp.float8_e4m3fn or scale.dtype != jnp.uint8:
+        raise TypeError(f"dequantize_mxfp8: expected float8_e4m3fn codes and uint8 scales, got {codes.dtype} "
+                        f"and {scale.dtype}")
+    k = codes.shape[-1]
+    if scale.shape != (*codes.shape[:-1], cdiv(k, MX_BLOCK)):
+        raise ValueError(f"scale: expected shape {(*codes.shape[:-1], cdiv(k, MX_BLOCK))} for codes of shape "
+                         f"{tuple(codes.shape)}, got {tuple(scale.shape)}")
+    return _dequantize_mxfp8(codes, scale)
+
+
+@jax.jit
+def _dequantize_mxfp8(codes, scale):
+    k = codes.shape[-1]
+    factor = jnp.repeat(jnp.exp2(scale.astype(jnp.float32) - 127.0), MX_BLOCK, axis=-1)[..., :k]
+    return codes.astype(jnp.float32) * factor
 
 
 def quantize_activation(x):

@@ -22,8 +22,11 @@ once, in docs/ENGINE.md ("The model's semantics"). The torch twin is
 ``m3_torch/model.py`` (same math and roundings). On the CPU the experts run as
 ``jax.lax.ragged_dot_general`` over token rows sorted by expert (the canonical
 ``[E, out, in]`` weights, no transpose); the sum over the k experts is float32
-on both. The module-level ``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` are
-that math in XLA ops (and the EAGLE-3 head's building blocks).
+on both. FP8 weights (an :class:`Fp8Weight`: a weight and its ``_scale_inv`` in
+the params) run in ``fp8_linear`` / ``fused_moe_fp8`` on both backends (the
+kernels in the interpreter on the CPU), as in torch. The module-level
+``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` are that math in XLA ops (and
+the EAGLE-3 head's building blocks).
 """
 
 from __future__ import annotations
@@ -35,16 +38,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3_engine.model_config import M3TextConfig
+from m3_engine.quantization import is_scale, scale_name
 from m3_kernels.pool import PoolLayout
 
 from .cache import layer_views, write_cache
 from ._triton_call import on_gpu
 from .api import StepSpec, msa_attention_step
+from .fp8 import fp8_linear, fused_moe_fp8
 from .fused import moe_route, qk_norm_rope
 from .moe import fused_moe
 
-__all__ = ["StepBatch", "forward", "hidden_states", "logits", "attention", "mlp", "moe", "route", "experts", "local_experts", "rms_norm", "rope_cos_sin",
-           "apply_rope", "swiglu_oai", "linear", "inv_freq", "pool_layout", "DTYPES"]
+__all__ = ["StepBatch", "forward", "hidden_states", "logits", "attention", "mlp", "moe", "route", "experts",
+           "local_experts", "rms_norm", "rope_cos_sin", "apply_rope", "swiglu_oai", "linear", "Fp8Weight", "inv_freq",
+           "pool_layout", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -69,8 +75,24 @@ class StepBatch(NamedTuple):
 
 # -- building blocks (transformers' modules, on [T, ...] token rows) --------------------------
 
+class Fp8Weight(NamedTuple):
+    """A block-scaled FP8 linear weight (``m3_engine.quantization``): ``W ~= weight * scale`` per 128 x 128
+    block. weight: ``[..., N, K]`` float8_e4m3fn; scale: ``[..., ceil(N / 128), ceil(K / 128)]`` float32.
+    The params hold the two as ``<name>`` and ``<name>_scale_inv``; a layer's view pairs them."""
+    weight: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple:
+        return self.weight.shape
+
+
 def linear(x, w):
-    """``x @ w.T`` (a torch ``F.linear``) in x's dtype; float32 at full precision (no TF32)."""
+    """``x @ W.T`` (a torch ``F.linear``) in x's dtype, ``w`` an array (float32 at full precision, no TF32) or
+    an :class:`Fp8Weight` (``fp8_linear``: x quantized per token and 128 channels, FP8 GEMM; on the CPU the
+    kernel in the interpreter)."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w.weight, w.scale)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=precision)
 
@@ -161,13 +183,20 @@ def moe(p: Mapping, x, config: M3TextConfig, expert_start=None):
     if expert_start is not None:
         chosen, top_w = local_experts(chosen, top_w, expert_start, p["experts.gate_up_proj"].shape[0])
     gate_up, down = p["shared_experts.gate_up_proj.weight"], p["shared_experts.down_proj.weight"]
-    if not on_gpu():
+    fp8 = isinstance(p["experts.gate_up_proj"], Fp8Weight)   # FP8 experts: the kernels, also on the CPU
+    if not on_gpu() and not fp8:
         return experts(p, x, chosen, top_w, c) * c.routed_scaling_factor + mlp(x, gate_up, down, c)
     fuse_shared = down.shape[1] == p["experts.down_proj"].shape[2]
-    out = fused_moe(x, p["experts.gate_up_proj"], p["experts.down_proj"], chosen, top_w,
-                    swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit,
-                    routed_scaling_factor=c.routed_scaling_factor,
-                    **(dict(shared_gate_up=gate_up, shared_down=down) if fuse_shared else {}))
+    options = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit,
+                   routed_scaling_factor=c.routed_scaling_factor)
+    if fp8:
+        shared = dict(shared_gate_up=gate_up.weight, shared_gate_up_scale=gate_up.scale, shared_down=down.weight,
+                      shared_down_scale=down.scale)
+        out = fused_moe_fp8(x, *p["experts.gate_up_proj"], *p["experts.down_proj"], chosen, top_w, **options,
+                            **(shared if fuse_shared else {}))
+    else:
+        out = fused_moe(x, p["experts.gate_up_proj"], p["experts.down_proj"], chosen, top_w, **options,
+                        **(dict(shared_gate_up=gate_up, shared_down=down) if fuse_shared else {}))
     return out if fuse_shared else out + mlp(x, gate_up, down, c)
 
 
@@ -239,8 +268,11 @@ def _project(p: Mapping, qkv, positions, config: M3TextConfig, sparse: bool):
 # -- the model ----------------------------------------------------------------------------------
 
 def _layer_params(params: Mapping, layer: int, part: str) -> dict:
+    """Layer ``layer``'s ``part`` tensors by suffix; an FP8 weight and its ``_scale_inv`` as one :class:`Fp8Weight`."""
     prefix = f"model.layers.{layer}.{part}."
-    return {name[len(prefix):]: w for name, w in params.items() if name.startswith(prefix)}
+    scales = {name: params.get(scale_name(name)) for name in params if name.startswith(prefix) and not is_scale(name)}
+    return {name[len(prefix):]: params[name] if scale is None else Fp8Weight(params[name], scale)
+            for name, scale in scales.items()}
 
 
 def forward(params: Mapping, pool, batch: StepBatch, maps, *, config: M3TextConfig, layout: PoolLayout,

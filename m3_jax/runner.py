@@ -62,12 +62,13 @@ from m3_engine import checkpoint
 from m3_engine.args import CheckedArgs, check_gpu_device
 from m3_engine.buckets import StepBuckets
 from m3_engine.dummy_weights import dummy_dtype
+from m3_engine.quantization import is_quantized, is_scale, load_stream
 from m3_engine.runner import SampleResult, SamplingBatch
 from m3_engine.scheduler import DraftPass
 from m3_engine.step_inputs import Step, StepBuilder
 from m3_kernels.maps import next_pow2
 
-from . import eagle3, model, tp
+from . import eagle3, fp8, model, tp
 from .api import StepSpec, step_inputs
 from .cache import allocate_pool
 from .dummy_weights import dummy_params
@@ -153,17 +154,26 @@ class JaxRunner:
         with self._on_device():
             if args.load_format == "dummy":   # random weights drawn on the device(s) (m3_jax.dummy_weights)
                 self.dtype = dummy_dtype(dtype, config)
-                self.params = dummy_params(self.tp, dtype=self.dtype, seed=args.seed, mesh=self.mesh)
+                self.params = dict(load_stream(
+                    dummy_params(self.tp, dtype=self.dtype, seed=args.seed, mesh=self.mesh).items(),
+                    checkpoint=None, quantization=args.quantization, quantize=fp8.quantize_weight,
+                    dequantize_mxfp8=None))
             elif self.mesh is None:
-                weights = checkpoint.load_weights(args.model_dir, config, framework="numpy")
-                if config.tie_word_embeddings:
-                    del weights["lm_head.weight"]   # the head is the embedding
-                self.dtype = dtype or config.dtype or np.dtype(weights["model.embed_tokens.weight"].dtype).name
-                self.params = {name: self._put(np.asarray(w).astype(jnp.dtype(self.dtype)))
-                               for name, w in weights.items()}
-                del weights
+                skip = ("lm_head.weight",) if config.tie_word_embeddings else ()   # the head is the embedding
+                weights = load_stream(
+                    checkpoint.iter_weights(args.model_dir, config, framework="numpy", skip=skip),
+                    checkpoint=args.checkpoint_quantization, quantization=args.quantization,
+                    quantize=lambda w: fp8.quantize_weight(self._put(w)),   # on the device, a tensor at a time
+                    dequantize_mxfp8=lambda codes, scale: fp8.dequantize_mxfp8(self._put(codes), self._put(scale)))
+                self.params, self.dtype = {}, None
+                for name, w in weights:
+                    self.dtype = self.dtype or dtype or config.dtype or np.dtype(w.dtype).name   # the embedding's
+                    fp8_part = args.quantization is not None and (is_quantized(name) or is_scale(name))
+                    self.params[name] = self._put(w if fp8_part else np.asarray(w).astype(jnp.dtype(self.dtype)))
             else:
-                self.params, self.dtype = tp.load_params(args.model_dir, self.tp, self.mesh, dtype)
+                self.params, self.dtype = tp.load_params(args.model_dir, self.tp, self.mesh, dtype,
+                                                         quantization=args.quantization,
+                                                         checkpoint_quantization=args.checkpoint_quantization)
             self.pool_layout = model.pool_layout(self.tp.local_config, sc.num_slots, self.dtype,  # one shard's
                                                  kv_cache_dtype=args.kv_cache_dtype,
                                                  index_cache_dtype=args.index_cache_dtype)

@@ -38,16 +38,19 @@ shard sees the same step (the plans are made for one shard's heads).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from m3_engine import checkpoint
+from m3_engine.quantization import is_quantized, is_scale, load_stream, weight_name
 from m3_kernels.pool import PoolLayout
 from m3_engine.tp import TPPlan
 
-from . import model
+from . import fp8, model
 
 __all__ = ["AXIS", "make_mesh", "param_spec", "load_params", "allocate_pool", "forward", "replicated"]
 
@@ -64,35 +67,45 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def param_spec(plan: TPPlan, name: str, ndim: int) -> P:
     """The PartitionSpec of canonical tensor ``name`` in the global (TP-layout) params."""
-    cut = plan.slice(name, 0)
+    cut = plan.slice(weight_name(name), 0)   # an FP8 scale splits on its weight's axis
     if cut is None:
         return P()
     return P(*[AXIS if d == cut.dim else None for d in range(ndim)])
 
 
-def load_params(model_dir, plan: TPPlan, mesh: Mesh, dtype: str | None) -> tuple[dict, str]:
+def load_params(model_dir, plan: TPPlan, mesh: Mesh, dtype: str | None, *, quantization: str | None = None,
+                checkpoint_quantization: str | None = None) -> tuple[dict, str]:
     """-> ``(params, dtype name)``: every tensor as a global array sharded by :func:`param_spec`.
 
     The ranks' checkpoint readers advance together, one tensor at a time, so
     the host holds one tensor's slices at a time; each slice goes straight to
-    its device.
+    its device. ``quantization="fp8"``: each rank's slice of a quantized weight is
+    quantized (or converted from MXFP8) on its device (``m3_engine.quantization``).
     """
     c = plan.config
     devices = list(mesh.devices.flat)
-    readers = [checkpoint.iter_weights(model_dir, c, framework="numpy", shard=plan.rank(r),
-                                       skip=("lm_head.weight",) if c.tie_word_embeddings else ())
-               for r in range(plan.size)]
     held = checkpoint.expected_shapes(c)
+
+    def reader(r):
+        put = functools.partial(jax.device_put, device=devices[r])
+        return load_stream(checkpoint.iter_weights(model_dir, c, framework="numpy", shard=plan.rank(r),
+                                                   skip=("lm_head.weight",) if c.tie_word_embeddings else ()),
+                           checkpoint=checkpoint_quantization, quantization=quantization,
+                           quantize=lambda w: fp8.quantize_weight(put(w)),
+                           dequantize_mxfp8=lambda codes, scale: fp8.dequantize_mxfp8(put(codes), put(scale)))
+
     params = {}
-    for shards in zip(*readers):
+    for shards in zip(*[reader(r) for r in range(plan.size)]):
         name = shards[0][0]
         dtype = dtype or c.dtype or np.dtype(shards[0][1].dtype).name
+        fp8_part = quantization is not None and (is_quantized(name) or is_scale(name))   # kept as they are
         # the vocabulary tensors of the last ranks: padded with zero rows to the held shape
-        locals_ = [_pad_rows(np.asarray(w).astype(jnp.dtype(dtype)), plan.rank(r).shape(name, held[name])[0])
+        locals_ = [w if fp8_part else
+                   _pad_rows(np.asarray(w).astype(jnp.dtype(dtype)), plan.rank(r).shape(name, held[name])[0])
                    for r, (_, w) in enumerate(shards)]
         spec = param_spec(plan, name, locals_[0].ndim)
         sharding = NamedSharding(mesh, spec)
-        if plan.slice(name, 0) is None:   # replicated
+        if plan.slice(weight_name(name), 0) is None:   # replicated
             params[name] = jax.device_put(locals_[0], sharding)
         else:
             axis = list(spec).index(AXIS)

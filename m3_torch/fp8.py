@@ -21,7 +21,9 @@ from m3_kernels.maps import FP8_BLOCK, cdiv
 from . import guards
 from .ops import operand, run
 
-__all__ = ["quantize_weight", "quantize_activation", "fp8_linear", "fused_moe_fp8"]
+MX_BLOCK = 32   # MXFP8 (OCP MX): one UE8M0 scale per 32 elements along K (m3_engine.quantization.MX_BLOCK)
+
+__all__ = ["quantize_weight", "dequantize_mxfp8", "quantize_activation", "fp8_linear", "fused_moe_fp8"]
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +44,21 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(AMAX_FLOOR.value) / e4m3_max
     codes = (blocks / scale[..., :, None, :, None]).clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)
     return codes.reshape(*lead, nb * block, kb * block)[..., :n, :k].contiguous(), scale
+
+
+def dequantize_mxfp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An MXFP8 weight -> float32 ``[..., N, K]`` (exact): ``codes [..., N, K]`` float8_e4m3fn times
+    ``2 ** (scale - 127)``, ``scale [..., N, ceil(K / 32)]`` uint8 (UE8M0) one per 1 x 32 block along K.
+    ``quantize_weight`` of the result is the engine's 128 x 128 format (``m3_engine.quantization``)."""
+    if codes.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
+        raise TypeError(f"dequantize_mxfp8: expected float8_e4m3fn codes and uint8 scales, got {codes.dtype} "
+                        f"and {scale.dtype}")
+    k = codes.shape[-1]
+    if scale.shape != (*codes.shape[:-1], cdiv(k, MX_BLOCK)):
+        raise ValueError(f"scale: expected shape {(*codes.shape[:-1], cdiv(k, MX_BLOCK))} for codes of shape "
+                         f"{tuple(codes.shape)}, got {tuple(scale.shape)}")
+    factor = torch.exp2(scale.float() - 127.0).repeat_interleave(MX_BLOCK, dim=-1)[..., :k]
+    return codes.float() * factor
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

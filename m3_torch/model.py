@@ -23,6 +23,11 @@ the cache rows, ``grouped_mm`` for the experts): their interpreted kernels
 cost 25-110 ms a call. tests/ops/test_fused_ops.py and tests/ops/test_moe.py check the
 kernels against these ops.
 
+FP8 weights (``quantization="fp8"``, an :class:`Fp8Weight` per linear weight)
+run in ``fp8_linear`` and ``fused_moe_fp8`` on both devices (on the CPU in the
+interpreter: there is no torch-op twin of their roundings); :func:`linear`
+dispatches on the weight.
+
 No step synchronises with the host, so decode steps are captured in CUDA
 graphs. Weights and activations stay in the weights' dtype; norms, the router
 and the attention softmax compute in float32 where transformers does, and each
@@ -41,7 +46,7 @@ against, and the EAGLE-3 draft head's building blocks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,17 +55,38 @@ from m3_kernels import planner as step_planner
 from m3_kernels.maps import PAGE_SIZE
 from m3_kernels.pool import PoolLayout
 from m3_engine.model_config import M3TextConfig
+from m3_engine.quantization import FP8_BLOCK, scale_name
 
 from . import fused
 from .api import msa_attention_step
 from .cache import LayerCaches, allocate_pool, layer_caches, write_cache
+from .fp8 import fp8_linear, fused_moe_fp8
 from .moe import fused_moe
 
-__all__ = ["M3Model", "StepTensors", "rms_norm", "apply_rope", "rope_cos_sin", "swiglu_oai", "take_weight",
-           "local_experts"]
+__all__ = ["M3Model", "StepTensors", "Fp8Weight", "linear", "rms_norm", "apply_rope", "rope_cos_sin", "swiglu_oai",
+           "take_weight", "take_linear", "local_experts"]
 
 
 # -- building blocks (the math of transformers' modules, on [T, ...] token rows) -------------
+
+class Fp8Weight(NamedTuple):
+    """A block-scaled FP8 linear weight (``m3_engine.quantization``): ``W ~= weight * scale`` per 128 x 128
+    block. weight: ``[..., N, K]`` float8_e4m3fn; scale: ``[..., ceil(N / 128), ceil(K / 128)]`` float32."""
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """``x @ W.T`` in x's dtype, ``w`` a weight tensor (``F.linear``) or an :class:`Fp8Weight` (``fp8_linear``:
+    x quantized per token and 128 channels, FP8 GEMM; its CPU path is the kernel in the interpreter)."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w.weight, w.scale)
+    return F.linear(x, w)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma-style RMSNorm over the last axis: float32 math, scale ``1 + weight``, input dtype out."""
@@ -134,6 +160,7 @@ class _Layer:
     moe: bool
     input_norm: torch.Tensor        # [hidden]
     post_attn_norm: torch.Tensor    # [hidden]
+    # the linear weights (qkv, o_proj, the MLPs' and experts'): a tensor, or an Fp8Weight (quantized)
     qkv: torch.Tensor               # [Hq*D + 2*Hk*D (+ Hi*Di + Di), hidden]: q, k, v (, index q, index k)
     q_norm: torch.Tensor            # [D]
     k_norm: torch.Tensor            # [D]
@@ -158,6 +185,25 @@ def take_weight(weights: dict, name: str) -> torch.Tensor:
         raise ValueError(f"weights: missing tensor {name!r}") from None
 
 
+def take_linear(weights: dict, name: str):
+    """A linear weight, popped: an :class:`Fp8Weight` when ``weights`` holds its scale
+    (``<name>_scale_inv``; made contiguous, as the FP8 kernels read them), else the tensor."""
+    weight = take_weight(weights, name)
+    scale = weights.pop(scale_name(name), None)
+    return weight if scale is None else Fp8Weight(weight.contiguous(), scale.contiguous())
+
+
+def _concat_rows(parts: list):
+    """Linear weights stacked along their output rows (one GEMM for all): FP8 ones by whole 128-row blocks."""
+    if not any(isinstance(p, Fp8Weight) for p in parts):
+        return torch.cat(parts)
+    if not all(isinstance(p, Fp8Weight) and p.shape[0] % FP8_BLOCK == 0 for p in parts):
+        raise ValueError(f"weights: the fused q/k/v projections need every part FP8 with whole 128-row blocks, "
+                         f"got shapes {[tuple(p.shape) for p in parts]} "
+                         f"(FP8: {[isinstance(p, Fp8Weight) for p in parts]})")
+    return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
+
+
 class M3Model:
     """MiniMax-M3 text model over a weights dict (transformers' ``MiniMaxM3VLForCausalLM``
     state-dict names, ``model.layers.{i}.self_attn.q_proj.weight`` ...).
@@ -166,7 +212,10 @@ class M3Model:
     weights:    name -> tensor, all on one device in one float dtype (the engine
                 loads and casts them); every expected tensor must be there and
                 no other. A layer's q/k/v (and index q/k) projections are fused
-                into one matrix (one GEMM per layer).
+                into one matrix (one GEMM per layer). FP8 weights
+                (``m3_engine.quantization``): a quantized linear weight's e4m3
+                codes with its float32 block scales as ``<name>_scale_inv``; it
+                runs in ``fp8_linear`` / ``fused_moe_fp8`` (:class:`Fp8Weight`).
     all_reduce: None, or ``all_reduce(t) -> t``, the sum of ``t`` over the ranks
                 of a tensor-parallel group. The model itself knows nothing of
                 tensor parallelism: given one rank's slices of the weights
@@ -211,27 +260,27 @@ class M3Model:
         c, p = self.config, f"model.layers.{i}."
         sparse, moe = c.sparse_layers[i], c.moe_layers[i]
         att = p + "self_attn."
-        proj = [take_weight(w, att + f"{n}_proj.weight") for n in ("q", "k", "v")]
+        proj = [take_linear(w, att + f"{n}_proj.weight") for n in ("q", "k", "v")]
         extra = {}
         if sparse:
-            proj += [take_weight(w, att + "indexer.q_proj.weight"), take_weight(w, att + "indexer.k_proj.weight")]
+            proj += [take_linear(w, att + "indexer.q_proj.weight"), take_linear(w, att + "indexer.k_proj.weight")]
             extra = dict(index_q_norm=take_weight(w, att + "indexer.q_norm.weight"),
                          index_k_norm=take_weight(w, att + "indexer.k_norm.weight"))
         mlp = p + "mlp."
         if moe:
             extra.update(router=take_weight(w, mlp + "gate.weight"),
                          router_bias=take_weight(w, mlp + "gate.e_score_correction_bias"),
-                         experts_gate_up=take_weight(w, mlp + "experts.gate_up_proj"),
-                         experts_down=take_weight(w, mlp + "experts.down_proj"),
-                         shared_gate_up=take_weight(w, mlp + "shared_experts.gate_up_proj.weight"),
-                         shared_down=take_weight(w, mlp + "shared_experts.down_proj.weight"))
+                         experts_gate_up=take_linear(w, mlp + "experts.gate_up_proj"),
+                         experts_down=take_linear(w, mlp + "experts.down_proj"),
+                         shared_gate_up=take_linear(w, mlp + "shared_experts.gate_up_proj.weight"),
+                         shared_down=take_linear(w, mlp + "shared_experts.down_proj.weight"))
         else:
-            extra.update(mlp_gate_up=take_weight(w, mlp + "gate_up_proj.weight"),
-                         mlp_down=take_weight(w, mlp + "down_proj.weight"))
+            extra.update(mlp_gate_up=take_linear(w, mlp + "gate_up_proj.weight"),
+                         mlp_down=take_linear(w, mlp + "down_proj.weight"))
         return _Layer(sparse=sparse, moe=moe, input_norm=take_weight(w, p + "input_layernorm.weight"),
-                      post_attn_norm=take_weight(w, p + "post_attention_layernorm.weight"), qkv=torch.cat(proj),
+                      post_attn_norm=take_weight(w, p + "post_attention_layernorm.weight"), qkv=_concat_rows(proj),
                       q_norm=take_weight(w, att + "q_norm.weight"), k_norm=take_weight(w, att + "k_norm.weight"),
-                      o_proj=take_weight(w, att + "o_proj.weight"), **extra)
+                      o_proj=take_linear(w, att + "o_proj.weight"), **extra)
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -315,7 +364,7 @@ class M3Model:
         c = self.config
         if layer.moe:
             return self._moe(layer, h)
-        return F.linear(swiglu_oai(F.linear(h, layer.mlp_gate_up), c.swiglu_alpha, c.swiglu_limit), layer.mlp_down)
+        return linear(swiglu_oai(linear(h, layer.mlp_gate_up), c.swiglu_alpha, c.swiglu_limit), layer.mlp_down)
 
     @torch.no_grad()
     def projections(self, i: int, h: torch.Tensor, positions: torch.Tensor):
@@ -338,7 +387,7 @@ class M3Model:
         """The layer's fused q/k/v (/index q/k) GEMM, then one kernel (``m3_torch.qk_norm_rope``): q/k
         norms and RoPE, the K/V/index-K rows written to ``cache`` -> (q, idx_q or None)."""
         c = self.config
-        qkv = F.linear(h, layer.qkv)
+        qkv = linear(h, layer.qkv)
         if h.is_cuda:
             return fused.qk_norm_rope(qkv, positions, self.inv_freq, layer.q_norm, layer.k_norm, cache.k_cache,
                                       cache.v_cache, slot_mapping, num_q_heads=c.num_attention_heads,
@@ -368,7 +417,7 @@ class M3Model:
         out, _ = msa_attention_step(q, idx_q, cache.k_cache, cache.v_cache, cache.index_k_cache, step.block_table,
                                     step.seq_lens, plan=plan, sparse=layer.sparse, init_blocks=c.index_init_blocks,
                                     local_blocks=c.index_local_blocks, sm_scale=c.attention_scale)
-        return F.linear(out.view(h.shape[0], -1), layer.o_proj)
+        return linear(out.view(h.shape[0], -1), layer.o_proj)
 
     def _moe(self, layer: _Layer, h):
         c = self.config
@@ -376,20 +425,28 @@ class M3Model:
         num_experts = layer.experts_gate_up.shape[0]
         if num_experts != c.num_local_experts:   # expert parallel: this rank's experts only
             chosen, top_w = local_experts(chosen, top_w, self.expert_start, num_experts)
-        if not h.is_cuda:
+        fp8 = isinstance(layer.experts_gate_up, Fp8Weight)   # FP8 experts: the kernels, also on the CPU
+        if not h.is_cuda and not fp8:
             return self._experts(layer, h, chosen, top_w) * c.routed_scaling_factor + self._shared_expert(layer, h)
         # the shared expert runs inside fused_moe as one more expert when it has the experts' width (M3's)
         fuse_shared = layer.shared_down.shape[1] == layer.experts_down.shape[2]
-        shared = dict(shared_gate_up=layer.shared_gate_up, shared_down=layer.shared_down) if fuse_shared else {}
-        out = fused_moe(h, layer.experts_gate_up, layer.experts_down, chosen, top_w,
-                        swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit,
-                        routed_scaling_factor=c.routed_scaling_factor, **shared)
+        options = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit,
+                       routed_scaling_factor=c.routed_scaling_factor)
+        if fp8:
+            shared = dict(shared_gate_up=layer.shared_gate_up.weight, shared_gate_up_scale=layer.shared_gate_up.scale,
+                          shared_down=layer.shared_down.weight, shared_down_scale=layer.shared_down.scale)
+            out = fused_moe_fp8(h, *layer.experts_gate_up, *layer.experts_down, chosen.to(torch.int32), top_w,
+                                **options, **(shared if fuse_shared else {}))
+        else:
+            shared = dict(shared_gate_up=layer.shared_gate_up, shared_down=layer.shared_down)
+            out = fused_moe(h, layer.experts_gate_up, layer.experts_down, chosen, top_w, **options,
+                            **(shared if fuse_shared else {}))
         return out if fuse_shared else out + self._shared_expert(layer, h)
 
     def _shared_expert(self, layer: _Layer, h):
         c = self.config
-        return F.linear(swiglu_oai(F.linear(h, layer.shared_gate_up), c.swiglu_alpha, c.swiglu_limit),
-                        layer.shared_down)
+        return linear(swiglu_oai(linear(h, layer.shared_gate_up), c.swiglu_alpha, c.swiglu_limit),
+                      layer.shared_down)
 
     def _route(self, layer: _Layer, h):
         """The router (``m3_torch.moe_route``): -> (chosen [T, k] int32 expert ids, top_w [T, k]

@@ -25,10 +25,12 @@ import torch._dynamo  # noqa: F401
 
 from m3_engine import checkpoint
 from m3_engine.dummy_weights import dummy_dtype
+from m3_engine.quantization import is_quantized, is_scale, load_stream
 from m3_engine.step_inputs import Step
 from m3_engine.tp import VOCAB_TENSORS, TPPlan
 from m3_kernels.pool import PoolLayout
 
+from . import fp8
 from .cache import allocate_pool, layer_caches
 from .dummy_weights import iter_dummy_weights
 from .model import M3Model, StepTensors
@@ -66,6 +68,9 @@ class RankRunner:
                 ``all_gather``), None on one rank.
     load_format: "auto" (read ``model_dir``'s safetensors) or "dummy" (random weights drawn on the
                 device from ``seed``: ``m3_engine.dummy_weights``).
+    quantization: None or "fp8": the linear weights as e4m3 codes and 128 x 128 block scales
+                (``m3_engine.quantization``); checkpoint_quantization: the checkpoint's (None: the tensors
+                are quantized at load, each on this rank's device; "fp8": read as is; "mxfp8": converted).
     aux_layers: an EAGLE-3 draft's aux layers (one rank only): every step also returns the
                 residual stream after them (``M3Model.hidden_states``), from the graphs too.
     compile_cache_dir: the engine's compile cache folder (``m3_engine.compile_cache``): Triton's
@@ -78,15 +83,22 @@ class RankRunner:
     def __init__(self, *, model_dir, tp: TPPlan, rank: int, device, dtype, num_slots: int, max_blocks: int,
                  cuda_graphs: bool, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
                  all_reduce: Optional[Callable] = None, all_gather: Optional[Callable] = None,
-                 load_format: str = "auto", seed: int = 0, aux_layers: tuple = (), compile_cache_dir=None):
+                 load_format: str = "auto", seed: int = 0, quantization: Optional[str] = None,
+                 checkpoint_quantization: Optional[str] = None, aux_layers: tuple = (), compile_cache_dir=None):
         c = tp.config
         if compile_cache_dir is not None:
             use_compile_cache(compile_cache_dir)
         self.rank, self.device, self.max_blocks = rank, rank_device(torch.device(device), rank), max_blocks
         self.aux_layers = tuple(aux_layers)
         weights, self.dtype = {}, dtype
-        for name, w in self._weights(model_dir, tp, load_format, seed):
-            self.dtype = self.dtype or w.dtype   # a config without a dtype: the tensors'
+        stream = load_stream(self._weights(model_dir, tp, load_format, seed), checkpoint=checkpoint_quantization,
+                             quantization=quantization, quantize=fp8.quantize_weight,
+                             dequantize_mxfp8=fp8.dequantize_mxfp8)
+        for name, w in stream:
+            self.dtype = self.dtype or w.dtype   # a config without a dtype: the tensors' (the embedding's first)
+            if quantization is not None and (is_quantized(name) or is_scale(name)):
+                weights[name] = w   # FP8 codes and float32 scales
+                continue
             padding = tp.vocab_rows - w.shape[0] if name in VOCAB_TENSORS else 0
             if padding:   # read from the checkpoint: the last ranks' vocabulary rows past vocab_size
                 w = torch.cat([w, w.new_zeros((padding,) + tuple(w.shape[1:]))])

@@ -86,7 +86,8 @@ class TorchRunner:
                            num_slots=sc.num_slots, max_blocks=sc.max_blocks,
                            cuda_graphs=bool(self.buckets.decode_batch_sizes),
                            kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype,
-                           load_format=args.load_format, seed=args.seed,
+                           load_format=args.load_format, seed=args.seed, quantization=args.quantization,
+                           checkpoint_quantization=args.checkpoint_quantization,
                            compile_cache_dir=args.compile_cache_dir)
         self._workers = None
         all_reduce = all_gather = None

@@ -194,7 +194,7 @@ def test_bad_sampling_params_same_error(kw):
 BAD_ENGINE = [dict(seed=-2), dict(dtype="bf16"), dict(dtype=3), dict(device="cuda"), dict(device="tpu"),
               dict(max_num_seqs=0), dict(max_model_len=10 ** 6), dict(kv_cache_dtype="int4"),
               dict(tensor_parallel_size=0), dict(enforce_eager="yes"), dict(num_gpu_blocks_override=0),
-              dict(gpu_memory_utilization=1.5), dict(quantization="fp8"), dict(enable_expert_parallel=True),
+              dict(gpu_memory_utilization=1.5), dict(quantization="awq"), dict(enable_expert_parallel=True),
               dict(max_batch=4)]
 
 

@@ -1205,7 +1205,7 @@ def test_cli_flags():
     (["{m}", "--port", "-1"], r"^error: argument --port: expected an int >= 0, got -1$"),
     (["/nonexistent/m3"], r"^error: MODEL_DIR: /nonexistent/m3 has no config.json"),
     (["{m}", "--max-num-seqs", "0"], r"^error: --max-num-seqs: expected an int >= 1, got 0$"),
-    (["{m}", "--quantization", "fp8"], r"^error: --quantization: expected None"),
+    (["{m}", "--quantization", "awq"], r"^error: --quantization: expected None"),
     (["{m}", "--tool-call-parser", "hermes"], r"^error: argument --tool-call-parser: invalid choice: 'hermes'"),
     (["{m}", "--reasoning-parser", "r1"], r"^error: argument --reasoning-parser: invalid choice: 'r1'"),
     (["{m}", "--enable-auto-tool-choice"], r"^error: --enable-auto-tool-choice: needs --tool-call-parser"),
