@@ -174,6 +174,9 @@ class EngineArgs:
         None, 'speculative decoding, vLLM\'s speculative_config, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' or \'{"method": "eagle3", "model": DRAFT_DIR, '
         '"num_speculative_tokens": 3}\' (eagle3: tensor_parallel_size 1)', type=parse_json, metavar="JSON")
+    async_scheduling: bool = _option(False, "schedule and submit each step while the previous one runs on the "
+                                     "device (same tokens; not with speculative_config; "
+                                     "tensor_parallel_size 1)")
 
     def check(self) -> "CheckedArgs":
         """Every option checked and resolved, before any framework work."""
@@ -195,6 +198,8 @@ class EngineArgs:
             raise ValueError(f"seed: expected an int in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling: expected a bool, got {self.async_scheduling!r}")
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {utilization!r}")
@@ -203,6 +208,12 @@ class EngineArgs:
                              f"{SUPPORTED_QUANTIZATION or 'none'}), got {self.quantization!r}")
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
         draft = _draft_config(speculative, config, tp) if speculative is not None else None
+        if self.async_scheduling and speculative is not None:
+            raise ValueError(f"async_scheduling: not with speculative decoding (speculative_config method "
+                             f"{speculative.method!r}): expected async_scheduling=False")
+        if self.async_scheduling and tp.size > 1:   # the other ranks would need rank 0's sampled tokens
+            raise ValueError(f"async_scheduling: needs tensor_parallel_size=1, got {tp.size} "
+                             f"(use async_scheduling=False)")
         scheduler = SchedulerConfig.from_engine_args(
             config, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -213,7 +224,8 @@ class EngineArgs:
                            scheduler=scheduler, kv_cache_dtype=self.kv_cache_dtype,
                            index_cache_dtype=self.index_cache_dtype, seed=self.seed,
                            enforce_eager=self.enforce_eager, load_format=load_format, speculative=speculative,
-                           draft=draft, gpu_memory_utilization=float(utilization))
+                           draft=draft, gpu_memory_utilization=float(utilization),
+                           async_scheduling=self.async_scheduling)
 
 
 def _draft_config(speculative: SpeculativeConfig, config: M3TextConfig, tp: TPPlan) -> Optional[Eagle3Config]:
@@ -250,6 +262,7 @@ class CheckedArgs:
     speculative: Optional[SpeculativeConfig] = None
     draft: Optional[Eagle3Config] = None   # speculative method "eagle3": the draft head's config
     gpu_memory_utilization: float = 0.9   # a GPU runner's memory budget (kv_cache_pages); unused on a CPU
+    async_scheduling: bool = False        # the engine core schedules each step while the previous one runs
 
     def step_config(self) -> StepConfig:
         """The step planner's config of the engine: one rank's heads, the scheduler's limits."""

@@ -51,7 +51,7 @@ class LLM:
     max_num_batched_tokens, prefill_chunk, graph_batch_sizes, gpu_memory_utilization,
     tensor_parallel_size, enable_expert_parallel, quantization, kv_cache_dtype,
     index_cache_dtype, seed, enforce_eager, enable_prefix_caching, load_format,
-    speculative_config), vLLM's names."""
+    speculative_config, async_scheduling), vLLM's names."""
 
     framework = "?"   # "torch" | "jax", set by the framework's subclass
 
@@ -73,7 +73,8 @@ class LLM:
         self.planner = builder.planner   # one rank's heads: every rank runs the plans made here
         self.engine = LLMEngine(self.runner, Scheduler(args.scheduler, self.config, builder=builder,
                                                        speculative=args.speculative),
-                                tokenizer=self.tokenizer, seed=args.seed, generation_defaults=defaults)
+                                tokenizer=self.tokenizer, seed=args.seed, generation_defaults=defaults,
+                                async_scheduling=args.async_scheduling)
 
     # -- life cycle ------------------------------------------------------------------------------
 
