@@ -51,7 +51,7 @@ from .buckets import StepBuckets
 from .scheduler import DraftPass
 from .step_inputs import Step
 
-__all__ = ["Runner", "SamplingBatch", "SampleResult"]
+__all__ = ["Runner", "SynchronousRunner", "SamplingBatch", "SampleResult"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -133,3 +133,17 @@ class Runner(Protocol):
     def propose(self, work: DraftPass) -> np.ndarray: ...
 
     def close(self) -> None: ...
+
+
+class SynchronousRunner:
+    """A base for runners (stand-ins in tests) whose steps are done when ``execute`` returns: ``submit``
+    runs the step, ``result`` hands its outputs back. No carried tokens: not for async scheduling."""
+
+    def submit(self, step: Step, sampling: SamplingBatch, previous: Any = None) -> SampleResult:
+        if step.carry_from is not None:
+            raise ValueError("step.carry_from: this runner takes every token id from the host "
+                             "(expected async_scheduling=False)")
+        return self.execute(step, sampling)
+
+    def result(self, handle: SampleResult) -> SampleResult:
+        return handle

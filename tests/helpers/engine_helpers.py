@@ -7,7 +7,7 @@ import numpy as np
 from m3_engine import SamplingParams
 from m3_engine.buckets import StepBuckets
 from m3_engine.llm import LLM
-from m3_engine.runner import SampleResult
+from m3_engine.runner import SampleResult, SynchronousRunner
 
 
 def generate_ids(llm, prompts, max_new_tokens=16, *, temperature=0.0, top_p=1.0, seed=None, **params):
@@ -22,7 +22,7 @@ def generate_ids(llm, prompts, max_new_tokens=16, *, temperature=0.0, top_p=1.0,
 FAIL_SEED = 990_000   # a request seeded FAIL_SEED + k makes the step that samples its token k fail
 
 
-class FakeRunner:
+class FakeRunner(SynchronousRunner):
     """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3); the sampled token's logprob is
     -temperature (so a test sees the temperature that reached the runner). A row seeded
     ``FAIL_SEED + k`` makes the step sampling its token ``k`` raise. Runs in the engine process of

@@ -43,7 +43,7 @@ openai = pytest.importorskip("openai")
 from benchmarks.serve import parse_metrics                              # noqa: E402
 from m3_engine import SamplingParams, engine_class                      # noqa: E402
 from m3_engine.buckets import StepBuckets                               # noqa: E402
-from m3_engine.runner import SampleResult                               # noqa: E402
+from m3_engine.runner import SampleResult, SynchronousRunner            # noqa: E402
 from m3_engine.tiny_model import EOS_ID, write_tiny_checkpoint          # noqa: E402
 from m3_engine.tokenizer import Tokenizer                               # noqa: E402
 
@@ -688,7 +688,7 @@ def test_bad_requests_while_streaming(server):
 
 # -- the app in this process, over a fake runner ------------------------------------------------------
 
-class FakeRunner:
+class FakeRunner(SynchronousRunner):
     """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3); a row under structured outputs
     takes the allowed token number (seed + 7 * index) % (how many are allowed) instead (a walk like
     random weights'); with ``script`` set, every row takes the script's token at its index (then
