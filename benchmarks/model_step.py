@@ -453,8 +453,8 @@ def jax_step(llm, step, reps: int) -> dict:
     runner = llm.runner
     batch, spec, maps = runner._layout(step)
     flat, packing = pack_inputs((batch, maps, _sampling_arrays(SamplingBatch.greedy(len(step.logits_indices)),
-                                                               len(batch.logits_rows))))
-    inputs = (runner._put(flat),)
+                                                               len(batch.logits_rows)), None))
+    inputs = (runner._put(flat), None)   # no carried tokens (async scheduling off)
     t0 = time.perf_counter()
     compiled = runner._step.lower(runner.params, runner.pool, *inputs, spec=spec, packing=packing,
                                   num_logprobs=None).compile()

@@ -179,6 +179,9 @@ class EngineArgs:
         None, 'speculative decoding, vLLM\'s speculative_config, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' or \'{"method": "eagle3", "model": DRAFT_DIR, '
         '"num_speculative_tokens": 3}\' (eagle3: tensor_parallel_size 1)', type=parse_json, metavar="JSON")
+    async_scheduling: bool = _option(False, "schedule and submit each step while the previous one runs on the "
+                                     "device (same tokens; not with speculative_config; "
+                                     "tensor_parallel_size 1)")
 
     precompile: Optional[bool] = _option(
         None, "compile (JAX) or capture (torch's CUDA graphs) every step program at start, before the engine "
@@ -210,6 +213,8 @@ class EngineArgs:
         if self.precompile is not None and not isinstance(self.precompile, bool):
             raise TypeError(f"precompile: expected None (on a GPU only) or a bool, got {self.precompile!r}")
         compile_cache_dir = resolve_cache_dir(self.compile_cache_dir)
+        if not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling: expected a bool, got {self.async_scheduling!r}")
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {utilization!r}")
@@ -221,6 +226,12 @@ class EngineArgs:
             quant.check_fp8_shapes(tp, expected_shapes(config))
         speculative = SpeculativeConfig.from_dict(self.speculative_config)
         draft = _draft_config(speculative, config, tp) if speculative is not None else None
+        if self.async_scheduling and speculative is not None:
+            raise ValueError(f"async_scheduling: not with speculative decoding (speculative_config method "
+                             f"{speculative.method!r}): expected async_scheduling=False")
+        if self.async_scheduling and tp.size > 1:   # the other ranks would need rank 0's sampled tokens
+            raise ValueError(f"async_scheduling: needs tensor_parallel_size=1, got {tp.size} "
+                             f"(use async_scheduling=False)")
         scheduler = SchedulerConfig.from_engine_args(
             config, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -233,7 +244,7 @@ class EngineArgs:
                            enforce_eager=self.enforce_eager, load_format=load_format, speculative=speculative,
                            draft=draft, gpu_memory_utilization=float(utilization), precompile=self.precompile,
                            compile_cache_dir=compile_cache_dir, quantization=weight_quantization,
-                           checkpoint_quantization=checkpoint_quantization)
+                           checkpoint_quantization=checkpoint_quantization, async_scheduling=self.async_scheduling)
 
 
 def _draft_config(speculative: SpeculativeConfig, config: M3TextConfig, tp: TPPlan) -> Optional[Eagle3Config]:
@@ -274,6 +285,7 @@ class CheckedArgs:
     compile_cache_dir: Optional[Path] = None   # m3_engine.compile_cache; None: the runners set no cache
     quantization: Optional[str] = None    # the weights the engine runs: None or "fp8" (m3_engine.quantization)
     checkpoint_quantization: Optional[str] = None   # the stored weights': None (or dummy), "fp8", "mxfp8" (converted)
+    async_scheduling: bool = False        # the engine core schedules each step while the previous one runs
 
     def precompile_on(self, on_gpu: bool) -> bool:
         """Whether the runner compiles its step programs at start (``precompile``, None: on a GPU)."""

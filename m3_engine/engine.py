@@ -43,11 +43,13 @@ class LLMEngine:
     seed:      requests without a seed draw ``seed`` mixed with their arrival number.
     generation_defaults: ``SamplingParams`` fields from ``generation_config.json`` that
                replace the fields a request leaves at their class defaults.
+    async_scheduling: the core schedules each step while the previous one runs
+               (``m3_engine.engine_core``).
     """
 
     def __init__(self, runner: Runner, scheduler: Scheduler, *, tokenizer: Optional[Tokenizer], seed: int = 0,
-                 generation_defaults: Optional[dict] = None):
-        self.core = EngineCore(runner, scheduler, tokenizer=tokenizer, seed=seed)
+                 generation_defaults: Optional[dict] = None, async_scheduling: bool = False):
+        self.core = EngineCore(runner, scheduler, tokenizer=tokenizer, seed=seed, async_scheduling=async_scheduling)
         self.processor = OutputProcessor(tokenizer)
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.seed = seed

@@ -21,6 +21,22 @@ model, :meth:`propose_drafts` runs the draft (``runner.propose``) for the drafts
 verifies; it comes after the front end finished the requests its stop strings ended (the
 scheduler drafts for unfinished requests only). A request that finishes frees its cache pages at
 once. Not thread-safe: one thread drives it.
+
+**Async scheduling** (``async_scheduling=True``, vLLM's option): the device never waits for the
+host between steps. Each :meth:`execute_step` schedules and submits the next step while the
+last one runs, then waits for the last one's tokens and hands them out::
+
+    call k:   schedule + submit step k+1  |  wait for step k, update, outputs of step k
+    device:   ... step k ...................... step k+1 ...........................
+
+Step ``k + 1`` is scheduled before step ``k``'s tokens are known: its generation rows take those
+tokens on the device (``Step.carry_from``); a request that step ``k`` ends by length is left
+out of it, and one that step ``k`` ends by a stop token (or that is aborted or stopped by a stop
+string meanwhile) has its row of step ``k + 1`` discarded (``m3_engine.scheduler``). Outputs are
+the same tokens as with synchronous steps, one call later. A step runs synchronously (the next
+one scheduled after its tokens are back) when a request it samples for needs its tokens on the
+host to build the next step: penalties (they count the output), structured outputs (the token
+bitmask follows the grammar). Not with speculative decoding (``m3_engine.args`` refuses it).
 """
 
 from __future__ import annotations
@@ -28,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
@@ -82,6 +98,21 @@ class _CoreRequest:
         self.num_cached_tokens = 0
         self.first_scheduled_time: Optional[float] = None
 
+    @property
+    def needs_tokens_on_host(self) -> bool:
+        """Its next step's inputs depend on its last token on the host (the sampling batch counts it
+        or masks by it): its steps run synchronously under async scheduling."""
+        return self.grammar is not None or self.params.has_penalties
+
+
+@dataclasses.dataclass(eq=False)
+class _Submitted:
+    """A step launched on the runner: its handle (``Runner.submit``), and whether the next step may be
+    scheduled before its tokens are back."""
+    step: Step
+    handle: Any
+    may_run_ahead: bool
+
 
 class EngineCore:
     """Token ids in, :class:`CoreOutput`s out, over one runner.
@@ -90,17 +121,29 @@ class EngineCore:
     scheduler: the :class:`m3_engine.scheduler.Scheduler` over the runner's pool.
     tokenizer: the model folder's, or None; structured outputs need it (xgrammar's vocabulary).
     seed:      requests without a seed draw ``seed`` mixed with their arrival number.
+    async_scheduling: schedule and submit each step while the previous one runs (the module
+               docstring); the scheduler must not speculate.
     """
 
-    def __init__(self, runner: Runner, scheduler: Scheduler, *, tokenizer: Optional[Tokenizer], seed: int = 0):
+    def __init__(self, runner: Runner, scheduler: Scheduler, *, tokenizer: Optional[Tokenizer], seed: int = 0,
+                 async_scheduling: bool = False):
+        if not isinstance(async_scheduling, bool):
+            raise TypeError(f"async_scheduling: expected a bool, got {async_scheduling!r}")
+        if async_scheduling and scheduler.speculative is not None:
+            raise ValueError(f"async_scheduling: not with speculative decoding (method "
+                             f"{scheduler.speculative.method!r}): expected async_scheduling=False")
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.seed = seed
+        self.async_scheduling = async_scheduling
+        self._in_flight: Optional[_Submitted] = None   # the step submitted and not yet updated
         self._requests: dict[str, _CoreRequest] = {}       # request id -> unfinished request
         self._by_scheduler_id: dict[int, _CoreRequest] = {}
         self._arrivals = itertools.count()
         self._structured: Optional[StructuredOutputsBackend] = None   # built by the first constrained request
         self._draft_work: Optional[tuple] = None   # EAGLE-3: (step, tokens) of the step the draft pass follows
-        self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
+        # steps_ahead: steps scheduled and submitted while the step before them was still running
+        self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0,
+                        "steps_ahead": 0}
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -137,12 +180,14 @@ class EngineCore:
 
     def finish_request(self, request_ids: Union[str, Sequence[str]], reason: str = "abort") -> None:
         """End these requests now and free their pages: ``"abort"``, or ``"stop"`` for a stop string
-        the front end found. Unknown or finished ids are ignored."""
+        the front end found. Unknown or finished ids are ignored. A step in flight keeps running;
+        what it samples for them is discarded."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             request = self._requests.pop(request_id, None)
             if request is not None:
                 self.scheduler.finish_request(request.scheduler_id, reason)
                 self._forget(request)
+        self._drain_if_idle()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -168,34 +213,77 @@ class EngineCore:
 
     def execute_step(self) -> list:
         """Run one model step; -> a :class:`CoreOutput` for each request that got tokens in it.
-        With an EAGLE-3 draft model, :meth:`propose_drafts` must follow before the next step."""
+        With async scheduling the step whose tokens come back is the one the previous call submitted,
+        and the next one is submitted first (the module docstring). With an EAGLE-3 draft model,
+        :meth:`propose_drafts` must follow before the next step."""
         if self._draft_work is not None:
             raise RuntimeError("execute_step: the last step's draft pass has not run (call propose_drafts() first)")
+        if self._in_flight is None:
+            if not self.scheduler.has_unfinished():
+                return []
+            self._in_flight = self._submit(previous=None)
+        done, self._in_flight = self._in_flight, None
+        try:
+            if done.may_run_ahead:
+                self._in_flight = self._submit(previous=done)
+            result = self.runner.result(done.handle)
+        except BaseException:   # nothing of either step is applied
+            if self._in_flight is not None:
+                self.scheduler.cancel(self._in_flight.step)
+                self._in_flight = None
+            self.scheduler.cancel(done.step)
+            raise
+        outputs = self._apply(done.step, result)
+        self._drain_if_idle()
+        return outputs
+
+    def _submit(self, previous: Optional[_Submitted]) -> Optional[_Submitted]:
+        """Schedule the next step and launch it. ``previous``: the step still running, whose sampled
+        tokens the new one may take on the device. -> None when no step can run before ``previous``'s
+        tokens are back."""
         if not self.scheduler.has_unfinished():
-            return []
+            return None
         step = self.scheduler.schedule()
+        if step is None:
+            return None
         rows = [self._by_scheduler_id[int(i)] for i in step.request_ids]
         now = time.time()
         for r, _ in step.rows:
             request = self._by_scheduler_id[r.id]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-                request.num_cached_tokens = r.num_cached   # prompt tokens served by the prefix cache
+                request.num_cached_tokens = r.prefix_hit_tokens
         try:
-            result = self.runner.execute(step, self._sampling_batch(step, rows))
+            handle = self.runner.submit(step, self._sampling_batch(step, rows),
+                                        previous.handle if step.carry_from is not None else None)
         except BaseException:
             self.scheduler.cancel(step)
             raise
-        self._counts["prompt_tokens"] += sum(q for r, q in step.rows if not r.prefilled)
+        self._counts["prompt_tokens"] += step.num_prompt_tokens
+        self._counts["steps_ahead"] += previous is not None
+        may_run_ahead = self.async_scheduling and not any(r.needs_tokens_on_host for r in rows)
+        return _Submitted(step, handle, may_run_ahead)
+
+    def _apply(self, step: Step, result: SampleResult) -> list:
+        """A step's sampled tokens: the scheduler's update, then the outputs of the requests that got
+        tokens (not of those that ended while it ran)."""
         finished = set(self.scheduler.update(step, result.tokens))
         self._counts["steps"] += 1
         outputs = []
         for (r, _), count in zip(step.rows, step.num_logits.tolist()):
-            if count:
+            if count and (not r.finished or r.id in finished):
                 outputs.append(self._emit(self._by_scheduler_id[r.id], r, result, r.id in finished))
         if self.scheduler.eagle3:
             self._draft_work = (step, result.tokens)
         return outputs
+
+    def _drain_if_idle(self) -> None:
+        """With no request left, wait for the step in flight (every row of it discarded): no step
+        outlives the requests it ran."""
+        if self._in_flight is not None and not self.scheduler.has_unfinished():
+            last, self._in_flight = self._in_flight, None
+            self.scheduler.update(last.step, self.runner.result(last.handle).tokens)
+            self._counts["steps"] += 1
 
     def propose_drafts(self) -> None:
         """EAGLE-3: run the draft model after the last step (its K/V rows for the step's tokens, and

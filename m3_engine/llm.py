@@ -55,7 +55,7 @@ class LLM:
     max_num_batched_tokens, prefill_chunk, graph_batch_sizes, gpu_memory_utilization,
     tensor_parallel_size, enable_expert_parallel, quantization, kv_cache_dtype,
     index_cache_dtype, seed, enforce_eager, enable_prefix_caching, load_format,
-    speculative_config, precompile, compile_cache_dir), vLLM's names.
+    speculative_config, async_scheduling, precompile, compile_cache_dir), vLLM's names.
 
     The constructor returns a ready engine: with ``precompile`` (default on a GPU) the runner has
     compiled (JAX) or captured (torch's CUDA graphs) every program a step can need
@@ -93,7 +93,8 @@ class LLM:
                     warm["capture"], warm["programs"])
         self.engine = LLMEngine(self.runner, Scheduler(args.scheduler, self.config, builder=builder,
                                                        speculative=args.speculative),
-                                tokenizer=self.tokenizer, seed=args.seed, generation_defaults=defaults)
+                                tokenizer=self.tokenizer, seed=args.seed, generation_defaults=defaults,
+                                async_scheduling=args.async_scheduling)
 
     # -- life cycle ------------------------------------------------------------------------------
 

@@ -8,9 +8,21 @@ only, so everything a request does outside the model step lives once, here in
     runner.buckets: StepBuckets                       # how the engine pads its steps for this runner
     runner.on_gpu: bool                               # precompile's default (m3_engine.args)
     runner.warm_up(builder) -> dict                   # make every step program now (precompile)
-    runner.execute(step, sampling) -> SampleResult   # one step: model forward + sampling, on every rank
+    handle = runner.submit(step, sampling, previous)  # launch one step: model forward + sampling, on every rank
+    runner.result(handle) -> SampleResult             # wait for it: the sampled tokens on the host
+    runner.execute(step, sampling) -> SampleResult    # both at once: result(submit(step, sampling, None))
     runner.propose(work) -> drafts [n, k] int32       # EAGLE-3 only: the draft model after that step
     runner.close()                                    # free the device state (and end TP workers)
+
+``submit`` returns once the step is queued on the device (with the copy of
+its sampled outputs to the host started), so the engine can schedule and
+submit the next step while it runs (async scheduling,
+``m3_engine.engine_core``). That next step may take some input token ids
+from this one's sampled tokens without the host seeing them
+(``step.carry_from``: index ``i`` is the token ``previous`` sampled at its
+logits row ``i``): ``previous`` is the handle of the step submitted just
+before (None when ``step.carry_from`` is None). ``result`` is called once per
+handle, in submission order.
 
 ``buckets`` (``m3_engine.buckets.StepBuckets``, set by the runner from the
 options) is the padding the runner wants: the engine builds every step with it
@@ -36,7 +48,7 @@ pass over the step's rows and its chain, and returns the greedy drafts of
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import numpy as np
 
@@ -44,7 +56,7 @@ from .buckets import StepBuckets
 from .scheduler import DraftPass
 from .step_inputs import Step, StepBuilder
 
-__all__ = ["Runner", "SamplingBatch", "SampleResult"]
+__all__ = ["Runner", "SynchronousRunner", "SamplingBatch", "SampleResult"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -118,6 +130,10 @@ class Runner(Protocol):
     buckets: StepBuckets
     on_gpu: bool
 
+    def submit(self, step: Step, sampling: SamplingBatch, previous: Any = None) -> Any: ...
+
+    def result(self, handle: Any) -> SampleResult: ...
+
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult: ...
 
     def warm_up(self, builder: StepBuilder) -> dict: ...
@@ -125,3 +141,17 @@ class Runner(Protocol):
     def propose(self, work: DraftPass) -> np.ndarray: ...
 
     def close(self) -> None: ...
+
+
+class SynchronousRunner:
+    """A base for runners (stand-ins in tests) whose steps are done when ``execute`` returns: ``submit``
+    runs the step, ``result`` hands its outputs back. No carried tokens: not for async scheduling."""
+
+    def submit(self, step: Step, sampling: SamplingBatch, previous: Any = None) -> SampleResult:
+        if step.carry_from is not None:
+            raise ValueError("step.carry_from: this runner takes every token id from the host "
+                             "(expected async_scheduling=False)")
+        return self.execute(step, sampling)
+
+    def result(self, handle: SampleResult) -> SampleResult:
+        return handle

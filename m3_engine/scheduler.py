@@ -10,6 +10,18 @@ The engine (``m3_engine.engine.LLMEngine``) drives one loop::
         scheduler.update(step, sample(logits))       # one new token per logits row
     outputs = [scheduler.output(i) for i in ids]     # the new tokens of each request
 
+A step's effect on the cache is applied when it is scheduled: the rows'
+``num_cached`` move past its tokens, and each row that samples has one token
+in flight (``Request.num_inflight``) until :meth:`update` brings it. So
+**the next step can be scheduled before the last one's tokens are back**
+(async scheduling, ``m3_engine.engine_core``): a request whose token is in
+flight runs its next generation row with that token taken on the device from
+the previous step's output (``Step.carry_from``); a request that the in-flight
+token ends by length is not scheduled; one that it ends by a stop token (or an
+abort while the step runs) has its row's token discarded by :meth:`update`,
+its last cache position given back before its slots are freed. Not with
+speculative decoding (a verify row's advance depends on its tokens).
+
 Policy (vLLM-like, deterministic):
 
 * **Slots**: a request reserves, when admitted, the pool slots (pages of 128
@@ -176,6 +188,9 @@ class Request:
     stop_reason: int | None = None      # the stop token id that ended it (None for eos)
     emitted: tuple = ()                 # the tokens the last update() appended (more than one after a verify)
     emitted_row: int = 0                # the logits row (of that step) of the first of them
+    num_inflight: int = 0               # tokens sampled by scheduled steps, not yet given to update()
+    inflight_row: int = 0               # the logits row of the last scheduled step that samples its next token
+    prefix_hit_tokens: int = 0          # prompt tokens served by the prefix cache at admission
     gate: SpeculationGate = dataclasses.field(default_factory=SpeculationGate)
     spec_draft_tokens: int = 0          # drafts proposed (speculative decoding)
     spec_accepted_tokens: int = 0       # drafts accepted
@@ -202,8 +217,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt + generated tokens."""
+        """Prompt + generated tokens (the ones update() brought)."""
         return len(self.prompt) + len(self.output)
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens, those still in flight included."""
+        return len(self.output) + self.num_inflight
 
     @property
     def prefilled(self) -> bool:
@@ -282,7 +302,7 @@ class Scheduler:
         self._running: list[Request] = []   # admitted, in admission order
         self.blocks = BlockManager(config.num_slots, config.enable_prefix_caching)
         self._next_id = 0
-        self._pending: Step | None = None
+        self._in_flight: list[Step] = []   # scheduled, not yet updated (oldest first; two at most)
 
     # -- requests ------------------------------------------------------------------
 
@@ -345,10 +365,9 @@ class Scheduler:
         return len(self._waiting)
 
     def finish_request(self, request_id: int, reason: str) -> None:
-        """End a request now (a stop string, an abort): it leaves the queue or frees its slots.
-        Not between :meth:`schedule` and :meth:`update`."""
-        if self._pending is not None:
-            raise RuntimeError("finish_request: a step is in flight (call update() first)")
+        """End a request now (a stop string, an abort): it leaves the queue or frees its slots. While
+        a step that runs it is in flight, its slots are freed too: steps run in order on the device,
+        so a later step that reuses them writes after that one; :meth:`update` discards its token."""
         r = self.requests[request_id]
         if r.finished:
             return
@@ -359,9 +378,16 @@ class Scheduler:
             self._finish(r)
 
     def cancel(self, step: Step) -> None:
-        """Forget a scheduled step whose model run failed (nothing of it is applied)."""
-        if step is self._pending:
-            self._pending = None
+        """Forget a scheduled step whose model run failed: what scheduling it applied is undone. Cancel
+        the newest in-flight step first."""
+        if not self._in_flight or step is not self._in_flight[-1]:
+            raise ValueError("cancel: expected the last step schedule() returned that is not updated yet")
+        self._in_flight.pop()
+        for (r, q), count in zip(step.rows, step.num_logits.tolist()):
+            if count <= 1:
+                r.num_cached -= q
+            if count == 1:
+                r.num_inflight -= 1
 
     def output(self, request_id: int) -> list[int]:
         """The tokens generated so far for a request (all of them once it finished)."""
@@ -383,9 +409,11 @@ class Scheduler:
 
     # -- steps ---------------------------------------------------------------------
 
-    def schedule(self) -> Step:
-        """The next step. Call :meth:`update` with its sampled tokens before the next call."""
-        if self._pending is not None:
+    def schedule(self) -> Step | None:
+        """The next step. It may be scheduled while the previous one is in flight (not given to
+        :meth:`update` yet; not with speculative decoding): -> None when no row can run before that
+        step's tokens are back (the requests left end with them, or wait for their slots)."""
+        if len(self._in_flight) > 1 or (self._in_flight and self.speculative is not None):
             raise RuntimeError("schedule: the previous step has not been given to update() yet")
         if not self.has_unfinished():
             raise RuntimeError("schedule: no unfinished requests")
@@ -395,7 +423,8 @@ class Scheduler:
         generation, context = [], []  # [(request, q_len)]
         drafts = {}                   # request id -> the drafts it verifies this step
 
-        candidates = [r for r in self._running if r.prefilled][:min(rows_left, tokens_left)]
+        candidates = [r for r in self._running if r.prefilled and not self._ends_by_length(r)]
+        candidates = candidates[:min(rows_left, tokens_left)]
         if self.num_speculative_tokens:
             drafts = self._propose(candidates, tokens_left)
         k = self.num_speculative_tokens
@@ -423,14 +452,36 @@ class Scheduler:
             r.table_row = np.full(cfg.max_blocks, -1, np.int32)
             r.table_row[:len(r.slots)] = r.slots
             r.num_cached, r.num_registered = len(hits) * PAGE_SIZE, len(hits)   # prefill starts after the hits
+            r.prefix_hit_tokens = r.num_cached
             self._running.append(r)
             q = min(len(r.prompt) - r.num_cached, cfg.prefill_chunk, tokens_left)
             context.append((r, q))
             rows_left, tokens_left = rows_left - 1, tokens_left - q
-        if not generation and not context:  # unreachable: construction guarantees one request fits
-            raise RuntimeError("schedule: nothing fits in a step (this is a bug)")
-        self._pending = self.builder.build(context + generation, len(context), drafts)
-        return self._pending
+        if not generation and not context:
+            if self._in_flight:
+                return None
+            raise RuntimeError("schedule: nothing fits in a step (this is a bug)")   # construction guarantees one
+        step = self.builder.build(context + generation, len(context), drafts)
+        self._advance(step)
+        self._in_flight.append(step)
+        return step
+
+    def _advance(self, step: Step) -> None:
+        """What ``step`` does whatever its tokens: its rows' tokens are in the cache, and each row that
+        samples (a verify row excepted: its advance depends on the drafts accepted) has one token in
+        flight, at its logits row."""
+        row = 0
+        for (r, q), count in zip(step.rows, step.num_logits.tolist()):
+            if count <= 1:
+                r.num_cached += q
+            if count == 1:
+                r.num_inflight += 1
+                r.inflight_row = row
+            row += count
+
+    def _ends_by_length(self, r: Request) -> bool:
+        """The tokens in flight for ``r`` end it by length (``max_new_tokens``, or a full cache)."""
+        return r.num_generated >= r.max_new_tokens or len(r.prompt) + r.num_generated - 1 >= self.config.max_context
 
     def _propose(self, candidates: list, tokens_left: int) -> dict:
         """The drafts of a step that speculates: request id -> drafts (possibly empty) for every
@@ -472,7 +523,7 @@ class Scheduler:
 
     def _register_full_blocks(self, r: Request) -> None:
         """Offer ``r``'s blocks whose K/V rows are all in the cache now to the prefix cache."""
-        full = r.num_cached // PAGE_SIZE
+        full = min(r.num_cached, r.num_tokens) // PAGE_SIZE   # blocks whose tokens are known, too
         if not self.blocks.caching or full <= r.num_registered:
             return
         tokens = r.prompt if full * PAGE_SIZE <= len(r.prompt) else \
@@ -495,27 +546,29 @@ class Scheduler:
 
     def update(self, step: Step, next_tokens: Sequence[int]) -> list[int]:
         """Feed back the tokens sampled from ``step``'s logits rows (``[L]`` ints, in
-        ``step.logits_indices`` order). -> ids of the requests that finished (their
-        slots are free again). Each request that sampled gets its new tokens in
-        ``output`` and, for this step only, in ``emitted`` (one token; after a
-        verify, the accepted drafts and one more, cut after a stop)."""
-        if step is not self._pending:
-            raise ValueError("update: expected the step returned by the last schedule() call")
+        ``step.logits_indices`` order); ``step`` is the oldest scheduled step not updated yet.
+        -> ids of the requests that finished (their slots are free again). Each request
+        that sampled gets its new tokens in ``output`` and, for this step only, in
+        ``emitted`` (one token; after a verify, the accepted drafts and one more, cut after
+        a stop). A request that ended while the step was in flight gets nothing."""
+        if not self._in_flight or step is not self._in_flight[0]:
+            raise ValueError("update: expected the oldest step schedule() returned that is not updated yet")
         tokens = np.asarray(next_tokens).reshape(-1)
         if tokens.shape[0] != len(step.logits_indices):
             raise ValueError(f"next_tokens: expected {len(step.logits_indices)} tokens (one per logits row), "
                              f"got {tokens.shape[0]}")
-        self._pending = None
+        self._in_flight.pop(0)
         self.num_steps += 1
         tokens = tokens.tolist()
         finished, row = [], 0
         for (r, q), count, drafts in zip(step.rows, step.num_logits.tolist(), step.drafts):
+            first, row = row, row + count
+            if r.finished:   # ended (a stop token of the step before, an abort) while this step ran
+                continue
             if not count:   # a prefill chunk that does not end its prompt
-                r.num_cached += q
                 self._register_full_blocks(r)
                 continue
-            sampled = tokens[row:row + count]
-            r.emitted_row, row = row, row + count
+            sampled, r.emitted_row = tokens[first:row], first
             if self.eagle3:
                 r.draft_tokens = r.draft_tokens[:0]   # made for the tokens before this step's
             if count > 1:   # a verify row: drafts (maybe none) then padding
@@ -530,13 +583,16 @@ class Scheduler:
                     self.spec_stats["spec_accepted_tokens"] += accepted
                     r.gate.record(len(drafts), accepted)
             else:
-                new, r.num_cached = sampled[:1], r.num_cached + q
+                new = sampled[:1]
+                r.num_inflight -= 1
             start = len(r.output)
             for token in new:
                 if self._append(r, int(token)):
                     break
             r.emitted = tuple(r.output[start:])
-            r.num_cached = min(r.num_cached, r.num_tokens - 1)   # a stop inside an accepted run: its K/V rows
+            if r.finished:   # K/V rows past its last token (a stop inside an accepted run, or written by the
+                r.num_cached = min(r.num_cached, r.num_tokens - 1)   # step in flight after this one) are dropped
+                r.num_inflight = 0   # the token the step in flight samples for it is discarded
             self._register_full_blocks(r)
             if r.finished:
                 self._finish(r)

@@ -58,6 +58,12 @@ class Step:
     num_logits:     [real rows] int32 logits rows of each real row (0, 1, or ``k + 1``
                     for a verify row).
     drafts:         per real row, the draft tokens it verifies (empty: not a verify row).
+    carry_from:     [T] int32 or None. Async scheduling: a generation row whose last token the
+                    previous step samples (still in flight when this step is built) takes it on
+                    the device: ``carry_from[t]`` is that token's logits row in the previous step,
+                    -1 where ``input_ids[t]`` holds (its host value is 0 when carried). None: every
+                    token id is on the host.
+    num_prompt_tokens: prompt tokens the step computes (its prefill chunks).
     """
     input_ids: np.ndarray
     positions: np.ndarray
@@ -73,6 +79,8 @@ class Step:
     row_index: np.ndarray = dataclasses.field(repr=False, default=None)
     num_logits: np.ndarray = dataclasses.field(repr=False, default=None)
     drafts: tuple = dataclasses.field(repr=False, default=())
+    carry_from: np.ndarray | None = dataclasses.field(repr=False, default=None)
+    num_prompt_tokens: int = 0
 
     @property
     def num_verify_rows(self) -> int:
@@ -144,9 +152,16 @@ class StepBuilder:
         input_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
         slot_mapping = np.full(T, -1, np.int32)
+        # generation rows: the token sampled last, on the device when it is still in flight (carry_from)
         input_ids[token] = np.concatenate([_verify_tokens(r, k, drafts[r.id]) if r.id in drafts else
+                                           [0] if r.num_inflight else
                                            r.output[-1:] if r.prefilled else r.prompt[r.num_cached:r.num_cached + k]
-                                           for r, k in rows])  # generation rows: the token sampled last
+                                           for r, k in rows])
+        carried = np.array([r.num_inflight > 0 for r, _ in rows], bool)
+        carry_from = None
+        if carried.any():   # a carried row has one token: its first
+            carry_from = np.full(T, -1, np.int32)
+            carry_from[first[carried]] = [r.inflight_row for r, _ in rows if r.num_inflight]
         positions[token] = pos
         slot_mapping[token] = block_table[row_index[row_of], pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
 
@@ -161,10 +176,12 @@ class StepBuilder:
                     seq_lens=seq_lens, cu_seqlens_q=cu,
                     logits_indices=(np.repeat(sampled, num_logits) + local).astype(np.int32),
                     request_ids=np.repeat(np.array([r.id for r, _ in rows], np.int32), num_logits),
-                    output_index=(np.repeat(np.array([len(r.output) for r, _ in rows], np.int32), num_logits)
+                    output_index=(np.repeat(np.array([r.num_generated for r, _ in rows], np.int32), num_logits)
                                   + local).astype(np.int32),
                     plan=plan, rows=tuple(rows), row_index=row_index.astype(np.int32), num_logits=num_logits,
-                    drafts=tuple(tuple(drafts[r.id].tolist()) if r.id in drafts else () for r, _ in rows))
+                    drafts=tuple(tuple(drafts[r.id].tolist()) if r.id in drafts else () for r, _ in rows),
+                    carry_from=carry_from,
+                    num_prompt_tokens=int(sum(k for r, k in rows if not r.prefilled)))
 
 
     def dummy(self, shape, kv_len: int = 0) -> Step:

@@ -43,6 +43,13 @@ the jitted step also returns the target's aux hidden states, and
 :meth:`JaxRunner.propose` runs the draft on them after the step
 (``m3_jax.eagle3.Eagle3Proposer``: a jitted first pass per step bucket, a
 jitted chain per padded batch size).
+
+:meth:`JaxRunner.submit` dispatches the jitted step and starts the copy of its
+packed outputs to the host; :meth:`JaxRunner.result` waits for them. With
+``async_scheduling`` the jitted step also takes the previous step's sampled
+tokens as a device array of fixed size (the "feed": ``buckets.max_rows``
+entries, so it adds no compilations) and the step's ``carry_from`` among its
+packed inputs, and returns its own feed for the next step.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +190,11 @@ class JaxRunner:
         self.compiled_steps: list[StepSpec] = []   # one entry per compilation: the spec it was traced for
         self._step = jax.jit(self._run, static_argnames=("spec", "packing", "num_logprobs"),
                              donate_argnames=("pool",))
+        # async scheduling: the sampled tokens a step passes to the next one, on the device (None: off)
+        self._no_feed = None
+        if args.async_scheduling:
+            with self._on_device():
+                self._no_feed = self._put(np.zeros(self.buckets.max_rows, np.int32))
         self._aux_layers = args.draft.aux_layer_ids if args.draft is not None else ()   # eagle3: one device (args)
         self.proposer, self._last = None, None   # eagle3: the draft, and the last step (eagle3.TargetStep)
         if args.draft is not None:
@@ -198,20 +211,31 @@ class JaxRunner:
 
     # -- the protocol ------------------------------------------------------------------------------
 
-    def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
+    def submit(self, step: Step, sampling: SamplingBatch, previous: Optional["SubmittedStep"] = None) \
+            -> "SubmittedStep":
+        """Dispatch ``step`` and its sampling, and start the copy of the outputs to the host; returns
+        without waiting. ``previous``: the step submitted before it, when ``step.carry_from`` takes
+        its tokens."""
         if self.pool is None:
             raise RuntimeError("this LLM is closed (close() was called)")
         batch, spec, maps = self._layout(step)
-        num_logits = len(step.logits_indices)
-        flat, packing = pack_inputs((batch, maps, _sampling_arrays(sampling, _num_logits(spec))))
+        carry, feed = self._carry(step, previous)
+        flat, packing = pack_inputs((batch, maps, _sampling_arrays(sampling, _num_logits(spec)), carry))
         with self._on_device():
-            (flat_out, aux), self.pool = self._step(self.params, self.pool, self._step_input(flat), spec=spec,
-                                                    packing=packing, num_logprobs=sampling.num_logprobs)
-        host = np.asarray(jax.device_get(flat_out))   # one wait for every output
+            (flat_out, aux, next_feed), self.pool = self._step(
+                self.params, self.pool, self._step_input(flat), feed, spec=spec, packing=packing,
+                num_logprobs=sampling.num_logprobs)
+        flat_out.copy_to_host_async()
         if self.proposer is not None:
             self._last = (step, eagle3.TargetStep(batch, aux))
-        out = unpack_outputs(host, _num_logits(spec), sampling.num_logprobs)
-        out = {k: v[:num_logits] for k, v in out.items()}
+        return SubmittedStep(flat_out, next_feed, len(step.logits_indices), _num_logits(spec),
+                             sampling.num_logprobs)
+
+    def result(self, handle: "SubmittedStep") -> SampleResult:
+        """Wait for a submitted step -> its sampled outputs (numpy)."""
+        host = np.asarray(jax.device_get(handle.outputs))   # one wait for every output
+        out = unpack_outputs(host, handle.rows, handle.num_logprobs)
+        out = {k: v[:handle.num_logits] for k, v in out.items()}
         return SampleResult(tokens=out["tokens"], logprobs=out["logprobs"], top_ids=out.get("top_ids"),
                             top_logprobs=out.get("top_logprobs"), ranks=out.get("ranks"))
 
@@ -232,6 +256,23 @@ class JaxRunner:
         self._last = None
         return dict(programs=len(self.compiled_steps) - before, compile=time.perf_counter() - start, capture=0.0)
 
+    def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
+        return self.result(self.submit(step, sampling))
+
+    def _carry(self, step: Step, previous: Optional["SubmittedStep"]) -> tuple:
+        """The step's ``carry_from`` (every entry -1 when it carries nothing) and the feed it indexes;
+        ``(None, None)`` without async scheduling (the jitted step then has neither)."""
+        if self._no_feed is None:
+            if step.carry_from is not None:
+                raise ValueError("step.carry_from: this engine was built with async_scheduling=False")
+            return None, None
+        if step.carry_from is None:
+            return np.full(step.num_tokens, -1, np.int32), self._no_feed
+        if previous is None:
+            raise ValueError("previous: expected the step submitted before (step.carry_from takes its sampled "
+                             "tokens), got None")
+        return step.carry_from, previous.feed
+
     def propose(self, work: DraftPass) -> np.ndarray:
         """EAGLE-3: the draft after the step just executed (``work.step``) -> drafts ``[n, k]`` int32."""
         if self.proposer is None:
@@ -248,9 +289,12 @@ class JaxRunner:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def _run(self, params, pool, flat, *, spec, packing, num_logprobs):
+    def _run(self, params, pool, flat, feed, *, spec, packing, num_logprobs):
         self.compiled_steps.append(spec)  # runs once per trace, i.e. per compilation
-        batch, maps, sampling = unpack_inputs(flat, packing)
+        batch, maps, sampling, carry = unpack_inputs(flat, packing)
+        if feed is not None:   # async scheduling: carried input ids from the previous step's tokens
+            taken = feed[jnp.maximum(carry, 0)]
+            batch = batch._replace(input_ids=jnp.where(carry >= 0, taken, batch.input_ids))
         aux = None
         if self.mesh is not None:
             logits, pool = tp.forward(params, pool, batch, maps, plan=self.tp, layout=self.pool_layout, spec=spec,
@@ -262,7 +306,8 @@ class JaxRunner:
             logits, pool = model.forward(params, pool, batch, maps, config=self.config, layout=self.pool_layout,
                                          spec=spec)
         out = sample_logits(logits.astype(jnp.float32), sampling, num_logprobs)
-        return (pack_outputs(out, num_logprobs), aux), pool
+        next_feed = None if feed is None else jnp.zeros_like(feed).at[:out["tokens"].shape[0]].set(out["tokens"])
+        return (pack_outputs(out, num_logprobs), aux, next_feed), pool
 
     def _layout(self, step: Step):
         """The step, already padded and planned (``m3_engine.step_inputs``), as the jitted step takes it:
@@ -294,6 +339,18 @@ class JaxRunner:
         if self.mesh is not None:
             return jax.device_put(tree, tp.replicated(self.mesh))
         return jax.device_put(tree, self.device) if self.device is not None else jax.device_put(tree)
+
+
+@dataclasses.dataclass(eq=False)
+class SubmittedStep:
+    """A step dispatched by :meth:`JaxRunner.submit`: its packed sampled outputs (a device array whose
+    copy to the host has started), its feed for the next step (async scheduling, else None), its real
+    and padded logits rows and the top logprobs asked."""
+    outputs: jax.Array
+    feed: Optional[jax.Array]
+    num_logits: int
+    rows: int
+    num_logprobs: Optional[int]
 
 
 def _check_cpu_threads(count: int):

@@ -35,7 +35,7 @@ from .cache import allocate_pool, layer_caches
 from .dummy_weights import iter_dummy_weights
 from .model import M3Model, StepTensors
 
-__all__ = ["RankRunner", "rank_device", "use_compile_cache", "DTYPES"]
+__all__ = ["RankRunner", "rank_device", "carry_tokens", "use_compile_cache", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -124,13 +124,17 @@ class RankRunner:
         return checkpoint.iter_weights(model_dir, tp.config, framework="pt", concatenate=torch.cat,
                                        device=str(self.device), shard=shard)
 
-    def run(self, step: Step):
+    def run(self, step: Step, carried: Optional[torch.Tensor] = None):
         """One step -> logits ``[len(step.logits_indices), vocab]`` in the model dtype (every rank: the
         vocab-parallel head's all-gather gives each the whole rows; rank 0 samples). With ``aux_layers``:
-        ``(logits, aux [T, 3 * hidden])`` (from a graph: its static output, valid until it replays)."""
+        ``(logits, aux [T, 3 * hidden])`` (from a graph: its static output, valid until it replays).
+        ``carried``: the previous step's sampled tokens on this device, for ``step.carry_from``."""
         if self.graphs is not None and step.plan.cuda_graph:
-            return self.graphs.run(step)
-        return self.model.forward(self.step_tensors(step), step.plan, self.caches, self.aux_layers)
+            return self.graphs.run(step, carried)
+        tensors = self.step_tensors(step)
+        if carried is not None:
+            carry_tokens(tensors.input_ids, step.carry_from, carried)
+        return self.model.forward(tensors, step.plan, self.caches, self.aux_layers)
 
     def step_tensors(self, step: Step, logits_rows: Optional[np.ndarray] = None) -> StepTensors:
         """A step's numpy metadata on this rank's device."""
@@ -141,6 +145,15 @@ class RankRunner:
                            slot_mapping=dev(step.slot_mapping), block_table=dev(step.block_table),
                            seq_lens=dev(step.seq_lens),
                            logits_rows=dev(step.logits_indices if logits_rows is None else logits_rows))
+
+
+def carry_tokens(input_ids: torch.Tensor, carry_from: np.ndarray, previous_tokens: torch.Tensor) -> None:
+    """In place, on the device: ``input_ids[t] = previous_tokens[carry_from[t]]`` where ``carry_from[t] >= 0``
+    (async scheduling: the tokens the previous step sampled, which the host has not seen)."""
+    into = np.flatnonzero(carry_from >= 0)
+    into_dev = torch.from_numpy(into).to(input_ids.device, non_blocking=True)
+    from_dev = torch.from_numpy(carry_from[into].astype(np.int64)).to(input_ids.device, non_blocking=True)
+    input_ids.index_copy_(0, into_dev, previous_tokens.index_select(0, from_dev))
 
 
 # -- CUDA graphs -----------------------------------------------------------------------------------
@@ -188,10 +201,11 @@ class _DecodeGraphs:
     def _forward(self, tensors: StepTensors, plan):
         return self.runner.model.forward(tensors, plan, self.runner.caches, self.runner.aux_layers)
 
-    def run(self, step: Step):
+    def run(self, step: Step, carried: Optional[torch.Tensor] = None):
         """-> logits ``[len(step.logits_indices), vocab]`` of a pure decode or verify step. With the
         runner's ``aux_layers``: ``(logits, aux)``, ``aux`` the
-        graph's static output buffer (every token row of the step)."""
+        graph's static output buffer (every token row of the step). ``carried``: the previous step's
+        sampled tokens, for ``step.carry_from`` (written into the static input ids before the replay)."""
         gen = step.plan.generation
         batch, n, bound = gen.num_rows, gen.decode_query_len, gen.max_blocks
         device = self.runner.device
@@ -201,6 +215,8 @@ class _DecodeGraphs:
             views[name][:] = getattr(step, name).reshape(-1)
         buffer.copy_(host, non_blocking=True)
         copied.record()
+        if carried is not None:
+            carry_tokens(static.input_ids, step.carry_from, carried)
         rows = torch.from_numpy(step.logits_indices.astype(np.int64)).to(device, non_blocking=True)
         key = (batch, n, bound)
         if key not in self.graphs:

@@ -22,10 +22,17 @@ their kernel variants then (into the persistent cache of
 ``m3_engine.compile_cache``), not on the request path.
 :attr:`TorchRunner.cold_programs` lists the keys of later steps that the
 warm-up did not run (empty when the set is whole).
+
+:meth:`TorchRunner.submit` queues a step and the copy of its sampled outputs
+into pinned host memory, and records an event after them;
+:meth:`TorchRunner.result` waits for that event. A step scheduled while the one
+before it runs (async scheduling, one rank) takes its carried input ids from
+that step's sampled tokens on the device (``m3_torch.rank.carry_tokens``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Optional
 
@@ -124,12 +131,28 @@ class TorchRunner:
 
     # -- the protocol ----------------------------------------------------------------------------
 
-    def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
+    def submit(self, step: Step, sampling: SamplingBatch, previous: Optional["SubmittedStep"] = None) \
+            -> "SubmittedStep":
+        """Queue ``step`` and its sampling, and the copy of the sampled outputs to the host; returns
+        without waiting. ``previous``: the step submitted before it, when ``step.carry_from`` takes
+        its tokens."""
+        carried = None
+        if step.carry_from is not None:
+            if previous is None:
+                raise ValueError("previous: expected the step submitted before (step.carry_from takes its sampled "
+                                 "tokens), got None")
+            carried = previous.tokens
         if self.warm_programs is not None:
             self.cold_programs += [k for k in program_keys(step, self.graphs is not None)
                                    if k not in self.warm_programs]
-        logits = self.step_logits(step)
-        return sample_logits(logits, sampling)
+        return SubmittedStep.start(sample_on_device(self.step_logits(step, carried), sampling))
+
+    def result(self, handle: "SubmittedStep") -> SampleResult:
+        """Wait for a submitted step -> its sampled outputs (numpy)."""
+        return handle.wait()
+
+    def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
+        return self.result(self.submit(step, sampling))
 
     @property
     def on_gpu(self) -> bool:
@@ -175,13 +198,14 @@ class TorchRunner:
 
     # -- steps -----------------------------------------------------------------------------------
 
-    def step_logits(self, step: Step) -> torch.Tensor:
+    def step_logits(self, step: Step, carried: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run one scheduler step (on every rank) -> float32 logits ``[len(step.logits_indices), vocab]``
-        (with an EAGLE-3 draft, the step's aux hidden states are kept for :meth:`propose`)."""
+        (with an EAGLE-3 draft, the step's aux hidden states are kept for :meth:`propose`). ``carried``:
+        the previous step's sampled tokens on the device, when ``step.carry_from`` takes some (one rank)."""
         if self._workers is not None:
             return self._workers.run_step(step, self.rank0)
         if self.proposer is None:
-            return self.rank0.run(step).float()
+            return self.rank0.run(step, carried).float()
         logits, aux = self.rank0.run(step)
         self._aux = (step, aux)
         return logits.float()
@@ -247,8 +271,42 @@ def warm_up_shapes(buckets: StepBuckets, max_blocks: int, graphs: bool, *, index
     return list(dict.fromkeys(work))
 
 
+@dataclasses.dataclass(eq=False)
+class SubmittedStep:
+    """A step queued on the device (``TorchRunner.submit``): its sampled ``tokens`` there (the next step
+    may carry them), the host copies of its outputs (``SampleResult`` fields; pinned memory on a GPU,
+    filled by copies queued after the step) and the event recorded after those copies (None on a CPU:
+    the copies are done when they return)."""
+    tokens: torch.Tensor
+    host: dict
+    copied: Optional[torch.cuda.Event]
+
+    @classmethod
+    def start(cls, outputs: dict) -> "SubmittedStep":
+        """Queue the copies of ``outputs`` (``sample_on_device``'s) to the host."""
+        tokens = outputs["tokens"]
+        if not tokens.is_cuda:
+            return cls(tokens, outputs, None)
+        host = {name: None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+            t, non_blocking=True) for name, t in outputs.items()}
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(tokens, host, copied)
+
+    def wait(self) -> SampleResult:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return SampleResult(**{name: None if t is None else t.numpy() for name, t in self.host.items()})
+
+
 def sample_logits(logits: torch.Tensor, s: SamplingBatch) -> SampleResult:
-    """The shared sampling kernel on float32 ``logits [L, V]`` (+ top-N logprobs when asked)."""
+    """The shared sampling kernel on float32 ``logits [L, V]`` (+ top-N logprobs when asked), on the host."""
+    return SubmittedStep.start(sample_on_device(logits, s)).wait()
+
+
+def sample_on_device(logits: torch.Tensor, s: SamplingBatch) -> dict:
+    """The shared sampling kernel on float32 ``logits [L, V]`` (+ top-N logprobs when asked) -> the
+    ``SampleResult`` fields as tensors on the logits' device (None where not asked)."""
     device = logits.device
 
     def dev(a):
@@ -263,12 +321,11 @@ def sample_logits(logits: torch.Tensor, s: SamplingBatch) -> SampleResult:
         if token_bitmask is not None:   # logprobs and ranks over the masked logits, as the sampled token's
             logits = apply_token_bitmask(logits, token_bitmask)
         chosen = logits.gather(1, tokens.long()[:, None])
-        ranks = ((logits > chosen).sum(dim=1) + 1).int().cpu().numpy()
+        ranks = ((logits > chosen).sum(dim=1) + 1).int()
         if s.num_logprobs > 0:
             values, ids = _top(logits, s.num_logprobs)
-            top_ids, top_logprobs = ids.int().cpu().numpy(), (values - lse[:, None]).cpu().numpy()
-    return SampleResult(tokens=tokens.cpu().numpy(), logprobs=logprobs.cpu().numpy(), top_ids=top_ids,
-                        top_logprobs=top_logprobs, ranks=ranks)
+            top_ids, top_logprobs = ids.int(), values - lse[:, None]
+    return dict(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs, ranks=ranks)
 
 
 def _top(logits: torch.Tensor, n: int):

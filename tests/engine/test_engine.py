@@ -342,8 +342,9 @@ def test_steps_are_padded_and_planned_once(eng, monkeypatch):
     nothing. Every step's shape is one the policy lists."""
     planned, plan = [], planner.StepPlanner.plan
     monkeypatch.setattr(planner.StepPlanner, "plan", lambda self, *a, **kw: planned.append(self) or plan(self, *a, **kw))
-    steps, execute = [], eng.llm.runner.execute
-    monkeypatch.setattr(eng.llm.runner, "execute", lambda step, sampling: steps.append(step) or execute(step, sampling))
+    steps, submit = [], eng.llm.runner.submit
+    monkeypatch.setattr(eng.llm.runner, "submit",
+                        lambda step, sampling, previous=None: steps.append(step) or submit(step, sampling, previous))
     [out] = eng.llm.generate(FIRST[0], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert len(steps) == 2 and not steps[0].is_decode and steps[1].is_decode
     assert len(planned) == 2 and all(p is eng.llm.planner for p in planned)

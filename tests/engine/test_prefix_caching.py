@@ -75,7 +75,7 @@ def test_scheduler_reuses_a_cached_prefix_and_computes_the_rest(model_dir):
     s.add_request(prefix + [9], 2)
     step = s.schedule()
     [(request, q)] = step.rows
-    assert request.num_cached == 256 and q == 301 - 256               # prefill starts after two cached blocks
+    assert request.prefix_hit_tokens == 256 and q == 301 - 256        # prefill starts after two cached blocks
     assert step.positions[0] == 256 and s.blocks.hit_tokens == 256
     s.update(step, [7])
     run(s)

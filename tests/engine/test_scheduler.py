@@ -306,10 +306,15 @@ def test_misuse():
         s.schedule()
     s.add_requests([[1, 2]], 2)
     st = s.schedule()
+    ahead = s.schedule()   # before st's token is back (async scheduling): one step ahead at most
     with pytest.raises(RuntimeError, match="update"):
         s.schedule()
     with pytest.raises(ValueError, match="next_tokens: expected 1 tokens"):
         s.update(st, [1, 2])
+    with pytest.raises(ValueError, match="oldest step"):
+        s.update(ahead, [3])
     s.update(st, [3])
-    with pytest.raises(ValueError, match="last schedule"):
+    with pytest.raises(ValueError, match="oldest step"):
         s.update(st, [3])
+    s.update(ahead, [4])
+    assert s.output(0) == [3, 4] and not s.has_unfinished()

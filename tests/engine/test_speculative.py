@@ -17,7 +17,7 @@ import pytest
 from m3_engine import SamplingParams
 from m3_engine.engine import LLMEngine
 from m3_engine.model_config import load_config
-from m3_engine.runner import SampleResult
+from m3_engine.runner import SampleResult, SynchronousRunner
 from m3_engine.scheduler import Scheduler, SchedulerConfig
 from m3_engine.speculative import (MAX_PROBE_INTERVAL, MAX_SPECULATIVE_TOKENS, MIN_ACCEPTANCE, PROBE_INTERVAL,
                                    SpeculationGate, SpeculativeConfig, ngram_draft, num_accepted)
@@ -109,7 +109,7 @@ def test_num_accepted():
 
 # -- the engine over a stand-in model -------------------------------------------------------------
 
-class CacheModel:
+class CacheModel(SynchronousRunner):
     """A deterministic "model": the next token is a function of every token before it, read back
     from a cache of token ids written through the step's slot mapping and read through its block
     table (unwritten or freed rows are -1, and reading one fails the test).

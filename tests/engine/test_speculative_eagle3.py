@@ -99,14 +99,14 @@ def record_drafts(llm) -> list:
 
 
 def record_steps(llm) -> list:
-    """Wrap ``llm.runner.execute``: -> the list of the steps it runs."""
-    steps, execute = [], llm.runner.execute
+    """Wrap ``llm.runner.submit``: -> the list of the steps it runs."""
+    steps, submit = [], llm.runner.submit
 
-    def spy(step, sampling):
+    def spy(step, sampling, previous=None):
         steps.append(step)
-        return execute(step, sampling)
+        return submit(step, sampling, previous)
 
-    llm.runner.execute = spy
+    llm.runner.submit = spy
     return steps
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from m3_engine import SamplingParams
+from m3_engine.runner import SynchronousRunner
 from m3_engine.structured_outputs import (StructuredOutputsBackend, StructuredOutputsParams, apply_token_bitmask,
                                           bitmask_width, fill_bitmask)
 from m3_engine.tiny_model import EOS_ID, write_tiny_checkpoint
@@ -215,7 +216,7 @@ def test_verify_rows_follow_the_drafts_and_roll_back(backend, tokenizer):
 
 # -- the engine over a stand-in runner --------------------------------------------------------------
 
-class MaskedRandomRunner:
+class MaskedRandomRunner(SynchronousRunner):
     """A "model" of random logits; samples greedily after the step's token bitmask (as the kernel does)."""
 
     def __init__(self, tokenizer):

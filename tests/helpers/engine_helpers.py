@@ -8,7 +8,7 @@ import numpy as np
 from m3_engine import SamplingParams
 from m3_engine.buckets import StepBuckets
 from m3_engine.llm import LLM
-from m3_engine.runner import SampleResult
+from m3_engine.runner import SampleResult, SynchronousRunner
 from m3_engine.tokenizer import Tokenizer
 
 
@@ -31,7 +31,7 @@ def say(text: str) -> str:
     return f"{SAY}{text}{END_SAY}"
 
 
-class FakeRunner:
+class FakeRunner(SynchronousRunner):
     """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3). A row under a structured-outputs
     token bitmask takes the allowed token number (seed + 7 * index) % (how many are allowed) instead
     (a walk through the grammar, as random weights would take). A request whose prompt holds

@@ -58,9 +58,9 @@ def record_prompt_logits(llm):
     seen = {}
     step_logits = llm.runner.step_logits
 
-    def all_rows(step):
+    def all_rows(step, carried=None):
         if step.num_context == 0:
-            return step_logits(step)
+            return step_logits(step, carried)
         rows = np.arange(step.num_tokens, dtype=np.int32)
         logits = llm.runner.model.forward(llm.runner.step_tensors(step, logits_rows=rows), step.plan, llm.runner.caches).float()
         for i, (request, _) in enumerate(step.rows[:step.num_context]):
@@ -168,7 +168,7 @@ def poison_free_slots(llm, reused):
     owners: dict = {}
     step_logits = llm.runner.step_logits
 
-    def poisoned_step(step):
+    def poisoned_step(step, carried=None):
         held = set()
         for request in llm.engine.scheduler.requests.values():
             if not request.finished:
@@ -177,7 +177,7 @@ def poison_free_slots(llm, reused):
                     owners.setdefault(slot, set()).add(request.id)
         pool[sorted(set(range(llm.runner.layout.num_slots)) - held)] = float("nan")
         reused[:] = [s for s, ids in owners.items() if len(ids) > 1]
-        return step_logits(step)
+        return step_logits(step, carried)
 
     pool.fill_(float("nan"))
     llm.runner.step_logits = poisoned_step
@@ -266,7 +266,7 @@ def test_bad_engine_arguments(tiny_dir, kwargs, exc, words):
 def test_bad_generate_input_fails_before_any_work(tiny_dir, args, kwargs, exc, words):
     llm = m3_torch.LLM(tiny_dir, device="cpu", max_num_seqs=2, max_model_len=128)
 
-    def no_work(step):
+    def no_work(step, carried=None):
         raise AssertionError("a step ran")
 
     llm.runner.step_logits = no_work

@@ -42,8 +42,8 @@ def record_margins(llm, first_logits=None):
     margins = {}
     step_logits = llm.runner.step_logits
 
-    def recording(step):
-        logits = step_logits(step)
+    def recording(step, carried=None):
+        logits = step_logits(step, carried)
         top2 = logits.topk(2, dim=-1).values
         for i, (r, o, m) in enumerate(zip(step.request_ids.tolist(), step.output_index.tolist(),
                                           (top2[:, 0] - top2[:, 1]).tolist())):

@@ -1,0 +1,192 @@
+"""Async scheduling on and off, offline decode at batch 64: ``python3 -m benchmarks.async_scheduling``.
+
+The model is the real-shape one of ``benchmarks/model_step.py`` (MiniMax-M3's per-layer dimensions,
+``--layers`` layers, bf16, random weights drawn on the GPU). ``--batch`` requests of ``--prompt-len``
+random tokens are prefilled first (not measured); then the decode-only steps to ``--new-tokens`` tokens
+each (greedy, ``ignore_eos``) are measured, for each framework (a fresh process each) and each setting
+of ``async_scheduling`` (one engine each):
+
+* ``tok/s``: decode tokens / wall time of the decode steps (median of ``--reps`` runs, no profiler);
+* ``gpu idle``: from one more run under the framework's profiler (torch.profiler / jax.profiler's
+  perfetto trace), 1 - (union of the GPU's kernel and copy intervals) / (first start to last end) over
+  the decode steps: the share of the time the GPU waits for the host between (and inside) steps;
+* ``same tokens``: the outputs with async scheduling equal those without it.
+
+Writes ``<date>-h200-async-scheduling.{json,md}`` to ``--out`` (default benchmarks/results/). ``--tiny``:
+the tiny model on the CPU (checks the script; no GPU idle). About a minute on an H200 with the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.e2e import in_fresh_process
+from benchmarks.model_step import M3_DIMS, text_config, write_config
+from benchmarks.run import save_results
+
+
+def busy_fraction(intervals: list) -> tuple:
+    """``[(start, end), ...]`` -> (busy time of their union, first start to last end)."""
+    if not intervals:
+        return 0.0, 0.0
+    intervals = sorted(intervals)
+    busy, (cur_start, cur_end) = 0.0, intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy, cur_start = busy + cur_end - cur_start, start
+        cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy, intervals[-1][1] - intervals[0][0]
+
+
+def torch_gpu_intervals(run) -> list:
+    """Run ``run()`` under torch.profiler -> the GPU's kernel and memcpy/memset intervals (us)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+    out = []
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start:
+            out.append((e.time_range.start, e.time_range.end))
+    return out
+
+
+def jax_gpu_intervals(run) -> list:
+    """Run ``run()`` under jax.profiler (perfetto trace) -> the GPU's op intervals (us)."""
+    import jax
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            run()
+        [path] = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
+        with gzip.open(path, "rt") as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    return [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+            if e.get("ph") == "X" and e.get("pid") in gpu_pids and float(e.get("dur", 0)) > 0]
+
+
+def decode_run(llm, prompts, params, profile=None) -> tuple:
+    """Prefill every request (unmeasured), then step to the end -> (outputs, decode seconds, decode
+    tokens, GPU intervals or None). ``profile``: a ``*_gpu_intervals`` function around the decode steps."""
+    engine = llm.engine
+    base = engine.stats["generation_tokens"]
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    outputs = {}
+
+    def step():
+        for o in engine.step():
+            outputs[o.request_id] = o.outputs[0].token_ids
+
+    while engine.stats["generation_tokens"] - base < len(prompts):   # every request has its first token
+        step()
+    first = engine.stats["generation_tokens"]
+
+    def decode():
+        while engine.has_unfinished_requests():
+            step()
+
+    start = time.perf_counter()
+    intervals = profile(decode) if profile is not None else decode()
+    seconds = time.perf_counter() - start
+    return [list(outputs[i]) for i in ids], seconds, engine.stats["generation_tokens"] - first, intervals
+
+
+def run_framework(framework: str, model_dir: str, args: dict) -> dict:
+    """Both settings for one framework (run in a fresh process)."""
+    import importlib
+    from m3_engine import SamplingParams
+    LLM = importlib.import_module(f"m3_{framework}").LLM
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, args["vocab"], args["prompt_len"]).tolist() for _ in range(args["batch"])]
+    params = SamplingParams(max_tokens=args["new_tokens"], ignore_eos=True, temperature=0.0)
+    profile = None if args["device"] == "cpu" else torch_gpu_intervals if framework == "torch" else \
+        jax_gpu_intervals
+    rows, tokens = [], {}
+    for on in (False, True):
+        with LLM(model_dir, dtype=args["dtype"], device=args["device"], max_num_seqs=args["batch"],
+                 max_model_len=args["prompt_len"] + args["new_tokens"] + 16, load_format="dummy", seed=0,
+                 async_scheduling=on) as llm:
+            decode_run(llm, prompts, params)                  # warm-up: graphs captured, steps compiled
+            runs = [decode_run(llm, prompts, params) for _ in range(args["reps"])]
+            tokens[on] = runs[-1][0]
+            seconds = float(np.median([r[1] for r in runs]))
+            row = dict(framework=framework, async_scheduling=on, tokens_per_s=runs[-1][2] / seconds,
+                       decode_s=seconds, decode_tokens=runs[-1][2], gpu_idle=None,
+                       steps_ahead=llm.engine.stats["steps_ahead"], steps=llm.engine.stats["steps"])
+            if profile is not None:
+                busy, span = busy_fraction(decode_run(llm, prompts, params, profile)[3])
+                row["gpu_idle"] = 1 - busy / span if span else None
+            rows.append(row)
+            print(row, flush=True)
+    for row in rows:
+        row["same_tokens"] = tokens[True] == tokens[False]
+    return dict(rows=rows)
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# Async scheduling on {r['name']} ({r['date']})", "",
+             f"Command: `{r['command']}`. Model: {r['model']}, random weights; {r['batch']} random prompts of "
+             f"{r['prompt_len']} tokens prefilled first, then {r['new_tokens']} greedy tokens each: the decode "
+             f"steps are measured (tok/s: median of {r['reps']} runs; GPU idle: one profiled run).", "",
+             "| framework | async_scheduling | decode tok/s | GPU idle | steps ahead / steps | same tokens |",
+             "|---|---|---|---|---|---|"]
+    for fw, res in r["results"].items():
+        for row in res["rows"]:
+            idle = "-" if row["gpu_idle"] is None else f"{100 * row['gpu_idle']:.1f}%"
+            lines.append(f"| {fw} | {row['async_scheduling']} | {row['tokens_per_s']:.0f} | {idle} | "
+                         f"{row['steps_ahead']} / {row['steps']} | {row['same_tokens']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--frameworks", default="torch,jax")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tiny", action="store_true", help="the tiny CPU model (checks the script)")
+    a = parser.parse_args(argv)
+    from benchmarks.model_step import device_info
+    device = "cpu" if a.tiny else "cuda"
+    info = device_info(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.tiny:
+            from m3_engine.tiny_model import tiny_text_config
+            text = tiny_text_config()
+        else:
+            text = text_config(M3_DIMS, a.layers, a.prompt_len + a.new_tokens + 16)
+        model_dir = str(write_config(Path(tmp) / "model", text))
+        args = dict(batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, reps=a.reps,
+                    vocab=min(text["vocab_size"], 1000),
+                    dtype="float32" if a.tiny else "bfloat16", device=device)
+        result = dict(command="python3 -m benchmarks.async_scheduling " + " ".join(
+                          argv if argv is not None else sys.argv[1:]),
+                      date=datetime.date.today().isoformat(), **info, layers=a.layers, batch=a.batch,
+                      prompt_len=a.prompt_len, new_tokens=a.new_tokens, reps=a.reps,
+                      model="the tiny test model (float32)" if a.tiny else f"M3 layer shapes, {a.layers} layers, bf16",
+                      results={})
+        name = f"{result['date']}-{'cpu-tiny' if a.tiny else 'h200'}-async-scheduling"
+        for fw in a.frameworks.split(","):   # saved after each framework
+            result["results"][fw] = in_fresh_process(run_framework, fw, model_dir, args)
+            save_results(a.out, name, result, markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
