@@ -26,7 +26,7 @@ from m3_kernels.planner import PAGE_SIZE, StepConfig, StepPlan, StepPlanner
 
 from .buckets import StepBuckets
 
-__all__ = ["Step", "StepBuilder"]
+__all__ = ["Step", "StepBuilder", "prompt_logprob_positions"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,6 +58,10 @@ class Step:
     num_logits:     [real rows] int32 logits rows of each real row (0, 1, or ``k + 1``
                     for a verify row).
     drafts:         per real row, the draft tokens it verifies (empty: not a verify row).
+    prompt_logits_indices: [P] int32 token rows whose logits give prompt logprobs (the
+                    requests with ``prompt_logprobs``: :func:`prompt_logprob_positions`), in
+                    row order; empty on other steps. A runner returns the logits of
+                    :attr:`forward_logits_indices`.
     """
     input_ids: np.ndarray
     positions: np.ndarray
@@ -73,6 +77,15 @@ class Step:
     row_index: np.ndarray = dataclasses.field(repr=False, default=None)
     num_logits: np.ndarray = dataclasses.field(repr=False, default=None)
     drafts: tuple = dataclasses.field(repr=False, default=())
+    prompt_logits_indices: np.ndarray = dataclasses.field(repr=False, default_factory=lambda: np.zeros(0, np.int32))
+
+    @property
+    def forward_logits_indices(self) -> np.ndarray:
+        """The token rows whose logits the model step computes: ``logits_indices`` (sampled), then
+        ``prompt_logits_indices``."""
+        if not len(self.prompt_logits_indices):
+            return self.logits_indices
+        return np.concatenate([self.logits_indices, self.prompt_logits_indices])
 
     @property
     def num_verify_rows(self) -> int:
@@ -157,6 +170,8 @@ class StepBuilder:
         num_logits = np.where(verify, q, samples).astype(np.int32)
         sampled = np.where(verify, first, first + q - 1)
         local = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+        prompt_rows = [first[i] + np.arange(start - r.num_cached, end - r.num_cached)
+                       for i, (r, k) in enumerate(rows[:n_ctx]) for start, end in [prompt_logprob_positions(r, k)]]
         return Step(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_table=block_table,
                     seq_lens=seq_lens, cu_seqlens_q=cu,
                     logits_indices=(np.repeat(sampled, num_logits) + local).astype(np.int32),
@@ -164,7 +179,20 @@ class StepBuilder:
                     output_index=(np.repeat(np.array([len(r.output) for r, _ in rows], np.int32), num_logits)
                                   + local).astype(np.int32),
                     plan=plan, rows=tuple(rows), row_index=row_index.astype(np.int32), num_logits=num_logits,
-                    drafts=tuple(tuple(drafts[r.id].tolist()) if r.id in drafts else () for r, _ in rows))
+                    drafts=tuple(tuple(drafts[r.id].tolist()) if r.id in drafts else () for r, _ in rows),
+                    prompt_logits_indices=np.concatenate(prompt_rows).astype(np.int32) if prompt_rows else
+                    np.zeros(0, np.int32))
+
+
+def prompt_logprob_positions(r, q: int) -> tuple:
+    """``(start, end)``: the prompt positions of a row of ``q`` query tokens of request ``r`` whose
+    logits give prompt logprobs (position ``p``'s logits: the logprob of ``prompt[p + 1]``):
+    ``[num_cached, min(num_cached + q, len(prompt) - 1))`` for a prompt chunk of a request with
+    ``prompt_logprobs``, else empty."""
+    start = r.num_cached
+    if not r.prompt_logprobs or start >= len(r.prompt):
+        return start, start
+    return start, max(start, min(start + q, len(r.prompt) - 1))
 
 
 def _verify_tokens(r, q: int, drafts: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ states, and :meth:`TorchRunner.propose` runs the draft on them, eagerly
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import numpy as np
@@ -61,7 +62,10 @@ def resolve_device(args: CheckedArgs) -> torch.device:
 
 
 class TorchRunner:
-    """The torch side of an engine (``m3_engine.runner.Runner``). ``args``: the checked options."""
+    """The torch side of an engine (``m3_engine.runner.Runner``). ``args``: the checked options.
+    On a GPU without ``num_gpu_blocks_override`` the KV pool holds what ``gpu_memory_utilization``
+    of the GPU leaves after the weights (``m3_torch.rank.RankRunner``); :attr:`scheduler_config`
+    is ``args.scheduler`` with the pool's pages."""
 
     def __init__(self, args: CheckedArgs):
         self.tp = args.tp
@@ -70,8 +74,11 @@ class TorchRunner:
         # decode steps are padded to graph batch sizes only where CUDA graphs replay them
         self.buckets = StepBuckets.from_config(sc, args.speculative, pad_prefill=False,
                                                pad_decode=self.device.type == "cuda" and not args.enforce_eager)
+        # on a GPU without num_gpu_blocks_override every rank sizes its pool from its memory after the weights
+        sized = self.device.type == "cuda" and args.num_gpu_blocks_override is None
         runner_args = dict(model_dir=str(args.model_dir), dtype=DTYPES[args.dtype] if args.dtype else None,
-                           num_slots=sc.num_slots, max_blocks=sc.max_blocks,
+                           num_slots=None if sized else sc.num_slots, max_blocks=sc.max_blocks,
+                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=sc.max_context,
                            cuda_graphs=bool(self.buckets.decode_batch_sizes),
                            kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype,
                            load_format=args.load_format, seed=args.seed)
@@ -96,6 +103,7 @@ class TorchRunner:
         r = self.rank0
         self.dtype, self.model, self.layout, self.pool, self.caches, self.graphs = \
             r.dtype, r.model, r.layout, r.pool, r.caches, r.graphs
+        self.scheduler_config = sc = dataclasses.replace(sc, num_slots=self.layout.num_slots)
         self.proposer = None
         if args.draft is not None:
             draft = Eagle3Draft.load(args.speculative.model, args.config, dtype=self.dtype, device=self.device,
@@ -110,7 +118,11 @@ class TorchRunner:
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
         logits = self.step_logits(step)
-        return sample_logits(logits, sampling)
+        num_sampled = len(step.logits_indices)
+        result = sample_logits(logits[:num_sampled], sampling)
+        if sampling.prompt_targets is not None:
+            result = dataclasses.replace(result, **prompt_logprobs(logits[num_sampled:], sampling))
+        return result
 
     def propose(self, work: DraftPass) -> np.ndarray:
         """EAGLE-3: the draft after the step just executed (``work.step``) -> drafts ``[n, k]`` int32."""
@@ -131,7 +143,7 @@ class TorchRunner:
     # -- steps -----------------------------------------------------------------------------------
 
     def step_logits(self, step: Step) -> torch.Tensor:
-        """Run one scheduler step (on every rank) -> float32 logits ``[len(step.logits_indices), vocab]``
+        """Run one scheduler step (on every rank) -> float32 logits ``[len(step.forward_logits_indices), vocab]``
         (with an EAGLE-3 draft, the step's aux hidden states are kept for :meth:`propose`)."""
         if self._workers is not None:
             return self._workers.run_step(step, self.rank0)
@@ -175,6 +187,20 @@ def sample_logits(logits: torch.Tensor, s: SamplingBatch) -> SampleResult:
             top_ids, top_logprobs = ids.int().cpu().numpy(), (values - lse[:, None]).cpu().numpy()
     return SampleResult(tokens=tokens.cpu().numpy(), logprobs=logprobs.cpu().numpy(), top_ids=top_ids,
                         top_logprobs=top_logprobs, ranks=ranks)
+
+
+def prompt_logprobs(logits: torch.Tensor, s: SamplingBatch) -> dict:
+    """The ``SampleResult.prompt_*`` fields from float32 ``logits [P, V]`` of the step's prompt rows:
+    each target's raw logprob (``logit - logsumexp``) and rank, and the top ``s.num_prompt_logprobs``."""
+    targets = torch.from_numpy(np.ascontiguousarray(s.prompt_targets)).to(logits.device).long()
+    lse = torch.logsumexp(logits, dim=1)
+    chosen = logits.gather(1, targets[:, None])
+    out = dict(prompt_logprobs=(chosen[:, 0] - lse).cpu().numpy(),
+               prompt_ranks=((logits > chosen).sum(dim=1) + 1).int().cpu().numpy())
+    if s.num_prompt_logprobs > 0:
+        values, ids = _top(logits, s.num_prompt_logprobs)
+        out.update(prompt_top_ids=ids.int().cpu().numpy(), prompt_top_logprobs=(values - lse[:, None]).cpu().numpy())
+    return out
 
 
 def _top(logits: torch.Tensor, n: int):
