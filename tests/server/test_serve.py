@@ -699,6 +699,7 @@ class FakeRunner:
 
     def __init__(self, args):
         self.vocab = args.config.vocab_size
+        self.scheduler_config = args.scheduler
         self.buckets = StepBuckets.from_config(args.scheduler, args.speculative, pad_prefill=False, pad_decode=False)
 
     def execute(self, step, sampling):
