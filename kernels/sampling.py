@@ -111,7 +111,7 @@ def sample_kernel(
     temperature_ptr,   # [L] fp32; <= 0: greedy
     top_k_ptr,         # [L] int32; <= 0 or >= V: off
     top_p_ptr,         # [L] fp32 in (0, 1]; 1: off
-    min_p_ptr,         # [L] fp32 in [0, 1); 0: off
+    min_p_ptr,         # [L] fp32 in [0, 1]; 0: off
     seed_ptr,          # [L, 2] int32: the int64 seed's low and high words
     counter_ptr,       # [L] int32: the token's index in its request's output
     repetition_ptr,    # [L] fp32 (read when HAS_PENALTIES)

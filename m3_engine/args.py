@@ -143,7 +143,8 @@ class EngineArgs:
     max_model_len: Optional[int] = _option(None, "KV tokens per request, prompt + generated (default: "
                                            "min(8192, the model's max_position_embeddings))", type=int, metavar="N")
     num_gpu_blocks_override: Optional[int] = _option(
-        None, "KV pool pages of 128 tokens (default: max_num_seqs requests of max_model_len)", type=int, metavar="N")
+        None, "KV pool pages of 128 tokens (default: on a GPU what gpu_memory_utilization leaves after the "
+        "weights, on a CPU max_num_seqs requests of max_model_len)", type=int, metavar="N")
     max_num_batched_tokens: Optional[int] = _option(None, "query tokens per step (default: max(2048, "
                                                     "max_num_seqs))", type=int, metavar="N")
     prefill_chunk: Optional[int] = _option(None, "prompt tokens per request per step (default: "
@@ -152,9 +153,9 @@ class EngineArgs:
         None, "decode batch sizes replayed from CUDA graphs (torch) or compiled (JAX) (default: 1, 2, 4, 8, "
         "then multiples of 16 up to max_num_seqs)", type=parse_int_list, metavar="B1,B2,...")
     gpu_memory_utilization: float = _option(
-        0.9, "fraction of a GPU's memory the engine may use, in (0, 1]; checked, but the runners do not size "
-        "the KV pool from it yet (num_gpu_blocks_override or max_num_seqs requests of max_model_len do); "
-        "ignored on a CPU", type=float, metavar="F")
+        0.9, "fraction of a GPU's memory the engine may use, in (0, 1]: without num_gpu_blocks_override "
+        "the KV pool gets what it leaves after the weights (under tensor parallelism the fewest pages of "
+        "any rank); ignored on a CPU (there max_num_seqs requests of max_model_len)", type=float, metavar="F")
     tensor_parallel_size: int = _option(1, "ranks the model is split over (torch: N processes, jax: a mesh of "
                                         "N devices)", type=int, metavar="N", aliases=("-tp",))
     enable_expert_parallel: bool = _option(False, "each rank holds num_experts / tensor_parallel_size whole "
@@ -244,7 +245,8 @@ class EngineArgs:
                            enforce_eager=self.enforce_eager, load_format=load_format, speculative=speculative,
                            draft=draft, gpu_memory_utilization=float(utilization), precompile=self.precompile,
                            compile_cache_dir=compile_cache_dir, quantization=weight_quantization,
-                           checkpoint_quantization=checkpoint_quantization, async_scheduling=self.async_scheduling)
+                           checkpoint_quantization=checkpoint_quantization, async_scheduling=self.async_scheduling,
+                           num_gpu_blocks_override=self.num_gpu_blocks_override)
 
 
 def _draft_config(speculative: SpeculativeConfig, config: M3TextConfig, tp: TPPlan) -> Optional[Eagle3Config]:
@@ -286,6 +288,7 @@ class CheckedArgs:
     quantization: Optional[str] = None    # the weights the engine runs: None or "fp8" (m3_engine.quantization)
     checkpoint_quantization: Optional[str] = None   # the stored weights': None (or dummy), "fp8", "mxfp8" (converted)
     async_scheduling: bool = False        # the engine core schedules each step while the previous one runs
+    num_gpu_blocks_override: Optional[int] = None   # None: a GPU runner sizes the pool (scheduler.num_slots: a CPU's)
 
     def precompile_on(self, on_gpu: bool) -> bool:
         """Whether the runner compiles its step programs at start (``precompile``, None: on a GPU)."""

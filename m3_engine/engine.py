@@ -7,7 +7,8 @@
 
 The engine core (``m3_engine.engine_core``: scheduler, runner, sampling, structured outputs)
 and the text side (``m3_engine.output_processor``: detokenization, stop strings, logprob
-entries) in one process, the way ``LLM`` runs them. One step: the core runs the model and
+entries; a request of ``n`` completions fans out into ``n`` core requests there) in one
+process, the way ``LLM`` runs them. One step: the core runs the model and
 hands out each request's new token ids; the output processor turns them into text and looks
 for stop strings, and the requests they end are finished in the core before its EAGLE-3 draft
 pass (when there is one). The engine is not thread-safe: one thread drives it. ``m3-serve``
@@ -73,10 +74,18 @@ class LLMEngine:
         if request_id is None:
             number = str(self._numbers)
             request_id = number if number not in self.processor.requests else f"{number}-{uuid.uuid4().hex}"
-        self.core.add_request(request_id, ids, params)
+        children = self.processor.add_request(request_id, text, ids, params,
+                                              arrival_time=time.time() if arrival_time is None else arrival_time)
+        added = []
+        try:
+            for child_id, child_params in children:   # n completions: n engine requests (output_processor)
+                self.core.add_request(child_id, ids, child_params)
+                added.append(child_id)
+        except BaseException:
+            self.core.finish_request(added)
+            self.processor.abort_request(request_id, time.time())
+            raise
         self._numbers += 1
-        self.processor.add_request(request_id, text, ids, params,
-                                   arrival_time=time.time() if arrival_time is None else arrival_time)
         return request_id
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple:
@@ -112,10 +121,9 @@ class LLMEngine:
         """Finish these requests now (``finish_reason="abort"``) and free their pages; unknown or
         finished ids are ignored."""
         request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.core.finish_request(request_ids, "abort")
         now = time.time()
         for request_id in request_ids:
-            self.processor.abort_request(request_id, now)
+            self.core.finish_request(self.processor.abort_request(request_id, now), "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.processor.requests)

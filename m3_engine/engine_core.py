@@ -14,11 +14,17 @@ front end ends its request in the core with :meth:`finish_request`.
 
 One step: the scheduler picks the rows (``m3_engine.scheduler``), the runner runs the model
 and the shared sampling kernel on them (``m3_engine.runner``), the scheduler takes the new
-tokens (end-of-sequence, stop tokens, length). A request with ``structured_outputs`` gets its
-rows' token bitmask filled before the step (``SamplingBatch.token_bitmask``) and its matcher
-advanced by its new tokens after it (``m3_engine.structured_outputs``). With an EAGLE-3 draft
-model, :meth:`propose_drafts` runs the draft (``runner.propose``) for the drafts the next step
-verifies; it comes after the front end finished the requests its stop strings ended (the
+tokens (end-of-sequence, stop tokens, length). A step's token bitmask (``SamplingBatch.token_bitmask``,
+applied by the sampling kernel) forbids, per logits row: what a request's ``structured_outputs``
+grammar does not allow next (its matcher is advanced by its new tokens after the step;
+``m3_engine.structured_outputs``), the stop tokens (the model's eos ids unless ``ignore_eos``,
+and ``stop_token_ids``) while the request has fewer than ``min_tokens`` outputs, and its
+``bad_words`` (vLLM's rule: :func:`bad_words_token_ids`, :func:`banned_tokens`); the masks
+are ANDed. A request with ``prompt_logprobs`` gets the logprobs of its prompt's tokens from
+the steps that compute its prompt (``Step.prompt_logits_indices``), handed out with its first
+token. ``max_tokens=None`` is the rest of the context: ``max_model_len`` - the prompt's length.
+With an EAGLE-3 draft model, :meth:`propose_drafts` runs the draft (``runner.propose``) for the
+drafts the next step verifies; it comes after the front end finished the requests its stop strings ended (the
 scheduler drafts for unfinished requests only). A request that finishes frees its cache pages at
 once. Not thread-safe: one thread drives it.
 
@@ -36,7 +42,9 @@ string meanwhile) has its row of step ``k + 1`` discarded (``m3_engine.scheduler
 the same tokens as with synchronous steps, one call later. A step runs synchronously (the next
 one scheduled after its tokens are back) when a request it samples for needs its tokens on the
 host to build the next step: penalties (they count the output), structured outputs (the token
-bitmask follows the grammar). Not with speculative decoding (``m3_engine.args`` refuses it).
+bitmask follows the grammar), a bad word of several tokens (its last token is masked after the
+output ends with the rest of it), ``min_tokens`` not reached yet (the stop tokens are masked
+until the output has exactly that many tokens). Not with speculative decoding (``m3_engine.args`` refuses it).
 """
 
 from __future__ import annotations
@@ -52,10 +60,10 @@ from .runner import Runner, SampleResult, SamplingBatch
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Scheduler
 from .step_inputs import Step
-from .structured_outputs import Grammar, StructuredOutputsBackend, fill_bitmask
+from .structured_outputs import Grammar, StructuredOutputsBackend, bitmask_width, fill_bitmask, forbid_tokens
 from .tokenizer import Tokenizer
 
-__all__ = ["EngineCore", "CoreOutput", "TokenLogprobs"]
+__all__ = ["EngineCore", "CoreOutput", "TokenLogprobs", "bad_words_token_ids", "banned_tokens"]
 
 
 @dataclasses.dataclass
@@ -73,10 +81,12 @@ class CoreOutput:
     """What one step did to one request: the tokens it emitted (several after a verify step), their
     logprobs when asked, and its end (``finish_reason`` "stop" for eos, a stop token or a completed
     grammar, "length"; ``stop_reason`` the stop token id). The request's cache and speculative
-    decoding numbers are its totals so far."""
+    decoding numbers are its totals so far. ``prompt_logprobs`` (with the first token of a request
+    that asked): per prompt position ``p`` but the last, the logprobs of ``prompt[p + 1]``."""
     request_id: str
     new_token_ids: list[int]
     new_logprobs: Optional[list[TokenLogprobs]] = None     # one per new token, when the request asked
+    prompt_logprobs: Optional[list[TokenLogprobs]] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[int] = None
     num_cached_tokens: int = 0              # prompt tokens served by the prefix cache
@@ -91,18 +101,30 @@ class _CoreRequest:
     """The core's view of one request (the scheduler keeps its own: ids, slots, cache)."""
 
     def __init__(self, request_id: str, prompt_ids: list, params: SamplingParams, seed: int, scheduler_id: int,
-                 grammar: Optional[Grammar]):
+                 grammar: Optional[Grammar], stop_ids: tuple, bad_words: list):
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
         self.seed, self.scheduler_id, self.grammar = seed, scheduler_id, grammar
+        self.stop_ids, self.bad_words = stop_ids, bad_words   # what min_tokens forbids; bad words' token ids
+        self.longest_bad_word = max(map(len, bad_words), default=0)
         self.token_ids: list = []          # what the penalties count
         self.num_cached_tokens = 0
         self.first_scheduled_time: Optional[float] = None
+        self.prompt_logprobs: Optional[list] = [] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
+
+    @property
+    def bans_tokens(self) -> bool:
+        """Whether its next rows forbid tokens: stop tokens before ``min_tokens``, or bad words."""
+        return bool(self.bad_words) or len(self.token_ids) < self.params.min_tokens
 
     @property
     def needs_tokens_on_host(self) -> bool:
         """Its next step's inputs depend on its last token on the host (the sampling batch counts it
-        or masks by it): its steps run synchronously under async scheduling."""
-        return self.grammar is not None or self.params.has_penalties
+        or masks by it: penalties, a grammar, a bad word of several tokens (its prefix is matched
+        against the output), fewer outputs than ``min_tokens``): its steps run synchronously under
+        async scheduling."""
+        return (self.grammar is not None or self.params.has_penalties or self.longest_bad_word > 1
+                or len(self.token_ids) < self.params.min_tokens)
 
 
 @dataclasses.dataclass(eq=False)
@@ -112,6 +134,7 @@ class _Submitted:
     step: Step
     handle: Any
     may_run_ahead: bool
+    prompt_spans: list   # [(request, start, end)]: the prompt logprobs the step's result holds
 
 
 class EngineCore:
@@ -154,15 +177,24 @@ class EngineCore:
             raise TypeError(f"request_id: expected a string, got {type(request_id).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        if params.n != 1:
+            raise ValueError(f"n: the engine core takes one completion a request (got n={params.n}): the "
+                             f"output processor fans a request out (m3_engine.output_processor.child_requests)")
         grammar = self._grammar(params)   # compiles the constraint: a bad one raises before anything is queued
+        vocab_size = self.scheduler.vocab_size
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, vocab_size) if params.bad_words else []
+        stop_ids = () if params.min_tokens == 0 else tuple(sorted(
+            {t for t in params.stop_token_ids if t < vocab_size} |
+            (set() if params.ignore_eos else set(self.scheduler.eos_token_ids))))
         scheduler_id = self.scheduler.add_request(prompt_ids, params.max_tokens, stop_token_ids=params.stop_token_ids,
-                                                  ignore_eos=params.ignore_eos)
+                                                  ignore_eos=params.ignore_eos,
+                                                  prompt_logprobs=params.prompt_logprobs is not None)
         number = next(self._arrivals)   # only accepted requests count: they key the unseeded requests' seeds
         if params.seed is None:
             seed = int(np.random.SeedSequence([self.seed, number]).generate_state(1, np.uint64)[0]) & MAX_SEED
         else:
             seed = params.seed
-        request = _CoreRequest(request_id, prompt_ids, params, seed, scheduler_id, grammar)
+        request = _CoreRequest(request_id, prompt_ids, params, seed, scheduler_id, grammar, stop_ids, bad_words)
         self._requests[request_id] = request
         self._by_scheduler_id[scheduler_id] = request
 
@@ -233,7 +265,7 @@ class EngineCore:
                 self._in_flight = None
             self.scheduler.cancel(done.step)
             raise
-        outputs = self._apply(done.step, result)
+        outputs = self._apply(done, result)
         self._drain_if_idle()
         return outputs
 
@@ -253,8 +285,9 @@ class EngineCore:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
                 request.num_cached_tokens = r.prefix_hit_tokens
+        prompt_spans = self._prompt_spans(step)
         try:
-            handle = self.runner.submit(step, self._sampling_batch(step, rows),
+            handle = self.runner.submit(step, self._sampling_batch(step, rows, prompt_spans),
                                         previous.handle if step.carry_from is not None else None)
         except BaseException:
             self.scheduler.cancel(step)
@@ -262,11 +295,14 @@ class EngineCore:
         self._counts["prompt_tokens"] += step.num_prompt_tokens
         self._counts["steps_ahead"] += previous is not None
         may_run_ahead = self.async_scheduling and not any(r.needs_tokens_on_host for r in rows)
-        return _Submitted(step, handle, may_run_ahead)
+        return _Submitted(step, handle, may_run_ahead, prompt_spans)
 
-    def _apply(self, step: Step, result: SampleResult) -> list:
-        """A step's sampled tokens: the scheduler's update, then the outputs of the requests that got
-        tokens (not of those that ended while it ran)."""
+    def _apply(self, done: _Submitted, result: SampleResult) -> list:
+        """A step's sampled tokens (and prompt logprobs): the scheduler's update, then the outputs of
+        the requests that got tokens (not of those that ended while it ran)."""
+        step = done.step
+        if done.prompt_spans:
+            self._take_prompt_logprobs(done.prompt_spans, result)
         finished = set(self.scheduler.update(step, result.tokens))
         self._counts["steps"] += 1
         outputs = []
@@ -313,6 +349,8 @@ class EngineCore:
                          first_scheduled_time=request.first_scheduled_time,
                          num_draft_tokens=r.spec_draft_tokens, num_accepted_tokens=r.spec_accepted_tokens,
                          num_verify_steps=r.spec_verify_steps, draft_time=r.spec_draft_time)
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            out.prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         reason = stop_reason = None
         for j, token in enumerate(r.emitted):
             i = r.emitted_row + j
@@ -348,7 +386,23 @@ class EngineCore:
         return TokenLogprobs(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(),
                              float(result.logprobs[i]), int(result.ranks[i]))
 
-    def _sampling_batch(self, step: Step, rows: list) -> SamplingBatch:
+    def _prompt_spans(self, step: Step) -> list:
+        """``[(request, start, end)]``: the prompt positions whose logprobs this step computes, in the
+        order of ``step.prompt_logits_indices``."""
+        return [(self._by_scheduler_id[step.rows[row][0].id], start, end) for row, start, end in step.prompt_spans]
+
+    def _take_prompt_logprobs(self, spans: list, result: SampleResult) -> None:
+        i = 0
+        for request, start, end in spans:
+            n = request.params.prompt_logprobs
+            for _ in range(start, end):
+                top_ids, top_logprobs = (result.prompt_top_ids[i, :n].tolist(),
+                                         result.prompt_top_logprobs[i, :n].tolist()) if n else ([], [])
+                request.prompt_logprobs.append(TokenLogprobs(top_ids, top_logprobs, float(result.prompt_logprobs[i]),
+                                                             int(result.prompt_ranks[i])))
+                i += 1
+
+    def _sampling_batch(self, step: Step, rows: list, prompt_spans: list) -> SamplingBatch:
         params = [r.params for r in rows]
         penalties = any(p.has_penalties for p in params)
         asked = [p.logprobs for p in params if p.logprobs is not None]
@@ -372,14 +426,38 @@ class EngineCore:
             prompt_ids=ids([r.prompt_ids for r in rows]) if penalties else None,
             output_ids=ids(self._outputs_so_far(step)) if penalties else None,
             num_logprobs=max(asked) if asked else None,
-            token_bitmask=self._token_bitmask(step, rows))
+            token_bitmask=self._token_bitmask(step, rows),
+            prompt_targets=np.concatenate([np.asarray(request.prompt_ids[start + 1:end + 1], np.int32)
+                                           for request, start, end in prompt_spans]) if prompt_spans else None,
+            num_prompt_logprobs=max((request.params.prompt_logprobs for request, _, _ in prompt_spans), default=None))
 
     def _token_bitmask(self, step: Step, rows: list) -> Optional[np.ndarray]:
-        """Structured outputs: the step's token bitmask, None when no row is constrained."""
-        if all(r.grammar is None for r in rows):
+        """The step's token bitmask (module docstring), None when no row forbids a token."""
+        constrained = any(r.grammar is not None for r in rows)
+        if not constrained and not any(r.bans_tokens for r in rows):
             return None
-        grammars = [self._by_scheduler_id[r.id].grammar for r, _ in step.rows]
-        return fill_bitmask(list(zip(grammars, step.num_logits.tolist(), step.drafts)), self.scheduler.vocab_size)
+        requests = [self._by_scheduler_id[r.id] for r, _ in step.rows]
+        counts = step.num_logits.tolist()
+        vocab_size = self.scheduler.vocab_size
+        if constrained:
+            bitmask = fill_bitmask(list(zip([r.grammar for r in requests], counts, step.drafts)), vocab_size)
+        else:
+            bitmask = np.full((sum(counts), bitmask_width(vocab_size)), -1, np.int32)
+        start = 0
+        for request, count, drafts in zip(requests, counts, step.drafts):
+            if request.bans_tokens:
+                keep = request.longest_bad_word - 1   # the output's tail a bad word's prefix may match
+                tail = request.token_ids[len(request.token_ids) - keep:] if keep else []
+                for j in range(count):   # a verify row's row j follows drafts 0..j-1
+                    banned = banned_tokens(len(request.token_ids) + j, tail + list(drafts[:j]),
+                                           request.params.min_tokens, request.stop_ids, request.bad_words)
+                    if banned:
+                        forbid_tokens(bitmask, start + j, banned)
+                        if not bitmask[start + j].any():
+                            raise RuntimeError(f"request {request.request_id!r}: its grammar allows only tokens "
+                                               f"that min_tokens or bad_words forbid")
+            start += count
+        return bitmask
 
     def _outputs_so_far(self, step: Step) -> list:
         """Per logits row, the output its penalties count: a verify row's position ``j`` counts the
@@ -389,3 +467,40 @@ class EngineCore:
             tokens = self._by_scheduler_id[r.id].token_ids
             out += [tokens + list(drafts[:j]) for j in range(count)]
         return out
+
+
+def bad_words_token_ids(tokenizer: Optional[Tokenizer], words: Sequence[str], vocab_size: int) -> list:
+    """The token ids of ``SamplingParams.bad_words``, vLLM's way: each word (its leading spaces
+    stripped) as it encodes alone, and with one leading space when that encodes to as many tokens
+    and another first token (the same word in the middle of a text). ``ValueError`` for a word
+    that encodes to nothing or to an id outside ``[0, vocab_size)``."""
+    if tokenizer is None:
+        raise ValueError("bad_words: needs the model folder's tokenizer (tokenizer.json)")
+    out = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"bad_words: {word!r} encodes to no tokens")
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(list(plain))
+        if len(spaced) == len(plain) and spaced[0] != plain[0]:
+            out.append(list(spaced))
+    outside = [t for ids in out for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise ValueError(f"bad_words: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+    return out
+
+
+def banned_tokens(num_output: int, tail: Sequence[int], min_tokens: int, stop_ids: Sequence[int],
+                  bad_words: Sequence[Sequence[int]]) -> list:
+    """The tokens a logits row may not sample: ``stop_ids`` while the request's output has fewer
+    than ``min_tokens`` tokens (``num_output`` before this row); a one-token bad word's token; a
+    longer bad word's last token when the output ends with the rest of the word (vLLM's
+    ``apply_bad_words``, over the output's tokens only). ``tail``: the output's last tokens (at
+    least the longest bad word's length - 1 of them, or all)."""
+    banned = list(stop_ids) if num_output < min_tokens else []
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix == 0 or (num_output >= prefix and list(tail[len(tail) - prefix:]) == list(word[:-1])):
+            banned.append(word[-1])
+    return banned

@@ -74,13 +74,14 @@ class LLM:
         check_option_names(options)
         self.args: CheckedArgs = EngineArgs(model, **options).check()
         args = self.args
-        self.config, self.tp, self.scheduler_config = args.config, args.tp, args.scheduler
+        self.config, self.tp = args.config, args.tp
         self.tokenizer = load_tokenizer(args.model_dir)
         defaults = generation_defaults(args.model_dir)
         start = time.perf_counter()
         self.runner = self._runner_class()(args)
         self._closed = False
         load = time.perf_counter() - start
+        self.scheduler_config = self.runner.scheduler_config   # the pool's pages: the runner sized it
         builder = StepBuilder(self.runner.buckets, args.step_config())   # the padding the runner declares
         self.planner = builder.planner   # one rank's heads: every rank runs the plans made here
         warm = dict(programs=0, compile=0.0, capture=0.0)
@@ -91,7 +92,7 @@ class LLM:
         logger.info("%s engine ready in %.1f s: load %.1f s, compile %.1f s, capture %.1f s (%d step programs "
                     "made at start)", self.framework, self.startup_times["total"], load, warm["compile"],
                     warm["capture"], warm["programs"])
-        self.engine = LLMEngine(self.runner, Scheduler(args.scheduler, self.config, builder=builder,
+        self.engine = LLMEngine(self.runner, Scheduler(self.scheduler_config, self.config, builder=builder,
                                                        speculative=args.speculative),
                                 tokenizer=self.tokenizer, seed=args.seed, generation_defaults=defaults,
                                 async_scheduling=args.async_scheduling)

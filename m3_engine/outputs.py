@@ -72,8 +72,13 @@ class RequestMetrics:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """One request: its prompt and its (growing, when streamed) completion. ``num_cached_tokens``:
-    prompt tokens whose K/V came from the prefix cache."""
+    """One request: its prompt and its (growing, when streamed) completions, ``SamplingParams.n``
+    of them (``outputs[i].index == i``); ``finished`` once all are. ``num_cached_tokens``: prompt
+    tokens whose K/V came from the prefix cache (the first completion's). ``prompt_logprobs``: when
+    ``SamplingParams.prompt_logprobs`` is set, once the prompt is computed: None for the first
+    prompt token, then per prompt token a dict ``token id -> Logprob`` of the top-N tokens and the
+    prompt's own token at that position. ``metrics``: with several completions, their first times,
+    their last ones and their summed drafts."""
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list
@@ -81,3 +86,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list] = None

@@ -6,6 +6,7 @@ only, so everything a request does outside the model step lives once, here in
 ``m3_engine``:
 
     runner.buckets: StepBuckets                       # how the engine pads its steps for this runner
+    runner.scheduler_config: SchedulerConfig          # the engine's limits, num_slots = the pool the runner made
     runner.on_gpu: bool                               # precompile's default (m3_engine.args)
     runner.warm_up(builder) -> dict                   # make every step program now (precompile)
     handle = runner.submit(step, sampling, previous)  # launch one step: model forward + sampling, on every rank
@@ -24,12 +25,22 @@ logits row ``i``): ``previous`` is the handle of the step submitted just
 before (None when ``step.carry_from`` is None). ``result`` is called once per
 handle, in submission order.
 
+``scheduler_config`` is ``args.scheduler`` with ``num_slots`` the pages of the
+KV pool the runner allocated: on a GPU without ``num_gpu_blocks_override``,
+what ``gpu_memory_utilization`` of it leaves after the weights (the fewest of
+any tensor-parallel rank), found only once the weights are loaded, so the
+engine builds its scheduler from the runner.
+
 ``buckets`` (``m3_engine.buckets.StepBuckets``, set by the runner from the
 options) is the padding the runner wants: the engine builds every step with it
 (``m3_engine.step_inputs``), so ``step`` (a :class:`m3_engine.step_inputs.Step`:
 ids, positions, slot mapping, block table, lengths, the planner's plan) comes
 already padded and planned, and the runner consumes it as it is;
-``sampling`` holds one entry per logits row of the step. ``warm_up`` (run by
+``sampling`` holds one entry per logits row of the step. The model step
+computes the logits of ``step.forward_logits_indices``: the sampled rows, then
+(only on a step that computes a prompt whose request asked for prompt
+logprobs) ``step.prompt_logits_indices``, whose log-softmax rows give
+``SampleResult.prompt_*``. ``warm_up`` (run by
 ``LLM()`` when ``precompile`` is on, before it returns) compiles or captures
 every program a step of ``builder`` (the engine's ``StepBuilder``) can need,
 and returns ``{"programs": n, "compile": seconds, "capture": seconds}``. A runner owns the
@@ -53,7 +64,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from .buckets import StepBuckets
-from .scheduler import DraftPass
+from .scheduler import DraftPass, SchedulerConfig
 from .step_inputs import Step, StepBuilder
 
 __all__ = ["Runner", "SynchronousRunner", "SamplingBatch", "SampleResult"]
@@ -69,9 +80,12 @@ class SamplingBatch:
     [L] float32 and the rows' prompt and output ids, [L, P] / [L, O] int32 padded with -1.
     num_logprobs: the largest top-N asked by a row, 0 when a row asks only for the sampled
     token's logprob, None when no row asks for logprobs.
-    token_bitmask: structured outputs, only when a row is constrained (else None): [L, ceil(V / 32)]
-    int32, V the logits width; bit ``t % 32`` of word ``t // 32`` set = token ``t`` may be sampled
-    (``m3_engine.structured_outputs``); unconstrained rows are all ones (-1).
+    token_bitmask: only when a row forbids tokens (structured outputs, min_tokens, bad_words; else
+    None): [L, ceil(V / 32)] int32, V the logits width; bit ``t % 32`` of word ``t // 32`` set =
+    token ``t`` may be sampled (``m3_engine.structured_outputs``); other rows are all ones (-1).
+    Prompt logprobs, only on a step with ``step.prompt_logits_indices`` (else None): prompt_targets
+    [P] int32, the prompt token that follows each of those rows; num_prompt_logprobs, the
+    largest top-N asked (0: the target's logprob and rank only).
     """
     temperature: np.ndarray
     top_k: np.ndarray
@@ -86,6 +100,8 @@ class SamplingBatch:
     output_ids: Optional[np.ndarray] = None
     num_logprobs: Optional[int] = None
     token_bitmask: Optional[np.ndarray] = None
+    prompt_targets: Optional[np.ndarray] = None
+    num_prompt_logprobs: Optional[int] = None
 
     @classmethod
     def greedy(cls, rows: int) -> "SamplingBatch":
@@ -116,18 +132,26 @@ class SampleResult:
     with ``num_logprobs = N`` asked: top_ids [L, N] int32 and top_logprobs [L, N]
     float32 (most likely first, ties to the lower id) and ranks [L] int32 (the
     sampled token's rank, 1 = most likely).
+    With ``prompt_targets`` (P rows: the logits of ``step.prompt_logits_indices``, raw
+    log-softmax, no bitmask): prompt_logprobs [P] float32 and prompt_ranks [P] int32 of the
+    targets, prompt_top_ids / prompt_top_logprobs [P, num_prompt_logprobs] as above.
     """
     tokens: np.ndarray
     logprobs: np.ndarray
     top_ids: Optional[np.ndarray] = None
     top_logprobs: Optional[np.ndarray] = None
     ranks: Optional[np.ndarray] = None
+    prompt_logprobs: Optional[np.ndarray] = None
+    prompt_ranks: Optional[np.ndarray] = None
+    prompt_top_ids: Optional[np.ndarray] = None
+    prompt_top_logprobs: Optional[np.ndarray] = None
 
 
 class Runner(Protocol):
     """A framework's model runner (see the module docstring)."""
 
     buckets: StepBuckets
+    scheduler_config: SchedulerConfig
     on_gpu: bool
 
     def submit(self, step: Step, sampling: SamplingBatch, previous: Any = None) -> Any: ...

@@ -2,6 +2,7 @@
 
     SamplingParams(temperature=0)                          # greedy
     SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=64, stop=["\\n\\n"])
+    SamplingParams(n=4, temperature=1.0, seed=7)           # 4 completions of one prompt (seeds 7..10)
 
 Every field is checked once, here, when the object is made, so both
 frameworks raise the same exception with the same message. The order in
@@ -12,7 +13,12 @@ Gumbel-max draw whose noise comes from Philox keyed by (seed, the request's
 own token index, vocabulary id). A seeded request therefore samples the same
 tokens whatever else is in the batch, and torch and JAX sample the same token
 from the same logits. ``temperature == 0`` is greedy: argmax, ties to the
-lowest token id.
+lowest token id. Before all of that the kernel sets the logits of the tokens
+the row's token bitmask forbids to -inf: the tokens a structured output does
+not allow, the stop tokens before ``min_tokens`` outputs, and ``bad_words``
+(``m3_engine.engine_core``). Every range is vLLM's (``SamplingParams._verify_args``),
+except ``logprobs`` / ``prompt_logprobs`` (at most 20, OpenAI's limit; vLLM
+also takes -1, the whole vocabulary) and ``seed`` (int64 on the device).
 """
 
 from __future__ import annotations
@@ -34,13 +40,22 @@ MAX_SEED = (1 << 63) - 1   # seeds are int64 on the device
 class SamplingParams:
     """Sampling and stopping for one request.
 
-    max_tokens:   tokens to generate at most (>= 1); a request also stops when
-                  its KV cache reaches the engine's ``max_model_len``
+    n:            completions of the prompt (>= 1): the request's ``RequestOutput`` holds
+                  ``n`` ``CompletionOutput``s, ``index`` 0..n-1. Each is a request of its own
+                  in the engine (``m3_engine.output_processor.ParentRequest``); with a ``seed``,
+                  completion ``i`` samples with ``seed + i`` (vLLM's rule).
+    max_tokens:   tokens to generate at most (>= 1), or None: up to the end of the
+                  context (``max_model_len`` - the prompt's length); a request also stops
+                  when its KV cache reaches the engine's ``max_model_len``
                   (``finish_reason="length"`` in both cases).
+    min_tokens:   tokens to generate before the request may stop (>= 0, <= max_tokens):
+                  until then the model's end-of-sequence tokens (unless ``ignore_eos``) and
+                  ``stop_token_ids`` are never sampled, and stop strings are not looked for.
     temperature:  >= 0 and finite; 0 is greedy.
     top_p:        nucleus mass in (0, 1]; 1 is off.
     top_k:        keep the k most likely tokens; -1 or 0 is off.
-    min_p:        keep tokens with probability >= min_p * the top probability; in [0, 1).
+    min_p:        keep tokens with probability >= min_p * the top probability; in [0, 1]
+                  (1: only the most likely tokens); 0 is off.
     seed:         int in [0, 2**63) for reproducible sampling; None draws from
                   the engine's seed (``LLM(..., seed=...)``).
     stop:         a string or list of strings; generation stops when the text
@@ -49,6 +64,10 @@ class SamplingParams:
     stop_token_ids: token ids that end the request (kept in ``token_ids``; the
                   text of the stop token that ended it, one of these or an eos,
                   is left out unless ``include_stop_str_in_output``, as vLLM's).
+    bad_words:    words never generated: each word is tokenized as it is and with a leading
+                  space (vLLM's rule); a one-token word's token is never sampled, a longer
+                  word's last token is not sampled right after the output ends with the rest
+                  of the word (the output's tokens only, not the prompt's).
     ignore_eos:   keep generating past the model's end-of-sequence tokens.
     logprobs:     None (no logprobs), or N in [0, 20]: per generated token the
                   logprobs of the N most likely tokens and of the sampled one
@@ -57,6 +76,10 @@ class SamplingParams:
                   log-softmax is over the logits the grammar allows (the others
                   are -inf: logprob -inf), as vLLM's, whose runner masks the
                   logits before its sampler takes the raw logprobs.
+    prompt_logprobs: None, or N in [0, 20]: ``RequestOutput.prompt_logprobs``, per prompt
+                  token (None for the first) the logprobs of the N most likely tokens and of
+                  the prompt's token at that position (raw log-softmax of the model's logits).
+                  Such a request computes its whole prompt (the prefix cache is not used for it).
     include_stop_str_in_output: keep the matched stop string (or stop token's text) in the text.
     repetition_penalty: > 0; tokens seen in the prompt or output get
                   ``logit / p`` (logit > 0) or ``logit * p``; 1 is off.
@@ -68,7 +91,9 @@ class SamplingParams:
                   the output inside it are sampled, and the request ends (``finish_reason
                   "stop"``) when it is complete and a stop token follows.
     """
-    max_tokens: int = 16
+    n: int = 1
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -76,8 +101,10 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: Optional[Union[str, Sequence[str]]] = None
     stop_token_ids: Optional[Sequence[int]] = None
+    bad_words: Optional[Sequence[str]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -86,7 +113,12 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
-        self.max_tokens = _int("max_tokens", self.max_tokens, low=1)
+        self.n = _int("n", self.n, low=1)
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens, low=1)
+        self.min_tokens = _int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: expected <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         self.temperature = _float("temperature", self.temperature)
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature}")
@@ -95,10 +127,10 @@ class SamplingParams:
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p}")
         self.top_k = _int("top_k", self.top_k, low=-1)
         self.min_p = _float("min_p", self.min_p)
-        if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"min_p: expected a number in [0, 1), got {self.min_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: expected a number in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            self.seed = _int("seed", self.seed, low=0, high=MAX_SEED)
+            self.seed = _int("seed", self.seed, low=0, high=MAX_SEED - (self.n - 1))   # completion i: seed + i
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -115,11 +147,22 @@ class SamplingParams:
             raise TypeError(f"stop_token_ids: expected a list of ints, got {type(self.stop_token_ids).__name__}")
         else:
             self.stop_token_ids = [_int(f"stop_token_ids[{i}]", t, low=0) for i, t in enumerate(self.stop_token_ids)]
+        if self.bad_words is None:
+            self.bad_words = []
+        elif isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)) or \
+                not all(isinstance(w, str) for w in self.bad_words):
+            raise TypeError(f"bad_words: expected a list of strings, got {self.bad_words!r}")
+        else:
+            self.bad_words = list(self.bad_words)
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words: expected words with a non-space character, got {self.bad_words!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty: expected a number > 0, got {self.repetition_penalty}")

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -178,6 +178,7 @@ class Request:
     max_new_tokens: int
     stop_token_ids: frozenset = frozenset()   # end the request (besides the model's eos ids)
     ignore_eos: bool = False            # the model's eos ids do not end it
+    prompt_logprobs: bool = False       # every prompt position's logits are returned (no prefix cache)
     output: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0                 # tokens whose K/V are in the cache
     slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))  # int32, reserved at admission
@@ -306,13 +307,20 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------------
 
-    def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, stop_token_ids: Sequence[int] = (),
-                    ignore_eos: bool = False) -> int:
+    def add_request(self, prompt: Sequence[int], max_new_tokens: Optional[int], *, stop_token_ids: Sequence[int] = (),
+                    ignore_eos: bool = False, prompt_logprobs: bool = False) -> int:
         """Queue one prompt (token ids); -> its request id. ``ValueError`` for an empty prompt,
         one longer than ``max_context``, a token id outside ``[0, vocab_size)`` or
-        ``max_new_tokens < 1``; ``TypeError`` for a prompt that is not a sequence of ints."""
-        _check_budget(max_new_tokens)
-        return self._queue(self._check_prompt("prompt", prompt), max_new_tokens, stop_token_ids, ignore_eos)
+        ``max_new_tokens < 1``; ``TypeError`` for a prompt that is not a sequence of ints.
+        ``max_new_tokens`` None: up to the end of the context (``max_context`` - the prompt's length).
+        ``prompt_logprobs``: its steps return the logits of every prompt position
+        (``Step.prompt_logits_indices``), so its whole prompt is computed (no prefix cache)."""
+        if max_new_tokens is not None:
+            _check_budget(max_new_tokens)
+        prompt = self._check_prompt("prompt", prompt)
+        if max_new_tokens is None:   # the rest of the context (at least one token)
+            max_new_tokens = max(self.config.max_context - len(prompt), 1)
+        return self._queue(prompt, max_new_tokens, stop_token_ids, ignore_eos, prompt_logprobs)
 
     def add_requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
         """Queue prompts (lists of token ids) with one budget; -> their request ids, in order.
@@ -321,11 +329,11 @@ class Scheduler:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts: expected a list of token-id lists, got {type(prompts).__name__}")
         checked = [self._check_prompt(f"prompts[{i}]", p) for i, p in enumerate(prompts)]
-        return [self._queue(prompt, max_new_tokens, (), False) for prompt in checked]
+        return [self._queue(prompt, max_new_tokens, (), False, False) for prompt in checked]
 
-    def _queue(self, prompt: np.ndarray, max_new_tokens: int, stop_token_ids, ignore_eos) -> int:
+    def _queue(self, prompt: np.ndarray, max_new_tokens: int, stop_token_ids, ignore_eos, prompt_logprobs) -> int:
         request = Request(self._next_id, prompt, int(max_new_tokens), frozenset(map(int, stop_token_ids)),
-                          bool(ignore_eos))
+                          bool(ignore_eos), bool(prompt_logprobs))
         self._next_id += 1
         self.requests[request.id] = request
         self._waiting.append(request)
@@ -512,7 +520,7 @@ class Scheduler:
     def _cached_prefix(self, r: Request) -> list:
         """The cached slots of ``r``'s longest cached prompt prefix, in whole blocks before the block
         of its last prompt token (that one is always computed: its logits start the generation)."""
-        if not self.blocks.caching:
+        if not self.blocks.caching or r.prompt_logprobs:
             return []
         usable = (len(r.prompt) - 1) // PAGE_SIZE
         r.block_hashes = block_hashes(r.prompt, usable, r.block_hashes)

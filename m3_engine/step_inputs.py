@@ -26,7 +26,7 @@ from m3_kernels.planner import PAGE_SIZE, StepConfig, StepPlan, StepPlanner
 
 from .buckets import StepBuckets
 
-__all__ = ["Step", "StepBuilder"]
+__all__ = ["Step", "StepBuilder", "prompt_logprob_positions"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -64,6 +64,14 @@ class Step:
                     -1 where ``input_ids[t]`` holds (its host value is 0 when carried). None: every
                     token id is on the host.
     num_prompt_tokens: prompt tokens the step computes (its prefill chunks).
+    prompt_logits_indices: [P] int32 token rows whose logits give prompt logprobs (the
+                    requests with ``prompt_logprobs``: :func:`prompt_logprob_positions`), in
+                    row order; empty on other steps. A runner returns the logits of
+                    :attr:`forward_logits_indices`.
+    prompt_spans:   per row with prompt-logprob rows, ``(row, start, end)``: ``rows[row]``'s prompt
+                    positions ``start .. end - 1`` whose logits those are, in
+                    ``prompt_logits_indices`` order (taken when the step is built: scheduling it
+                    moves the requests' ``num_cached`` on).
     """
     input_ids: np.ndarray
     positions: np.ndarray
@@ -81,6 +89,16 @@ class Step:
     drafts: tuple = dataclasses.field(repr=False, default=())
     carry_from: np.ndarray | None = dataclasses.field(repr=False, default=None)
     num_prompt_tokens: int = 0
+    prompt_logits_indices: np.ndarray = dataclasses.field(repr=False, default_factory=lambda: np.zeros(0, np.int32))
+    prompt_spans: tuple = dataclasses.field(repr=False, default=())
+
+    @property
+    def forward_logits_indices(self) -> np.ndarray:
+        """The token rows whose logits the model step computes: ``logits_indices`` (sampled), then
+        ``prompt_logits_indices``."""
+        if not len(self.prompt_logits_indices):
+            return self.logits_indices
+        return np.concatenate([self.logits_indices, self.prompt_logits_indices])
 
     @property
     def num_verify_rows(self) -> int:
@@ -172,6 +190,9 @@ class StepBuilder:
         num_logits = np.where(verify, q, samples).astype(np.int32)
         sampled = np.where(verify, first, first + q - 1)
         local = np.arange(int(num_logits.sum())) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+        prompt_spans = tuple((i, start, end) for i, (r, k) in enumerate(rows[:n_ctx])
+                             for start, end in [prompt_logprob_positions(r, k)] if end > start)
+        prompt_rows = [first[i] + np.arange(end - start) for i, start, end in prompt_spans]
         return Step(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_table=block_table,
                     seq_lens=seq_lens, cu_seqlens_q=cu,
                     logits_indices=(np.repeat(sampled, num_logits) + local).astype(np.int32),
@@ -181,7 +202,9 @@ class StepBuilder:
                     plan=plan, rows=tuple(rows), row_index=row_index.astype(np.int32), num_logits=num_logits,
                     drafts=tuple(tuple(drafts[r.id].tolist()) if r.id in drafts else () for r, _ in rows),
                     carry_from=carry_from,
-                    num_prompt_tokens=int(sum(k for r, k in rows if not r.prefilled)))
+                    num_prompt_tokens=int(sum(k for r, k in rows if not r.prefilled)),
+                    prompt_logits_indices=np.concatenate(prompt_rows).astype(np.int32) if prompt_rows else
+                    np.zeros(0, np.int32), prompt_spans=prompt_spans)
 
 
     def dummy(self, shape, kv_len: int = 0) -> Step:
@@ -212,6 +235,17 @@ class StepBuilder:
                     np.full((R, max_blocks), -1, np.int32),
                     seq_lens=seq_lens, cu_seqlens_q=cu, logits_indices=one, request_ids=one, output_index=one,
                     plan=plan)
+
+
+def prompt_logprob_positions(r, q: int) -> tuple:
+    """``(start, end)``: the prompt positions of a row of ``q`` query tokens of request ``r`` whose
+    logits give prompt logprobs (position ``p``'s logits: the logprob of ``prompt[p + 1]``):
+    ``[num_cached, min(num_cached + q, len(prompt) - 1))`` for a prompt chunk of a request with
+    ``prompt_logprobs``, else empty."""
+    start = r.num_cached
+    if not r.prompt_logprobs or start >= len(r.prompt):
+        return start, start
+    return start, max(start, min(start + q, len(r.prompt) - 1))
 
 
 def _verify_tokens(r, q: int, drafts: np.ndarray) -> np.ndarray:

@@ -50,7 +50,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-__all__ = ["StructuredOutputsParams", "StructuredOutputsBackend", "Grammar", "fill_bitmask",
+__all__ = ["StructuredOutputsParams", "StructuredOutputsBackend", "Grammar", "fill_bitmask", "forbid_tokens",
            "apply_token_bitmask", "bitmask_width", "COMPILE_CACHE_BYTES"]
 
 COMPILE_CACHE_BYTES = 1 << 30   # compiled grammars kept by the backend (xgrammar evicts past this)
@@ -192,6 +192,14 @@ def fill_bitmask(rows: Sequence[tuple], vocab_size: int) -> np.ndarray:
             grammar.rollback(accepted)
         start += count
     return bitmask
+
+
+def forbid_tokens(bitmask: np.ndarray, row: int, token_ids: Sequence[int]) -> None:
+    """Clear the bits of ``token_ids`` in ``bitmask[row]`` (int32 ``[L, ceil(V / 32)]``): the
+    sampling kernel never samples them in that row; the row's other bits are kept (an AND)."""
+    words = bitmask.view(np.uint32)
+    for t in token_ids:
+        words[row, t >> 5] &= ~np.uint32(1 << (t & 31))
 
 
 def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:

@@ -33,8 +33,10 @@ shard's heads).
 :attr:`JaxRunner.compiled_steps` lists the ``StepSpec`` of every compilation.
 Sampling parameters join the key only through what changes the traced
 function: whether a row uses penalties (their id arrays padded to powers of
-two), whether a row is constrained (structured outputs: the token bitmask)
-and how many top logprobs are asked.
+two), whether a row forbids tokens (the token bitmask: structured outputs,
+min_tokens, bad_words), how many top logprobs are asked, and on a step that
+computes prompt logprobs, its prompt rows (padded to powers of two) and
+their top-N.
 The warm-up compiles the plain variant (temperature, top-k/p, min-p: arrays,
 one program); the others compile on their first use of a shape.
 
@@ -67,7 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3_engine import checkpoint
-from m3_engine.args import CheckedArgs, check_gpu_device
+from m3_engine.args import CheckedArgs, check_gpu_device, kv_cache_pages
 from m3_engine.buckets import StepBuckets
 from m3_engine.dummy_weights import dummy_dtype
 from m3_engine.quantization import is_quantized, is_scale, load_stream
@@ -84,7 +86,7 @@ from .sampling import apply_token_bitmask, sample, seed_words
 
 __all__ = ["JaxRunner"]
 
-MIN_IDS_BUCKET = 16   # penalty id arrays are padded to powers of two from here
+MIN_IDS_BUCKET = 16   # penalty id arrays and prompt-logprob rows are padded to powers of two from here
 
 
 def _gpus() -> list:
@@ -143,7 +145,10 @@ def use_compile_cache(folder: Path) -> None:
 
 
 class JaxRunner:
-    """The JAX side of an engine (``m3_engine.runner.Runner``). ``args``: the checked options."""
+    """The JAX side of an engine (``m3_engine.runner.Runner``). ``args``: the checked options.
+    On a GPU without ``num_gpu_blocks_override`` the KV pool holds what ``gpu_memory_utilization``
+    leaves after the weights on the fullest shard's device; :attr:`scheduler_config` is
+    ``args.scheduler`` with the pool's pages."""
 
     def __init__(self, args: CheckedArgs):
         if args.enforce_eager:
@@ -182,13 +187,21 @@ class JaxRunner:
                 self.params, self.dtype = tp.load_params(args.model_dir, self.tp, self.mesh, dtype,
                                                          quantization=args.quantization,
                                                          checkpoint_quantization=args.checkpoint_quantization)
-            self.pool_layout = model.pool_layout(self.tp.local_config, sc.num_slots, self.dtype,  # one shard's
-                                                 kv_cache_dtype=args.kv_cache_dtype,
-                                                 index_cache_dtype=args.index_cache_dtype)
+
+            def layout(slots: int):   # one shard's
+                return model.pool_layout(self.tp.local_config, slots, self.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                         index_cache_dtype=args.index_cache_dtype)
+
+            if args.num_gpu_blocks_override is None and self.device is not None and self.device.platform == "gpu":
+                # the KV pool from the memory left after the weights: the fewest pages of any shard's device
+                pages = min(_pages_from_memory(d, layout(1).slot_nbytes, args.gpu_memory_utilization,
+                                               sc.max_context) for d in devices)
+                self.scheduler_config = sc = dataclasses.replace(sc, num_slots=pages)
+            self.pool_layout = layout(sc.num_slots)
             self.pool = allocate_pool(self.pool_layout, self.device) if self.mesh is None else \
                 tp.allocate_pool(self.pool_layout, self.mesh)
         self.compiled_steps: list[StepSpec] = []   # one entry per compilation: the spec it was traced for
-        self._step = jax.jit(self._run, static_argnames=("spec", "packing", "num_logprobs"),
+        self._step = jax.jit(self._run, static_argnames=("spec", "packing", "num_logprobs", "prompt"),
                              donate_argnames=("pool",))
         # async scheduling: the sampled tokens a step passes to the next one, on the device (None: off)
         self._no_feed = None
@@ -220,24 +233,30 @@ class JaxRunner:
             raise RuntimeError("this LLM is closed (close() was called)")
         batch, spec, maps = self._layout(step)
         carry, feed = self._carry(step, previous)
-        flat, packing = pack_inputs((batch, maps, _sampling_arrays(sampling, _num_logits(spec)), carry))
+        num_prompt = len(step.prompt_logits_indices)
+        prompt = (_prompt_rows(num_prompt), sampling.num_prompt_logprobs) if num_prompt else None
+        flat, packing = pack_inputs((batch, maps, _sampling_arrays(sampling, _num_logits(spec), prompt), carry))
         with self._on_device():
             (flat_out, aux, next_feed), self.pool = self._step(
                 self.params, self.pool, self._step_input(flat), feed, spec=spec, packing=packing,
-                num_logprobs=sampling.num_logprobs)
+                num_logprobs=sampling.num_logprobs, prompt=prompt)
         flat_out.copy_to_host_async()
         if self.proposer is not None:
             self._last = (step, eagle3.TargetStep(batch, aux))
         return SubmittedStep(flat_out, next_feed, len(step.logits_indices), _num_logits(spec),
-                             sampling.num_logprobs)
+                             sampling.num_logprobs, num_prompt, prompt)
 
     def result(self, handle: "SubmittedStep") -> SampleResult:
-        """Wait for a submitted step -> its sampled outputs (numpy)."""
+        """Wait for a submitted step -> its sampled outputs (numpy), and its prompt logprobs."""
         host = np.asarray(jax.device_get(handle.outputs))   # one wait for every output
-        out = unpack_outputs(host, handle.rows, handle.num_logprobs)
-        out = {k: v[:handle.num_logits] for k, v in out.items()}
+        out = unpack_outputs(host, handle.rows, handle.num_logprobs, handle.prompt)
+        out = {k: v[:handle.num_prompt] if k.startswith("prompt_") else v[:handle.num_logits]
+               for k, v in out.items()}
         return SampleResult(tokens=out["tokens"], logprobs=out["logprobs"], top_ids=out.get("top_ids"),
-                            top_logprobs=out.get("top_logprobs"), ranks=out.get("ranks"))
+                            top_logprobs=out.get("top_logprobs"), ranks=out.get("ranks"),
+                            prompt_logprobs=out.get("prompt_logprobs"), prompt_ranks=out.get("prompt_ranks"),
+                            prompt_top_ids=out.get("prompt_top_ids"),
+                            prompt_top_logprobs=out.get("prompt_top_logprobs"))
 
     @property
     def on_gpu(self) -> bool:
@@ -289,7 +308,7 @@ class JaxRunner:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def _run(self, params, pool, flat, feed, *, spec, packing, num_logprobs):
+    def _run(self, params, pool, flat, feed, *, spec, packing, num_logprobs, prompt):
         self.compiled_steps.append(spec)  # runs once per trace, i.e. per compilation
         batch, maps, sampling, carry = unpack_inputs(flat, packing)
         if feed is not None:   # async scheduling: carried input ids from the previous step's tokens
@@ -305,9 +324,13 @@ class JaxRunner:
         else:
             logits, pool = model.forward(params, pool, batch, maps, config=self.config, layout=self.pool_layout,
                                          spec=spec)
-        out = sample_logits(logits.astype(jnp.float32), sampling, num_logprobs)
+        logits = logits.astype(jnp.float32)
+        num_sampled = _num_logits(spec)
+        out = sample_logits(logits[:num_sampled], sampling, num_logprobs)
+        if prompt is not None:   # the prompt-logprob rows follow the sampled ones
+            out.update(prompt_logprobs(logits[num_sampled:], sampling["prompt_targets"], prompt[1]))
         next_feed = None if feed is None else jnp.zeros_like(feed).at[:out["tokens"].shape[0]].set(out["tokens"])
-        return (pack_outputs(out, num_logprobs), aux, next_feed), pool
+        return (pack_outputs(out, num_logprobs, prompt), aux, next_feed), pool
 
     def _layout(self, step: Step):
         """The step, already padded and planned (``m3_engine.step_inputs``), as the jitted step takes it:
@@ -318,8 +341,12 @@ class JaxRunner:
         spec = dataclasses.replace(spec, context_max_blocks=width if spec.context_rows else spec.context_max_blocks,
                                    generation_max_blocks=width if spec.generation_rows else
                                    spec.generation_max_blocks)
+        rows = _padded(step.logits_indices, _num_logits(spec))
+        if len(step.prompt_logits_indices):   # then the prompt-logprob rows (padding: token row 0)
+            rows = np.concatenate([rows, _padded(step.prompt_logits_indices,
+                                                 _prompt_rows(len(step.prompt_logits_indices)))])
         batch = model.StepBatch(step.input_ids, step.positions, step.slot_mapping, step.block_table, step.seq_lens,
-                                _padded(step.logits_indices, _num_logits(spec)))
+                                rows)
         return batch, spec, maps
 
     # -- devices ----------------------------------------------------------------------------------
@@ -345,12 +372,25 @@ class JaxRunner:
 class SubmittedStep:
     """A step dispatched by :meth:`JaxRunner.submit`: its packed sampled outputs (a device array whose
     copy to the host has started), its feed for the next step (async scheduling, else None), its real
-    and padded logits rows and the top logprobs asked."""
+    and padded logits rows, the top logprobs asked, and its prompt-logprob rows (real, and the
+    jitted step's ``prompt`` key: ``(padded rows, top-N)`` or None)."""
     outputs: jax.Array
     feed: Optional[jax.Array]
     num_logits: int
     rows: int
     num_logprobs: Optional[int]
+    num_prompt: int
+    prompt: Optional[tuple]
+
+
+def _pages_from_memory(device, page_bytes: int, gpu_memory_utilization: float, max_model_len: int) -> int:
+    """The pool pages ``gpu_memory_utilization`` of ``device`` holds after what is allocated on it now
+    (the weights), vLLM's sizing (``kv_cache_pages``), over the memory XLA's allocator may use
+    (``bytes_limit``: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the GPU)."""
+    stats = device.memory_stats()
+    return kv_cache_pages(total_bytes=stats["bytes_limit"], used_bytes=stats["bytes_in_use"],
+                          gpu_memory_utilization=gpu_memory_utilization, page_bytes=page_bytes,
+                          max_model_len=max_model_len)
 
 
 def _check_cpu_threads(count: int):
@@ -411,31 +451,37 @@ def unpack_inputs(flat, packing: Packing):
     return jax.tree_util.tree_unflatten(packing.treedef, leaves)
 
 
-def _output_layout(rows: int, num_logprobs) -> list:
-    """``(name, shape, dtype)`` of each sampled output of a step with ``rows`` logits rows, in the order
-    :func:`pack_outputs` packs them."""
+def _output_layout(rows: int, num_logprobs, prompt=None) -> list:
+    """``(name, shape, dtype)`` of each sampled output of a step with ``rows`` logits rows (and
+    ``prompt = (prompt rows, their top-N)`` or None), in the order :func:`pack_outputs` packs them."""
     layout = [("tokens", (rows,), np.int32), ("logprobs", (rows,), np.float32)]
     if num_logprobs is not None:
         layout.append(("ranks", (rows,), np.int32))
         if num_logprobs > 0:
             layout += [("top_ids", (rows, num_logprobs), np.int32),
                        ("top_logprobs", (rows, num_logprobs), np.float32)]
+    if prompt is not None:
+        prompt_rows, top = prompt
+        layout += [("prompt_logprobs", (prompt_rows,), np.float32), ("prompt_ranks", (prompt_rows,), np.int32)]
+        if top > 0:
+            layout += [("prompt_top_ids", (prompt_rows, top), np.int32),
+                       ("prompt_top_logprobs", (prompt_rows, top), np.float32)]
     return layout
 
 
-def pack_outputs(out: dict, num_logprobs):
-    """Traced: the step's sampled outputs (``sample_logits``) as one int32 array (float32 bits as they
-    are): one device-to-host copy a step."""
+def pack_outputs(out: dict, num_logprobs, prompt=None):
+    """Traced: the step's sampled outputs (``sample_logits``, ``prompt_logprobs``) as one int32 array
+    (float32 bits as they are): one device-to-host copy a step."""
     rows = out["tokens"].shape[0]
     parts = [out[name] if dtype == np.int32 else jax.lax.bitcast_convert_type(out[name], jnp.int32)
-             for name, _, dtype in _output_layout(rows, num_logprobs)]
+             for name, _, dtype in _output_layout(rows, num_logprobs, prompt)]
     return jnp.concatenate([p.reshape(-1) for p in parts])
 
 
-def unpack_outputs(flat: np.ndarray, rows: int, num_logprobs) -> dict:
+def unpack_outputs(flat: np.ndarray, rows: int, num_logprobs, prompt=None) -> dict:
     """Inverse of :func:`pack_outputs`, on the host: numpy views of ``flat``."""
     out, offset = {}, 0
-    for name, shape, dtype in _output_layout(rows, num_logprobs):
+    for name, shape, dtype in _output_layout(rows, num_logprobs, prompt):
         size = math.prod(shape)
         out[name] = flat[offset:offset + size].view(dtype).reshape(shape)
         offset += size
@@ -455,9 +501,15 @@ def _padded(a: np.ndarray, rows: int, fill=0) -> np.ndarray:
     return out
 
 
-def _sampling_arrays(s: SamplingBatch, rows: int) -> dict:
+def _prompt_rows(count: int) -> int:
+    """Prompt-logprob rows of a compiled step: ``count`` padded to a power of two (>= MIN_IDS_BUCKET)."""
+    return max(next_pow2(count), MIN_IDS_BUCKET)
+
+
+def _sampling_arrays(s: SamplingBatch, rows: int, prompt=None) -> dict:
     """The step's sampling arrays padded to ``rows`` (padding rows: greedy); penalty ids padded to
-    powers of two (so their lengths do not recompile the step at every token)."""
+    powers of two (so their lengths do not recompile the step at every token); with ``prompt``
+    (``(prompt rows, top-N)``), the prompt-logprob targets padded to its rows."""
     out = dict(temperature=_padded(s.temperature, rows), top_k=_padded(s.top_k, rows),
                top_p=_padded(s.top_p, rows, 1), min_p=_padded(s.min_p, rows),
                seeds=_padded(seed_words(s.seeds), rows), counters=_padded(s.counters, rows))
@@ -470,6 +522,8 @@ def _sampling_arrays(s: SamplingBatch, rows: int) -> dict:
             out[name] = _padded(np.pad(ids, [(0, 0), (0, width - ids.shape[1])], constant_values=-1), rows, -1)
     if s.token_bitmask is not None:   # padding rows allow every token
         out["token_bitmask"] = _padded(s.token_bitmask, rows, -1)
+    if prompt is not None:
+        out["prompt_targets"] = _padded(s.prompt_targets, prompt[0])
     return out
 
 
@@ -490,4 +544,18 @@ def sample_logits(logits, s: dict, num_logprobs):
             order = jnp.argsort(-logits, axis=1, stable=True)[:, :num_logprobs]   # ties: the lower id first
             out["top_ids"] = order.astype(jnp.int32)
             out["top_logprobs"] = jnp.take_along_axis(logits, order, axis=1) - lse[:, None]
+    return out
+
+
+def prompt_logprobs(logits, targets, top: int) -> dict:
+    """Traced: the ``SampleResult.prompt_*`` fields from float32 ``logits [P, V]`` of the step's prompt
+    rows: each target's raw logprob (``logit - logsumexp``) and rank, and the ``top`` most likely."""
+    lse = jax.nn.logsumexp(logits, axis=1)
+    chosen = jnp.take_along_axis(logits, targets[:, None], axis=1)
+    out = {"prompt_logprobs": chosen[:, 0] - lse,
+           "prompt_ranks": (jnp.sum(logits > chosen, axis=1) + 1).astype(jnp.int32)}
+    if top > 0:
+        order = jnp.argsort(-logits, axis=1, stable=True)[:, :top]   # ties: the lower id first
+        out["prompt_top_ids"] = order.astype(jnp.int32)
+        out["prompt_top_logprobs"] = jnp.take_along_axis(logits, order, axis=1) - lse[:, None]
     return out

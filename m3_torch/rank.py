@@ -24,6 +24,7 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from m3_engine import checkpoint
+from m3_engine.args import kv_cache_pages
 from m3_engine.dummy_weights import dummy_dtype
 from m3_engine.quantization import is_quantized, is_scale, load_stream
 from m3_engine.step_inputs import Step
@@ -62,7 +63,10 @@ class RankRunner:
     tp, rank:   the tensor-parallel plan and this rank (``TPPlan(config, 1)``, 0: no parallelism).
     dtype:      a torch dtype, or None for the checkpoint tensors' own.
     device:     rank 0's device (this rank's is :func:`rank_device` of it).
-    num_slots, max_blocks: pool slots and block-table columns (the scheduler's).
+    num_slots, max_blocks: pool slots and block-table columns (the scheduler's); ``num_slots`` None
+                (a GPU without ``num_gpu_blocks_override``): as many as ``gpu_memory_utilization`` of
+                the GPU holds after the weights (``m3_engine.args.kv_cache_pages``; under tensor
+                parallelism the fewest any rank holds), at least one request of ``max_model_len``.
     cuda_graphs: replay pure decode steps from CUDA graphs.
     all_reduce, all_gather: the model's tensor-parallel hooks (``m3_torch.tp.all_reduce`` and
                 ``all_gather``), None on one rank.
@@ -80,11 +84,12 @@ class RankRunner:
     ends with the whole logits rows (rank 0 samples them).
     """
 
-    def __init__(self, *, model_dir, tp: TPPlan, rank: int, device, dtype, num_slots: int, max_blocks: int,
-                 cuda_graphs: bool, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
+    def __init__(self, *, model_dir, tp: TPPlan, rank: int, device, dtype, num_slots: Optional[int],
+                 max_blocks: int, cuda_graphs: bool, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
                  all_reduce: Optional[Callable] = None, all_gather: Optional[Callable] = None,
                  load_format: str = "auto", seed: int = 0, quantization: Optional[str] = None,
-                 checkpoint_quantization: Optional[str] = None, aux_layers: tuple = (), compile_cache_dir=None):
+                 checkpoint_quantization: Optional[str] = None, aux_layers: tuple = (), compile_cache_dir=None,
+                 gpu_memory_utilization: float = 0.9, max_model_len: Optional[int] = None):
         c = tp.config
         if compile_cache_dir is not None:
             use_compile_cache(compile_cache_dir)
@@ -107,12 +112,42 @@ class RankRunner:
                              vocab_start=tp.vocab(rank).start, expert_start=tp.experts(rank).start)
         del weights
         dtype_name = next(n for n, d in DTYPES.items() if d == self.dtype)
-        self.layout = PoolLayout.create(num_slots, sparse=c.sparse_layers, num_kv_heads=tp.num_kv_heads,
-                                        head_dim=c.head_dim, index_head_dim=c.index_head_dim, dtype=dtype_name,
-                                        kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
+
+        def layout(slots: int) -> PoolLayout:
+            return PoolLayout.create(slots, sparse=c.sparse_layers, num_kv_heads=tp.num_kv_heads, head_dim=c.head_dim,
+                                     index_head_dim=c.index_head_dim, dtype=dtype_name,
+                                     kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
+
+        if num_slots is None:
+            num_slots = self._pages_from_memory(layout(1).slot_nbytes, gpu_memory_utilization, max_model_len,
+                                                tp.size)
+        self.layout = layout(num_slots)
         self.pool = allocate_pool(self.layout, self.device)
         self.caches = [layer_caches(self.pool, self.layout, i) for i in range(c.num_hidden_layers)]
         self.graphs = _DecodeGraphs(self) if cuda_graphs else None
+
+    def _pages_from_memory(self, page_bytes: int, gpu_memory_utilization: float, max_model_len: int,
+                           tp_size: int) -> int:
+        """The pool pages ``gpu_memory_utilization`` of this GPU holds after what is allocated now (the
+        weights), vLLM's sizing (``kv_cache_pages``); under tensor parallelism the fewest of any rank
+        (every rank runs this, in the same order: an all-reduce)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        try:
+            pages, error = kv_cache_pages(total_bytes=total, used_bytes=total - free,
+                                          gpu_memory_utilization=gpu_memory_utilization, page_bytes=page_bytes,
+                                          max_model_len=max_model_len), None
+        except ValueError as e:   # raised after the all-reduce, which every rank must reach
+            pages, error = 0, e
+        if tp_size > 1:
+            fewest = torch.tensor([pages], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(fewest, op=torch.distributed.ReduceOp.MIN)
+            pages = int(fewest.item())
+        if error is not None:
+            raise error
+        if pages < self.max_blocks:
+            raise ValueError(f"gpu_memory_utilization: another tensor-parallel rank has room for {pages} KV pages "
+                             f"only; one request of max_model_len={max_model_len} tokens needs {self.max_blocks}")
+        return pages
 
     def _weights(self, model_dir, tp: TPPlan, load_format: str, seed: int):
         """``(canonical name, tensor)`` of this rank's weights, on its device: read from the checkpoint
@@ -125,7 +160,7 @@ class RankRunner:
                                        device=str(self.device), shard=shard)
 
     def run(self, step: Step, carried: Optional[torch.Tensor] = None):
-        """One step -> logits ``[len(step.logits_indices), vocab]`` in the model dtype (every rank: the
+        """One step -> logits ``[len(step.forward_logits_indices), vocab]`` in the model dtype (every rank: the
         vocab-parallel head's all-gather gives each the whole rows; rank 0 samples). With ``aux_layers``:
         ``(logits, aux [T, 3 * hidden])`` (from a graph: its static output, valid until it replays).
         ``carried``: the previous step's sampled tokens on this device, for ``step.carry_from``."""
@@ -144,7 +179,7 @@ class RankRunner:
         return StepTensors(input_ids=dev(step.input_ids), positions=dev(step.positions),
                            slot_mapping=dev(step.slot_mapping), block_table=dev(step.block_table),
                            seq_lens=dev(step.seq_lens),
-                           logits_rows=dev(step.logits_indices if logits_rows is None else logits_rows))
+                           logits_rows=dev(step.forward_logits_indices if logits_rows is None else logits_rows))
 
 
 def carry_tokens(input_ids: torch.Tensor, carry_from: np.ndarray, previous_tokens: torch.Tensor) -> None:

@@ -80,7 +80,10 @@ def resolve_device(args: CheckedArgs) -> torch.device:
 
 
 class TorchRunner:
-    """The torch side of an engine (``m3_engine.runner.Runner``). ``args``: the checked options."""
+    """The torch side of an engine (``m3_engine.runner.Runner``). ``args``: the checked options.
+    On a GPU without ``num_gpu_blocks_override`` the KV pool holds what ``gpu_memory_utilization``
+    of the GPU leaves after the weights (``m3_torch.rank.RankRunner``); :attr:`scheduler_config`
+    is ``args.scheduler`` with the pool's pages."""
 
     def __init__(self, args: CheckedArgs):
         self.tp = args.tp
@@ -89,8 +92,11 @@ class TorchRunner:
         # decode steps are padded to graph batch sizes only where CUDA graphs replay them
         self.buckets = StepBuckets.from_config(sc, args.speculative, pad_prefill=False,
                                                pad_decode=self.device.type == "cuda" and not args.enforce_eager)
+        # on a GPU without num_gpu_blocks_override every rank sizes its pool from its memory after the weights
+        sized = self.device.type == "cuda" and args.num_gpu_blocks_override is None
         runner_args = dict(model_dir=str(args.model_dir), dtype=DTYPES[args.dtype] if args.dtype else None,
-                           num_slots=sc.num_slots, max_blocks=sc.max_blocks,
+                           num_slots=None if sized else sc.num_slots, max_blocks=sc.max_blocks,
+                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=sc.max_context,
                            cuda_graphs=bool(self.buckets.decode_batch_sizes),
                            kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype,
                            load_format=args.load_format, seed=args.seed, quantization=args.quantization,
@@ -117,6 +123,7 @@ class TorchRunner:
         r = self.rank0
         self.dtype, self.model, self.layout, self.pool, self.caches, self.graphs = \
             r.dtype, r.model, r.layout, r.pool, r.caches, r.graphs
+        self.scheduler_config = sc = dataclasses.replace(sc, num_slots=self.layout.num_slots)
         self.proposer = None
         if args.draft is not None:
             draft = Eagle3Draft.load(args.speculative.model, args.config, dtype=self.dtype, device=self.device,
@@ -199,7 +206,7 @@ class TorchRunner:
     # -- steps -----------------------------------------------------------------------------------
 
     def step_logits(self, step: Step, carried: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Run one scheduler step (on every rank) -> float32 logits ``[len(step.logits_indices), vocab]``
+        """Run one scheduler step (on every rank) -> float32 logits ``[len(step.forward_logits_indices), vocab]``
         (with an EAGLE-3 draft, the step's aux hidden states are kept for :meth:`propose`). ``carried``:
         the previous step's sampled tokens on the device, when ``step.carry_from`` takes some (one rank)."""
         if self._workers is not None:
@@ -306,8 +313,13 @@ def sample_logits(logits: torch.Tensor, s: SamplingBatch) -> SampleResult:
 
 def sample_on_device(logits: torch.Tensor, s: SamplingBatch) -> dict:
     """The shared sampling kernel on float32 ``logits [L, V]`` (+ top-N logprobs when asked) -> the
-    ``SampleResult`` fields as tensors on the logits' device (None where not asked)."""
+    ``SampleResult`` fields as tensors on the logits' device (None where not asked). With
+    ``s.prompt_targets`` the logits have ``P`` prompt rows after the ``L`` sampled ones
+    (``Step.forward_logits_indices``): the ``prompt_*`` fields come from them (:func:`prompt_logprobs`)."""
     device = logits.device
+    num_sampled = len(s.temperature)
+    prompt = {} if s.prompt_targets is None else prompt_logprobs(logits[num_sampled:], s)
+    logits = logits[:num_sampled]
 
     def dev(a):
         return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
@@ -325,7 +337,22 @@ def sample_on_device(logits: torch.Tensor, s: SamplingBatch) -> dict:
         if s.num_logprobs > 0:
             values, ids = _top(logits, s.num_logprobs)
             top_ids, top_logprobs = ids.int(), values - lse[:, None]
-    return dict(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs, ranks=ranks)
+    return dict(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs, ranks=ranks,
+                **prompt)
+
+
+def prompt_logprobs(logits: torch.Tensor, s: SamplingBatch) -> dict:
+    """The ``SampleResult.prompt_*`` fields (tensors on the logits' device) from float32 ``logits [P, V]``
+    of the step's prompt rows: each target's raw logprob (``logit - logsumexp``) and rank, and the top
+    ``s.num_prompt_logprobs``."""
+    targets = torch.from_numpy(np.ascontiguousarray(s.prompt_targets)).to(logits.device, non_blocking=True).long()
+    lse = torch.logsumexp(logits, dim=1)
+    chosen = logits.gather(1, targets[:, None])
+    out = dict(prompt_logprobs=chosen[:, 0] - lse, prompt_ranks=((logits > chosen).sum(dim=1) + 1).int())
+    if s.num_prompt_logprobs > 0:
+        values, ids = _top(logits, s.num_prompt_logprobs)
+        out.update(prompt_top_ids=ids.int(), prompt_top_logprobs=values - lse[:, None])
+    return out
 
 
 def _top(logits: torch.Tensor, n: int):

@@ -45,10 +45,11 @@ Semantics worth knowing:
   names none).
 * ``usage.prompt_tokens_details.cached_tokens``: the prompt tokens the prefix
   cache served (``--enable-prefix-caching``; else 0).
-* ``n``: each choice is a request of its own (``choices[i].index`` = i; with several prompts,
-  prompt 0's choices first); a seeded request's choice ``i`` samples with ``seed + i``
-  (vLLM's rule). The prompt is tokenized once and counted once in ``usage``; its KV is
-  computed by each choice unless ``--enable-prefix-caching`` shares its full blocks.
+* ``n``: ``SamplingParams.n``: a prompt's choices are the completions of one engine request
+  (``m3_engine.output_processor``: ``choices[i].index`` = i; with several prompts, prompt 0's
+  choices first); a seeded request's choice ``i`` samples with ``seed + i`` (vLLM's rule). The
+  prompt is tokenized once and counted once in ``usage``; its KV is computed by each choice
+  unless ``--enable-prefix-caching`` shares its full blocks.
 * A choice's text leaves out the text of the stop token that ended it (an eos or a
   ``stop_token_ids`` id; it shows with ``skip_special_tokens=false``, which chat's
   parsers set) unless ``include_stop_str_in_output``, as vLLM's (``m3_engine.output_processor``).
@@ -320,7 +321,8 @@ def _detokenize(server: _Server, body: DetokenizeRequest) -> dict:
 # -- the HTTP side of a request ----------------------------------------------------------------------
 
 class _Job:
-    """One HTTP request's engine requests (one per prompt), seen from the event loop."""
+    """One HTTP request's engine requests (one per prompt, each with its ``n`` completions), seen
+    from the event loop."""
 
     def __init__(self, server: "_Server", request_ids: list):
         self.server, self.request_ids = server, request_ids
@@ -409,14 +411,11 @@ def _check_unsupported(body: BaseModel, fields: dict) -> None:
 
 def _sampling_params(server: "_Server", body: GenerationRequest, *, max_tokens: int, logprobs: Optional[int],
                      rename: dict, constraint: Optional[StructuredOutputsParams] = None,
-                     skip_special_tokens: Optional[bool] = None) -> list:
-    """The ``SamplingParams`` of the request's ``n`` choices, with only the fields it sets (the engine
-    gives the others the model's ``generation_config.json`` values, as for ``LLM.generate``). A
-    seeded request's choice ``i`` samples with ``seed + i`` (vLLM's rule), so that its choices differ."""
-    n = 1 if body.n is None else body.n
-    if n < 1:
-        raise bad(f"n: expected an int >= 1, got {n}", "n")
-    kwargs = dict(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=body.ignore_eos,
+                     skip_special_tokens: Optional[bool] = None) -> SamplingParams:
+    """The request's ``SamplingParams`` (``n`` choices), with only the fields it sets (the engine
+    gives the others the model's ``generation_config.json`` values, as for ``LLM.generate``)."""
+    kwargs = dict(n=1 if body.n is None else body.n, max_tokens=max_tokens, logprobs=logprobs,
+                  ignore_eos=body.ignore_eos,
                   include_stop_str_in_output=body.include_stop_str_in_output,
                   skip_special_tokens=body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
                   structured_outputs=constraint)
@@ -426,13 +425,17 @@ def _sampling_params(server: "_Server", body: GenerationRequest, *, max_tokens: 
         if value is not None:
             kwargs[name] = value
     try:
-        if body.seed is None:
-            return [SamplingParams(**kwargs)] * n
-        return [SamplingParams(**{**kwargs, "seed": body.seed + i}) for i in range(n)]
+        return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
         param = param_of(e, rename)
         raise bad(str(e) if param is None or param == param_of(e) else f"{param}{str(e)[len(param_of(e)):]}",
                    param) from None
+
+
+def _moved_choices(outputs: list) -> list:
+    """``[(RequestOutput, CompletionOutput)]``: every completion of these outputs (the streams skip
+    those with nothing new)."""
+    return [(out, c) for out in outputs for c in out.outputs]
 
 
 def _stream_flags(body: GenerationRequest) -> bool:
@@ -449,13 +452,12 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _usage(outputs: list, n: int) -> dict:
-    """OpenAI's usage of ``n`` choices per prompt: each prompt counted once (its choices share it);
-    ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served."""
-    prompts = outputs[::n]
-    prompt = sum(len(o.prompt_token_ids) for o in prompts)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    cached = sum(o.num_cached_tokens for o in prompts)
+def _usage(outputs: list) -> dict:
+    """OpenAI's usage of one ``RequestOutput`` per prompt: each prompt counted once (its choices
+    share it); ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -542,25 +544,24 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
     constraint = structured_outputs(body.response_format, body.structured_outputs)
     prompts = _completion_prompts(server, body.prompt)
     base = f"cmpl-{uuid.uuid4().hex}"
-    items, echo = [], []   # one per choice: prompt 0's n choices, then prompt 1's, ... (vLLM's order)
+    items, echo = [], []   # one per prompt, with its n choices: prompt 0's, then prompt 1's, ... (vLLM's order)
     for text, ids in prompts:
         params = _sampling_params(server, body, max_tokens=server.max_tokens(body.max_tokens, len(ids), "max_tokens"),
                                   logprobs=body.logprobs, rename={}, constraint=constraint)
         shown = ((text if text is not None else (server.tokenizer.decode(ids) if server.tokenizer else ""))
                  if body.echo else "")
-        for p in params:
-            items.append((f"{base}-{len(items)}", {"prompt_token_ids": ids, "prompt": text}, p))
-            echo.append(shown)
-    n = len(items) // len(prompts)
+        items.append((f"{base}-{len(items)}", {"prompt_token_ids": ids, "prompt": text}, params))
+        echo += [shown] * params.n
+    n = items[0][2].n
     job = _Job(server, [r for r, _, _ in items])
     await job.start(items, arrival)
     created = int(arrival)
     n_logprobs = body.logprobs
 
-    def choice_extras(out, sent: int) -> dict:
+    def choice_extras(out, c, sent: int) -> dict:
         extra = {}
         if body.return_token_ids:
-            extra["token_ids"] = out.outputs[0].token_ids[sent:]
+            extra["token_ids"] = c.token_ids[sent:]
             if sent == 0:
                 extra["prompt_token_ids"] = out.prompt_token_ids
         return extra
@@ -573,27 +574,29 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
             job.close()
         outs = [job.outputs[r] for r in job.request_ids]
         choices = []
-        for i, out in enumerate(outs):
-            c = out.outputs[0]
-            logprobs = None if n_logprobs is None else \
-                _completion_logprobs(server, c.token_ids, c.logprobs, n_logprobs, len(echo[i]))
-            choices.append({"index": i, "text": echo[i] + c.text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                            **choice_extras(out, 0)})
+        for k, out in enumerate(outs):
+            for c in out.outputs:
+                i = k * n + c.index
+                logprobs = None if n_logprobs is None else \
+                    _completion_logprobs(server, c.token_ids, c.logprobs, n_logprobs, len(echo[i]))
+                choices.append({"index": i, "text": echo[i] + c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                **choice_extras(out, c, 0)})
         return {"id": base, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(outs, n)}
+                "choices": choices, "usage": _usage(outs)}
 
     async def events():
-        sent_text = [0] * len(items)
-        sent_tokens = [0] * len(items)
+        sent_text = [0] * len(echo)
+        sent_tokens = [0] * len(echo)
         offsets = [len(e) for e in echo]
+        ended = set()   # the choices whose last chunk went out
         while not job.done:
-            for out in await job.updates():
-                i = job.index[out.request_id]
-                c = out.outputs[0]
+            for out, c in _moved_choices(await job.updates()):
+                i = job.index[out.request_id] * n + c.index
                 new_tokens = c.token_ids[sent_tokens[i]:]
                 delta = c.text[sent_text[i]:]
-                if not new_tokens and not delta and not out.finished:
+                finished = c.finish_reason is not None
+                if i in ended or (not new_tokens and not delta and not finished):
                     continue
                 if sent_tokens[i] == 0 and echo[i]:
                     delta = echo[i] + delta
@@ -602,11 +605,11 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
                     logprobs = _completion_logprobs(server, new_tokens, c.logprobs[sent_tokens[i]:],
                                                     n_logprobs, offsets[i])
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
-                choice = {"index": i, "text": delta, "logprobs": logprobs,
-                          "finish_reason": c.finish_reason if out.finished else None,
-                          **choice_extras(out, sent_tokens[i])}
-                if out.finished:
+                choice = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                          **choice_extras(out, c, sent_tokens[i])}
+                if finished:
                     choice["stop_reason"] = c.stop_reason
+                    ended.add(i)
                 sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
                 chunk = {"id": base, "object": "text_completion", "created": created, "model": model,
                          "choices": [choice]}
@@ -615,7 +618,7 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
                 yield _sse(chunk)
         if include_usage:
             yield _sse({"id": base, "object": "text_completion", "created": created, "model": model,
-                        "choices": [], "usage": _usage([job.outputs[r] for r in job.request_ids], n)})
+                        "choices": [], "usage": _usage([job.outputs[r] for r in job.request_ids])})
 
     return _EventStream(_events_then_done(events(), job), on_close=job.close)
 
@@ -641,16 +644,14 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
     params = _sampling_params(server, body, max_tokens=server.max_tokens(requested, len(ids), max_tokens_param),
                               logprobs=n_logprobs, rename=rename, constraint=constraint,
                               skip_special_tokens=False if ChoiceOutput.parses_text(tools, server.features) else None)
-    readers = [ChoiceOutput(tools, server.features, text) for _ in params]   # one per choice
+    readers = [ChoiceOutput(tools, server.features, text) for _ in range(params.n)]   # one per choice
     echo = ""
     last = body.messages[-1]
     if body.echo and last.get("role") == "assistant":
         echo = _messages([last])[0].get("content") or ""
     base = f"chatcmpl-{uuid.uuid4().hex}"
-    request_ids = [f"{base}-{i}" for i in range(len(params))]
-    job = _Job(server, request_ids)
-    await job.start([(r, {"prompt_token_ids": ids, "prompt": text}, p) for r, p in zip(request_ids, params)],
-                    arrival)
+    job = _Job(server, [base])
+    await job.start([(base, {"prompt_token_ids": ids, "prompt": text}, params)], arrival)
     created = int(arrival)
 
     if not body.stream:
@@ -659,10 +660,9 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
                 return APIError(499, "the client closed the connection").response()
         finally:
             job.close()
-        outs = [job.outputs[r] for r in request_ids]
+        out = job.outputs[base]
         choices = []
-        for i, (out, reader) in enumerate(zip(outs, readers)):
-            c = out.outputs[0]
+        for i, (c, reader) in enumerate(zip(out.outputs, readers)):
             message, finish_reason = reader.message(c.text, c.finish_reason)
             if echo:
                 message["content"] = echo + (message["content"] or "")
@@ -674,9 +674,9 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
         response = {"id": base, "object": "chat.completion", "created": created, "model": model,
-                    "choices": choices, "usage": _usage(outs, len(outs))}
+                    "choices": choices, "usage": _usage([out])}
         if body.return_token_ids:
-            response["prompt_token_ids"] = outs[0].prompt_token_ids
+            response["prompt_token_ids"] = out.prompt_token_ids
         return response
 
     def chunk(index: int, delta: dict, *, finish=None, logprobs=None, extra=None) -> str:
@@ -694,31 +694,33 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
             yield chunk(i, {"role": "assistant", "content": ""})
             if echo:
                 yield chunk(i, {"content": echo})
+        ended = set()   # the choices whose last chunk went out
         while not job.done:
-            for out in await job.updates():
-                i = job.index[out.request_id]
-                reader, c = readers[i], out.outputs[0]
+            for _, c in _moved_choices(await job.updates()):
+                i = c.index
+                reader = readers[i]
                 new_tokens = c.token_ids[sent_tokens[i]:]
-                if not new_tokens and len(c.text) == sent_text[i] and not out.finished:
+                finished = c.finish_reason is not None
+                if i in ended or (not new_tokens and len(c.text) == sent_text[i] and not finished):
                     continue
                 delta = reader.feed(c.text[sent_text[i]:])
                 finish = None
-                if out.finished:
+                if finished:
+                    ended.add(i)
                     last, finish = reader.finish(c.finish_reason)
                     delta = merge_deltas(delta, last)
                 logprobs = None if n_logprobs is None else \
                     {"content": _chat_logprobs(server, new_tokens, c.logprobs[sent_tokens[i]:], n_logprobs)}
                 extra = {"token_ids": new_tokens} if body.return_token_ids else {}
-                if out.finished:
+                if finished:
                     extra["stop_reason"] = c.stop_reason
                 sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                if not delta and not out.finished and logprobs is None and not extra:
+                if not delta and not finished and logprobs is None and not extra:
                     continue   # text the parser holds back (a tag still arriving)
                 yield chunk(i, delta, finish=finish, logprobs=logprobs, extra=extra)
         if include_usage:
-            outs = [job.outputs[r] for r in request_ids]
             yield _sse({"id": base, "object": "chat.completion.chunk", "created": created,
-                        "model": model, "choices": [], "usage": _usage(outs, len(outs))})
+                        "model": model, "choices": [], "usage": _usage([job.outputs[base]])})
 
     return _EventStream(_events_then_done(events(), job), on_close=job.close)
 

@@ -3,8 +3,9 @@
 The engine core (scheduler, runner, sampling) runs in a process of its own
 (``m3_engine.server.core_process``); this side, on the server's event loop, is the front end:
 :meth:`EngineClient.add` applies the model's generation defaults, registers each request with
-the :class:`~m3_engine.output_processor.OutputProcessor` (detokenization, stop strings) and sends
-the group's token ids to the core; :meth:`EngineClient.abort` aborts requests there. A reader
+the :class:`~m3_engine.output_processor.OutputProcessor` (detokenization, stop strings; a request
+of ``n`` completions fans out there into ``n`` engine requests) and sends the group's engine
+requests to the core; :meth:`EngineClient.abort` aborts requests there. A reader
 task (``zmq.asyncio``) takes the core's one message per step, turns its token ids into
 ``RequestOutput``s (text, stop strings: a stop string's request is then finished in the core)
 and hands each HTTP request's outputs to its :class:`Sink` (an asyncio queue). The core's
@@ -98,7 +99,7 @@ class EngineClient:
         self._sinks: dict = {}           # request id -> Sink (unfinished requests only)
         self._groups: dict = {}          # group number -> (Sink, request ids) until the core answers
         self._numbers = itertools.count()
-        self._token_times: dict = {}     # request id -> (time, tokens) of its last output (TPOT)
+        self._token_times: dict = {}     # (request id, completion index) -> (time, tokens) of its last output
         self._accepting = True
         self._stopped = False
         self._reader: Optional[asyncio.Task] = None
@@ -128,22 +129,29 @@ class EngineClient:
     def add(self, items: list, sink: Sink, arrival: float) -> None:
         """Send ``[(request_id, {"prompt_token_ids": ids, "prompt": text or None}, SamplingParams), ...]``
         as one group (all are added or none); the sink then gets ``("added", None)`` or
-        ``("error", APIError)`` first."""
+        ``("error", APIError)`` first, then each request's ``RequestOutput`` (all its completions)
+        when one of its completions moved."""
         if self.dead or not self._accepting:
             raise APIError(503, f"the engine is not running ({self.dead})" if self.dead else
                            "the server is shutting down", type="service_unavailable_error",
                            code="engine_unavailable")
         group = next(self._numbers)
-        requests = []
-        for request_id, prompt, params in items:
-            params = params.with_defaults(self.generation_defaults)
-            ids = prompt["prompt_token_ids"]
-            self.processor.add_request(request_id, prompt.get("prompt"), ids, params, arrival_time=arrival)
-            self._sinks[request_id] = sink
-            requests.append(CoreRequest(request_id, ids, params_to_wire(params)))
-        self._groups[group] = (sink, [r.request_id for r in requests])
+        requests, request_ids = [], []
+        try:
+            for request_id, prompt, params in items:
+                params = params.with_defaults(self.generation_defaults)
+                ids = prompt["prompt_token_ids"]
+                children = self.processor.add_request(request_id, prompt.get("prompt"), ids, params,
+                                                      arrival_time=arrival)
+                request_ids.append(request_id)
+                self._sinks[request_id] = sink
+                requests += [CoreRequest(child_id, ids, params_to_wire(p)) for child_id, p in children]
+        except BaseException:
+            self._drop(request_ids)
+            raise
+        self._groups[group] = (sink, request_ids)
         if not self.process.send(AddRequests(group, requests)):
-            self._drop([r.request_id for r in requests])
+            self._drop(request_ids)
             del self._groups[group]
             raise APIError(503, "the engine is not running", type="service_unavailable_error",
                            code="engine_unavailable")
@@ -152,9 +160,8 @@ class EngineClient:
         """Abort these requests (unknown or finished ones are ignored)."""
         live = [r for r in request_ids if r in self._sinks]
         if live:
-            self._drop(live)
             self.metrics.aborted += len(live)
-            self.process.send(AbortRequests(live))
+            self.process.send(AbortRequests(self._drop(live)))
 
     def health(self) -> tuple:
         """-> ``(healthy, detail)``: unhealthy when the engine process is not running or the last
@@ -224,20 +231,26 @@ class EngineClient:
         for out in outputs:
             request_id = out.request_id
             sink = self._sinks.get(request_id)
-            last = self._token_times.get(request_id)   # (time, tokens) of its previous output
-            count = len(out.outputs[0].token_ids)
-            if count:
-                if last is None:
-                    self.metrics.ttft.observe(out.metrics.first_token_time - out.metrics.arrival_time)
-                elif count > last[1]:   # a verify step may bring several tokens: each gets its share
-                    for _ in range(count - last[1]):
-                        self.metrics.tpot.observe((now - last[0]) / (count - last[1]))
-                self._token_times[request_id] = (now, count)
+            for c in out.outputs:   # each completion: its first token, its later ones, its end
+                key = (request_id, c.index)
+                last = self._token_times.get(key)   # (time, tokens) of its previous output
+                count = len(c.token_ids)
+                if last is not None and last[1] < 0:
+                    continue   # finished and counted
+                if count:
+                    if last is None:
+                        self.metrics.ttft.observe(now - out.metrics.arrival_time)
+                    elif count > last[1]:   # a verify step may bring several tokens: each gets its share
+                        for _ in range(count - last[1]):
+                            self.metrics.tpot.observe((now - last[0]) / (count - last[1]))
+                    self._token_times[key] = (now, count)
+                if c.finish_reason is not None:
+                    self._token_times[key] = (now, -1)
+                    self.metrics.finished[c.finish_reason] = self.metrics.finished.get(c.finish_reason, 0) + 1
             if out.finished:
                 self._sinks.pop(request_id, None)
-                self._token_times.pop(request_id, None)
-                reason = out.outputs[0].finish_reason
-                self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
+                for c in out.outputs:
+                    self._token_times.pop((request_id, c.index), None)
                 self.metrics.e2e.observe(now - out.metrics.arrival_time)
             if sink is not None:
                 sink.push("output", out)
@@ -249,10 +262,11 @@ class EngineClient:
         log.error("m3-serve: an engine step failed; its requests fail with a 500: %s", error)
         failure = APIError(500, f"the engine failed in a step: {error}", type="internal_server_error",
                            code="engine_step_failed")
-        self.metrics.aborted += len(request_ids)
-        for sink in {id(s): s for s in (self._sinks.get(r) for r in request_ids) if s is not None}.values():
+        parents = list(dict.fromkeys(p for p in map(self.processor.parent_id, request_ids) if p is not None))
+        self.metrics.aborted += len(parents)
+        for sink in {id(s): s for s in (self._sinks.get(r) for r in parents) if s is not None}.values():
             sink.push("error", failure)
-        self._drop(request_ids)
+        self._drop(parents)
 
     def _process_ended(self) -> None:
         """The event loop saw the engine process end: fail everything; tell ``on_dead`` unless we stopped it."""
@@ -281,12 +295,17 @@ class EngineClient:
         self._drop(list(self._sinks))
         self._groups.clear()
 
-    def _drop(self, request_ids: list) -> None:
+    def _drop(self, request_ids: list) -> list:
+        """Forget these requests; -> their engine requests that had not finished."""
         now = time.time()
+        children = []
         for r in request_ids:
             self._sinks.pop(r, None)
-            self._token_times.pop(r, None)
-            self.processor.abort_request(r, now)
+            children += self.processor.abort_request(r, now)
+        dropped = set(request_ids)
+        for key in [k for k in self._token_times if k[0] in dropped]:
+            del self._token_times[key]
+        return children
 
     def _stop_reading(self) -> None:
         if self._reader is not None and self._reader is not asyncio.current_task():

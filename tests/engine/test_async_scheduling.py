@@ -17,6 +17,7 @@ from m3_engine.model_config import M3TextConfig
 from m3_engine.runner import SampleResult
 from m3_engine.scheduler import Scheduler, SchedulerConfig
 from m3_engine.tiny_model import write_tiny_checkpoint
+from m3_engine.tokenizer import load_tokenizer
 
 PAGE = 128
 VOCAB = 1000
@@ -201,6 +202,50 @@ def test_engine_core_runs_steps_ahead_with_the_same_tokens():
     assert reference["a"] == (plain["a"][0][:4], "stop") and reference["e"] == (plain["e"][0][:2], "stop")
     assert reference["b"][1] == "abort" and reference["c"][1] == "length" and reference["d"] == (
         plain["d"][0][:3], "stop")
+
+
+class MaskingRunner(FakeRunner):
+    """:class:`FakeRunner` whose rows never take a token the step's bitmask forbids (the next allowed id)."""
+
+    def submit(self, step, sampling, previous=None):
+        tokens = self.model.run(step, previous)
+        if sampling.token_bitmask is not None:
+            bits = np.unpackbits(sampling.token_bitmask.view(np.uint8), axis=1, bitorder="little")[:, :VOCAB]
+            for row, allowed in enumerate(bits):
+                while not allowed[tokens[row]]:
+                    tokens[row] = (tokens[row] + 1) % VOCAB
+        return tokens
+
+
+def run_masked(params: SamplingParams, *, overlap: bool, tokenizer=None) -> tuple:
+    """One request of ``params`` beside a plain one -> (its tokens, steps run ahead)."""
+    s = scheduler()
+    core = EngineCore(MaskingRunner(s.config.num_slots), s, tokenizer=tokenizer, async_scheduling=overlap)
+    core.add_request("plain", prompt(5, 8), SamplingParams(max_tokens=8, ignore_eos=True))
+    core.add_request("r", prompt(6, 9), params)
+    out = {}
+    while core.has_unfinished_requests():
+        for o in core.execute_step():
+            out[o.request_id] = out.get(o.request_id, []) + o.new_token_ids
+    return out["r"], core.stats["steps_ahead"]
+
+
+def test_min_tokens_and_bad_words_wait_for_their_tokens(tmp_path):
+    """min_tokens masks the stop ids until the output has exactly that many tokens, and a bad word of
+    several tokens is matched against the whole output: their steps do not run ahead (stale tokens)."""
+    plain, _ = run_masked(SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=4, stop_token_ids=[VOCAB - 2]),
+                          overlap=False)
+    stop = plain[4]   # the first token min_tokens=4 lets through: a stale count would mask it
+    params = SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=4, stop_token_ids=[stop])
+    sync, _ = run_masked(params, overlap=False)
+    ahead, steps_ahead = run_masked(params, overlap=True)
+    assert sync == plain[:5] and ahead == sync and steps_ahead > 0   # the plain request ran ahead
+    tokenizer = load_tokenizer(write_tiny_checkpoint(tmp_path, seed=0))
+    word = next(w for w in ("quick brown", "the lazy dog") if len(tokenizer.encode(w, add_special_tokens=False)) > 1)
+    _, steps_ahead = run_masked(SamplingParams(max_tokens=3, ignore_eos=True, bad_words=[word]), overlap=True,
+                                tokenizer=tokenizer)
+    _, plain_ahead = run_masked(SamplingParams(max_tokens=3, ignore_eos=True), overlap=True)
+    assert steps_ahead < plain_ahead
 
 
 # -- engines: the tiny model, both frameworks ---------------------------------------------------------

@@ -175,7 +175,7 @@ def test_sampling_params_names_and_defaults():
 
 
 BAD_SAMPLING = [dict(seed=-2), dict(temperature=float("inf")), dict(temperature=-1), dict(top_p=0),
-                dict(top_k=-2), dict(min_p=1), dict(max_tokens=0), dict(logprobs=21), dict(stop=[""]),
+                dict(top_k=-2), dict(min_p=1.5), dict(max_tokens=0), dict(logprobs=21), dict(stop=[""]),
                 dict(repetition_penalty=0), dict(presence_penalty=2.5), dict(temperature=float("nan")),
                 dict(seed=2 ** 63)]
 
@@ -276,9 +276,10 @@ def test_no_tokenizer_token_ids_generate(model_dir, tmp_path, framework):
 # -- greedy generation -----------------------------------------------------------------------------
 
 def greedy_batch(e: Eng) -> list:
-    """The three prompts in one greedy batch, with top-3 logprobs."""
-    return e.once("greedy", lambda e: e.llm.generate(
-        PROMPTS, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, logprobs=3), use_tqdm=False))
+    """The three prompts in one greedy batch, with top-3 logprobs; the first also asks top-2 prompt logprobs."""
+    params = [SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, logprobs=3,
+                             prompt_logprobs=2 if i == 0 else None) for i in range(len(PROMPTS))]
+    return e.once("greedy", lambda e: e.llm.generate(PROMPTS, params, use_tqdm=False))
 
 
 def test_greedy_outputs(eng, model_dir):
@@ -316,7 +317,36 @@ def test_greedy_outputs(eng, model_dir):
             checked += 1
         assert c.cumulative_logprob == pytest.approx(total, abs=1e-4)
     assert checked == GREEDY_TOKENS * len(PROMPTS)
+    assert outs[1].prompt_logprobs is None and outs[2].prompt_logprobs is None
+    assert _check_prompt_logprobs(model_dir, outs[0], 2, tok) == len(outs[0].prompt_token_ids) - 1
     assert _idle(eng.llm)
+
+
+def _check_prompt_logprobs(model_dir, out, n, tok) -> int:
+    """``out.prompt_logprobs`` (top ``n``) against a float64 log-softmax of transformers' logits of the
+    prompt; -> positions checked."""
+    ids = out.prompt_token_ids
+    logsm = torch.log_softmax(hf_reference.reference_prompt_logits(model_dir, ids).double(), dim=-1)
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    for p, entry in enumerate(out.prompt_logprobs[1:]):
+        row, t = logsm[p], ids[p + 1]
+        top = row.topk(n)
+        assert t in entry and len(entry) in (n, n + 1)
+        assert [entry[int(i)].rank for i in top.indices] == list(range(1, n + 1))
+        assert entry[t].rank == int((row > row[t]).sum()) + 1
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(float(row[tid]), abs=2e-3)
+            assert lp.decoded_token == tok.decode([tid], skip_special_tokens=False)
+    return len(ids) - 1
+
+
+def test_prompt_logprobs_torch_equals_jax(both):
+    """The greedy batch's prompt logprobs: the same entries in torch and JAX (ranks exactly)."""
+    a, b = (greedy_batch(e)[0].prompt_logprobs for e in both)
+    assert len(a) == len(b) > 1 and a[0] is None and b[0] is None
+    for x, y in zip(a[1:], b[1:]):
+        assert x.keys() == y.keys()
+        assert all(x[t].rank == y[t].rank and x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4) for t in x)
 
 
 def test_prompt_forms(eng):

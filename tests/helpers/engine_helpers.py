@@ -43,6 +43,7 @@ class FakeRunner(SynchronousRunner):
 
     def __init__(self, args):
         self.vocab = args.config.vocab_size
+        self.scheduler_config = args.scheduler
         self.buckets = StepBuckets.from_config(args.scheduler, args.speculative, pad_prefill=False, pad_decode=False)
         self.eos = args.config.eos_token_ids[0]
         self.tokenizer = Tokenizer(args.model_dir)
