@@ -31,6 +31,7 @@ from .checkpoint import expected_shapes
 from .compile_cache import resolve_cache_dir
 from .dummy_weights import LOAD_FORMATS, check_load_format
 from .eagle3 import Eagle3Config
+from .memory_plan import kv_budget_bytes, kv_pool_slots
 from .model_config import M3TextConfig, load_config
 from .quantization import SUPPORTED_QUANTIZATION
 from .scheduler import SchedulerConfig
@@ -371,16 +372,17 @@ def kv_cache_pages(*, total_bytes: int, used_bytes: int, gpu_memory_utilization:
                    max_model_len: int) -> int:
     """The KV pool pages (128 tokens each, every layer) a GPU can hold, as vLLM sizes its KV cache:
     the engine may use ``gpu_memory_utilization * total_bytes``; what is left of it after
-    ``used_bytes`` (weights, CUDA graphs, the step's peak activations: measured after loading
-    and warming up) holds ``floor(left / page_bytes)`` pages. Fewer pages than one request of
-    ``max_model_len`` tokens needs is a ValueError naming the numbers."""
-    budget = int(gpu_memory_utilization * total_bytes)
-    pages = max(budget - used_bytes, 0) // page_bytes
+    ``used_bytes`` (the runners measure it after loading the weights; CUDA graphs and the step's
+    activations come out of the ``1 - gpu_memory_utilization`` left over) holds
+    ``floor(left / page_bytes)`` pages (``memory_plan.kv_budget_bytes`` / ``kv_pool_slots``). Fewer
+    pages than one request of ``max_model_len`` tokens needs is a ValueError naming the numbers."""
+    left = kv_budget_bytes(total_bytes, gpu_memory_utilization, used_bytes)
+    pages = kv_pool_slots(left, page_bytes)
     need = -(-max_model_len // PAGE_SIZE)
     if pages < need:
         gib = 1 << 30
         raise ValueError(f"gpu_memory_utilization: {gpu_memory_utilization} of {total_bytes / gib:.1f} GiB "
-                         f"leaves {max(budget - used_bytes, 0) / gib:.2f} GiB after {used_bytes / gib:.1f} GiB of "
+                         f"leaves {max(left, 0) / gib:.2f} GiB after {used_bytes / gib:.1f} GiB of "
                          f"weights and activations: {pages} KV pages of {page_bytes} bytes, but one request of "
                          f"max_model_len={max_model_len} tokens needs {need}; raise gpu_memory_utilization or "
                          f"lower max_model_len")

@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = greedy (default: 1.0, or generation_config.json's)")
     g.add_argument("--top-p", type=float, metavar="P", help="nucleus mass in (0, 1] (default: 1 = off)")
     g.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens (default: -1 = off)")
-    g.add_argument("--min-p", type=float, metavar="P", help="min probability relative to the top one, in [0, 1) "
+    g.add_argument("--min-p", type=float, metavar="P", help="min probability relative to the top one, in [0, 1] "
                    "(default: 0 = off)")
     g.add_argument("--sampling-seed", type=int, metavar="N", help="every prompt samples with this seed "
                    "(default: derived from the engine's --seed and the prompt's position)")

@@ -1,6 +1,7 @@
-"""``triton_call``: launch one of the shared ``m3_kernels`` Triton kernels from JAX.
+"""``gpu_call`` / ``cpu_call``: launch one of the shared ``m3_kernels`` Triton kernels from JAX
+(``m3_jax.ops.run`` picks one by :func:`on_gpu`).
 
-One entry point, two lowerings, the same kernel source:
+Two lowerings, the same kernel source:
 
 * GPU backend: ``jax_triton.triton_call`` (jax-triton 0.3.1) with the compiled
   kernel ``m3_kernels.kernel_module(module, interpret=False).<fn>``: its legacy
@@ -39,7 +40,7 @@ import numpy as np
 import m3_kernels
 from m3_kernels import launches as _launches
 
-__all__ = ["triton_call", "on_gpu", "gpu_call", "cpu_call"]
+__all__ = ["on_gpu", "gpu_call", "cpu_call"]
 
 _SCALAR_TYPES = (bool, int, float, np.number)
 
@@ -60,41 +61,6 @@ def on_gpu() -> bool:
         platform = device if isinstance(device, str) else device.platform
         return platform.lower() in _GPU_PLATFORMS
     return jax.default_backend() in _GPU_PLATFORMS
-
-
-def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, input_output_aliases=None,
-                **constexprs):
-    """Launch ``kernel = (module_name, fn_name)`` of ``m3_kernels`` -> its outputs.
-
-    args:       kernel arguments in signature order, outputs excluded: jax/numpy
-                arrays for pointers, Python ints/floats for scalars.
-    out_shape:  one ``jax.ShapeDtypeStruct`` (-> one array returned) or a
-                sequence of them (-> a list returned); their pointers follow ``args``.
-    grid:       tuple of up to 3 ints.
-    input_output_aliases: ``{index into args: index into the outputs}``: the
-                input and the output are one buffer holding the input's contents
-                when the kernel starts (it updates them in place; jitted with the
-                input donated, XLA reuses the input's memory). Indices count every
-                entry of ``args``, scalars included.
-    constexprs: the kernel's ``tl.constexpr`` parameters, by name.
-    """
-    single = not isinstance(out_shape, (list, tuple))
-    out_shapes = [out_shape] if single else list(out_shape)
-    out_shapes = [jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), s.dtype) for s in out_shapes]
-    aliases = {int(i): int(o) for i, o in (input_output_aliases or {}).items()}
-    for i, o in aliases.items():
-        if not 0 <= i < len(args) or isinstance(args[i], _SCALAR_TYPES):
-            raise ValueError(f"input_output_aliases: argument {i} is not an array argument")
-        if not 0 <= o < len(out_shapes):
-            raise ValueError(f"input_output_aliases: output {o} out of range ({len(out_shapes)} outputs)")
-        if tuple(args[i].shape) != out_shapes[o].shape or np.dtype(args[i].dtype) != np.dtype(out_shapes[o].dtype):
-            raise ValueError(f"input_output_aliases: argument {i} and output {o} differ in shape or dtype")
-    grid = tuple(int(g) for g in grid)
-    module_name, fn_name = kernel
-    launch = gpu_call if on_gpu() else cpu_call
-    outs = launch(list(args), module_name, fn_name, out_shapes, grid, int(num_warps), int(num_stages), aliases,
-                  constexprs)
-    return outs[0] if single else list(outs)
 
 
 # -- GPU: jax-triton ------------------------------------------------------------------

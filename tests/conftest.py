@@ -5,9 +5,12 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # the engines' compile caches (m3_engine.compile_cache) in a folder of this run, not the user's ~/.cache
 if "M3_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["M3_CACHE_DIR"] = tempfile.mkdtemp(prefix="m3-compile-cache-")
+    atexit.register(shutil.rmtree, os.environ["M3_CACHE_DIR"], ignore_errors=True)
 
 import pytest
 import torch

@@ -56,7 +56,7 @@ from typing import Optional
 
 from ..reasoning_parser import THINK_START, ChatOutputParser, MiniMaxM3ReasoningParser
 from ..structured_outputs import StructuredOutputsParams
-from ..tool_parser import MiniMaxM3ToolParser, tool_schemas
+from ..tool_parser import MiniMaxM3ToolParser, merge_tool_call_deltas, tool_schemas
 from .protocol import bad
 
 __all__ = ["TOOL_CALL_PARSERS", "REASONING_PARSERS", "ChatFeatures", "ToolChoice", "tool_choice",
@@ -221,7 +221,7 @@ class ChoiceOutput:
         """The whole text -> ``(message dict, finish_reason)``."""
         first, last = self.feed(text), self.finish(finish_reason)
         delta = merge_deltas(first, last[0])
-        calls = _calls(delta.get("tool_calls", []))
+        calls = merge_tool_call_deltas(delta.get("tool_calls", []))
         message = {"role": "assistant", "content": delta.get("content") or (None if calls else "")}
         if self.reports_reasoning:
             message["reasoning_content"] = delta.get("reasoning_content") or None
@@ -286,17 +286,6 @@ def merge_deltas(a: dict, b: dict) -> dict:
     for key, value in b.items():
         out[key] = out[key] + value if key in out else value
     return out
-
-
-def _calls(deltas: list) -> list:
-    """Tool-call deltas -> the message's ``tool_calls`` (by index)."""
-    calls: dict = {}
-    for d in deltas:
-        if "id" in d:
-            calls[d["index"]] = {"id": d["id"], "type": "function",
-                                 "function": {"name": d["function"]["name"], "arguments": ""}}
-        calls[d["index"]]["function"]["arguments"] += d["function"].get("arguments", "")
-    return [calls[i] for i in sorted(calls)]
 
 
 class _ToolCallArray:
