@@ -369,14 +369,18 @@ def engine_options(args: argparse.Namespace) -> dict:
 # -- the KV pool from the memory left ------------------------------------------------------------------
 
 def kv_cache_pages(*, total_bytes: int, used_bytes: int, gpu_memory_utilization: float, page_bytes: int,
-                   max_model_len: int) -> int:
+                   max_model_len: int, free_bytes: Optional[int] = None) -> int:
     """The KV pool pages (128 tokens each, every layer) a GPU can hold, as vLLM sizes its KV cache:
     the engine may use ``gpu_memory_utilization * total_bytes``; what is left of it after
     ``used_bytes`` (the runners measure it after loading the weights; CUDA graphs and the step's
     activations come out of the ``1 - gpu_memory_utilization`` left over) holds
-    ``floor(left / page_bytes)`` pages (``memory_plan.kv_budget_bytes`` / ``kv_pool_slots``). Fewer
-    pages than one request of ``max_model_len`` tokens needs is a ValueError naming the numbers."""
+    ``floor(left / page_bytes)`` pages (``memory_plan.kv_budget_bytes`` / ``kv_pool_slots``), and no
+    more than ``free_bytes`` (the device's free memory now, when given: other processes' memory is
+    not this engine's to count, but neither can the pool take it). Fewer pages than one request of
+    ``max_model_len`` tokens needs is a ValueError naming the numbers."""
     left = kv_budget_bytes(total_bytes, gpu_memory_utilization, used_bytes)
+    if free_bytes is not None:
+        left = min(left, free_bytes)
     pages = kv_pool_slots(left, page_bytes)
     need = -(-max_model_len // PAGE_SIZE)
     if pages < need:

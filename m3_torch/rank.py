@@ -128,12 +128,14 @@ class RankRunner:
 
     def _pages_from_memory(self, page_bytes: int, gpu_memory_utilization: float, max_model_len: int,
                            tp_size: int) -> int:
-        """The pool pages ``gpu_memory_utilization`` of this GPU holds after what is allocated now (the
-        weights), vLLM's sizing (``kv_cache_pages``); under tensor parallelism the fewest of any rank
-        (every rank runs this, in the same order: an all-reduce)."""
+        """The pool pages ``gpu_memory_utilization`` of this GPU holds after what this process holds now
+        (the weights), vLLM's sizing (``kv_cache_pages``), at most the device's free memory; under
+        tensor parallelism the fewest of any rank (every rank runs this, in the same order: an
+        all-reduce)."""
         free, total = torch.cuda.mem_get_info(self.device)
+        used = torch.cuda.memory_reserved(self.device)   # this process's allocations, not other processes'
         try:
-            pages, error = kv_cache_pages(total_bytes=total, used_bytes=total - free,
+            pages, error = kv_cache_pages(total_bytes=total, used_bytes=used, free_bytes=free,
                                           gpu_memory_utilization=gpu_memory_utilization, page_bytes=page_bytes,
                                           max_model_len=max_model_len), None
         except ValueError as e:   # raised after the all-reduce, which every rank must reach

@@ -17,12 +17,24 @@ GIB = 1 << 30
 
 
 def test_torch_pages_from_memory(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * GIB, 100 * GIB))   # 70 GiB used
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * GIB, 100 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 70 * GIB)   # this process: the weights
     rank = types.SimpleNamespace(device=torch.device("cuda", 0), max_blocks=4)
     pages = RankRunner._pages_from_memory(rank, GIB // 4, 0.9, 512, tp_size=1)
     assert pages == (90 - 70) * 4   # (0.9 * 100 - 70) GiB of quarter-GiB pages
     with pytest.raises(ValueError, match="^gpu_memory_utilization: 0.7 of 100.0 GiB leaves 0.00 GiB"):
         RankRunner._pages_from_memory(rank, GIB // 4, 0.7, 512, tp_size=1)
+
+
+def test_torch_pages_count_this_process_and_fit_the_free_memory(monkeypatch):
+    """Another process's memory is not the engine's (its weights are what it reserved), but the pool
+    never takes more than is free."""
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * GIB)
+    rank = types.SimpleNamespace(device=torch.device("cuda", 0), max_blocks=4)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * GIB, 100 * GIB))   # 30 GiB another's
+    assert RankRunner._pages_from_memory(rank, GIB // 4, 0.9, 512, tp_size=1) == 60 * 4   # free, not 80 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (85 * GIB, 100 * GIB))
+    assert RankRunner._pages_from_memory(rank, GIB // 4, 0.9, 512, tp_size=1) == (90 - 10) * 4
 
 
 def test_jax_pages_from_memory_fewest_device():
