@@ -211,6 +211,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, ParentRequest] = {}   # request id -> unfinished request
         self._children: dict[str, RequestState] = {}   # engine request id -> its unfinished completion
+        # tokens that reached a request (a token the core made after a stop string ended its request
+        # is dropped, not counted): what a server reports as generated
+        self.num_generation_tokens = 0
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_ids: list, params: SamplingParams, *,
                     arrival_time: float) -> list:
@@ -253,6 +256,7 @@ class OutputProcessor:
             child = self._children.get(out.request_id)
             if child is None:
                 continue
+            self.num_generation_tokens += len(out.new_token_ids)
             if child.apply(out, now):
                 stopped.append(out.request_id)
             if child.finished:

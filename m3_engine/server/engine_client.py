@@ -318,4 +318,5 @@ class EngineClient:
         self.snapshot = dict(running=stats["running_requests"], waiting=stats["waiting_requests"],
                              unfinished=stats["unfinished"], kv_pages_total=stats["total_pages"],
                              kv_pages_used=stats["total_pages"] - stats["free_pages"],
-                             **{k: v for k, v in stats.items() if k != "unfinished"})
+                             **{k: v for k, v in stats.items() if k not in ("unfinished", "generation_tokens")},
+                             generation_tokens=self.processor.num_generation_tokens)   # the tokens clients got
