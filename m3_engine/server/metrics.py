@@ -133,7 +133,8 @@ def render_metrics(snapshot: dict, m: Metrics, *, in_flight: int, model_name: st
     metric("m3_prefix_cache_hits_total", "counter", "Prompt tokens served by the prefix cache.",
            s.get("prefix_cache_hit_tokens", 0))
     metric("m3_prompt_tokens_total", "counter", "Prompt tokens prefilled.", s.get("prompt_tokens", 0))
-    metric("m3_generation_tokens_total", "counter", "Tokens generated.", s.get("generation_tokens", 0))
+    metric("m3_generation_tokens_total", "counter", "Tokens generated and handed to requests.",
+           s.get("generation_tokens", 0))
     metric("m3_engine_steps_total", "counter", "Engine steps run.", s.get("steps", 0))
     metric("m3_engine_step_errors_total", "counter", "Engine steps that failed.", m.step_errors)
     metric("m3_spec_decode_num_drafts_total", "counter", "Speculative decoding: request rows that verified drafts.",
