@@ -340,8 +340,8 @@ def fp8_quantize(*, groups: int, interpret: bool) -> QuantizeConfig:
 
 
 # GPU tiles of fp8_linear_kernel. Decode-sized calls (T <= 64) stream the weight once: one row tile of
-# BLOCK_M = T rounded up to a power of two (at least 16, the narrow side of the smallest FP8 wgmma), BLOCK_N
-# 64 weight rows (the MMA's 64-row side), and K split into ranges of at least FP8_LINEAR_MIN_SPLIT_BLOCKS
+# BLOCK_M = T rounded up to a power of two (at least 16, the narrow side of the smallest FP8 wgmma),
+# BLOCK_N = 64 weight rows (the MMA's 64-row side), and K split into ranges of at least FP8_LINEAR_MIN_SPLIT_BLOCKS
 # blocks until the (N tiles x splits) programs reach FP8_LINEAR_TARGET_PROGRAMS, about two per SM of a
 # 132-SM H200: N = 3072 alone makes 48 programs, and one program per SM keeps too few bytes in flight
 # (stages x 8 KiB) to stream at the copy bandwidth. With more than one split the programs write float32
@@ -396,8 +396,8 @@ def fp8_linear(*, tokens: int, n: int, k: int, interpret: bool) -> FP8LinearConf
 
 # GPU tiles (BLOCK_N, num_warps, num_stages) of the FP8 MoE GEMMs by the block rows ``moe`` picks (16:
 # decode-sized calls, 64: prefill-sized). gate_up's BLOCK_N is the format's 128 (its epilogue quantizes
-# whole groups). Per stage, e4m3 tiles take (BLOCK_M + 2 * 128) * 128 bytes in gate_up (36 KiB at BLOCK_M
-# 16) and (BLOCK_M + BLOCK_N) * 128 in down. Not yet swept on a GPU.
+# whole groups). Per stage, e4m3 tiles take (BLOCK_M + 2 * 128) * 128 bytes in gate_up (36 KiB at
+# BLOCK_M = 16) and (BLOCK_M + BLOCK_N) * 128 in down. Not yet swept on a GPU.
 FP8_MOE_GPU = {16: dict(gate_up=(128, 4, 4), down=(64, 4, 4)),
                64: dict(gate_up=(128, 8, 3), down=(128, 4, 3))}
 
