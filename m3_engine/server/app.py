@@ -380,6 +380,16 @@ class _Job:
         finally:
             gone.cancel()
 
+    async def wait_all(self, request: Request):
+        """A non-streamed answer's wait: None once every request finished, or the 499 response when
+        the client went away first (what has not finished is aborted)."""
+        try:
+            if not await self.collect(request):
+                return APIError(499, "the client closed the connection").response()
+        finally:
+            self.close()
+        return None
+
     def close(self) -> None:
         """Abort what has not finished (the client is gone or the answer failed)."""
         self._close(abort=True)
@@ -567,11 +577,9 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
         return extra
 
     if not body.stream:
-        try:
-            if not await job.collect(request):
-                return APIError(499, "the client closed the connection").response()
-        finally:
-            job.close()
+        gone = await job.wait_all(request)
+        if gone is not None:
+            return gone
         outs = [job.outputs[r] for r in job.request_ids]
         choices = []
         for k, out in enumerate(outs):
@@ -655,11 +663,9 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
     created = int(arrival)
 
     if not body.stream:
-        try:
-            if not await job.collect(request):
-                return APIError(499, "the client closed the connection").response()
-        finally:
-            job.close()
+        gone = await job.wait_all(request)
+        if gone is not None:
+            return gone
         out = job.outputs[base]
         choices = []
         for i, (c, reader) in enumerate(zip(out.outputs, readers)):
