@@ -24,6 +24,8 @@ PAGE_SIZE = 128  # tokens per sparse block and per KV page (SPEC.md); the kernel
 # block-scaled FP8 weights: one float32 scale per FP8_BLOCK x FP8_BLOCK weight block and per FP8_BLOCK
 # channels of a token's activations (kernels/fp8_linear.py, fp8_moe.py)
 FP8_BLOCK = 128
+# MXFP8 checkpoints (OCP MX): one UE8M0 scale per MX_BLOCK elements along K, converted to FP8_BLOCK blocks at load
+MX_BLOCK = 32
 
 # Rows of one MMA tile (tokens x heads) are capped here; tl.dot wants >= 16.
 MAX_TILE_ROWS = 128

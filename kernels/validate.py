@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from .maps import FP8_BLOCK, PAGE_SIZE, cdiv
+from .maps import FP8_BLOCK, MX_BLOCK, PAGE_SIZE, cdiv
 from .norm import MAX_WIDTH
 from .router import MAX_EXPERTS, MAX_TOP_K
 from .sampling import MAX_VOCAB
@@ -740,3 +740,13 @@ def check_values(values: dict, *, num_pages, max_blocks):
         check_block_ids_values(values["block_ids"], max_blocks)
     if "slot_mapping" in values:
         check_slot_mapping_values(values["slot_mapping"], num_pages)
+
+
+def check_mxfp8(codes, scale) -> None:
+    """An MXFP8 weight: ``codes [..., N, K]`` float8_e4m3fn and ``scale [..., N, ceil(K / MX_BLOCK)]`` uint8."""
+    if dtype_name(codes) != "float8_e4m3fn" or dtype_name(scale) != "uint8":
+        raise TypeError(f"dequantize_mxfp8: expected float8_e4m3fn codes and uint8 scales, got {dtype_name(codes)} "
+                        f"and {dtype_name(scale)}")
+    want = (*_shape(codes)[:-1], cdiv(_shape(codes)[-1], MX_BLOCK))
+    if _shape(scale) != want:
+        raise ValueError(f"scale: expected shape {want} for codes of shape {_shape(codes)}, got {_shape(scale)}")

@@ -41,6 +41,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from m3_kernels.maps import FP8_BLOCK, MX_BLOCK
+
 from .model_config import read_json
 from .tp import TensorSlice, TPPlan
 
@@ -50,8 +52,6 @@ __all__ = ["SUPPORTED_QUANTIZATION", "CHECKPOINT_METHODS", "FP8_BLOCK", "MX_BLOC
 
 SUPPORTED_QUANTIZATION = ("fp8",)          # the engine option's values (vLLM's names)
 CHECKPOINT_METHODS = ("fp8", "mxfp8")      # quantization_config.quant_method values the loader reads
-FP8_BLOCK = 128                            # the engine's block: 128 x 128
-MX_BLOCK = 32                              # MXFP8: 1 x 32 along K
 # checkpoint method -> the suffix of its scale tensors' names (appended to the weight's name)
 SCALE_SUFFIXES = {"fp8": "_scale_inv", "mxfp8": "_scale"}
 

@@ -15,12 +15,11 @@ import jax.numpy as jnp
 from m3_kernels import step_launches, validate
 from m3_kernels.common import E4M3_MAX
 from m3_kernels.fp8_linear import AMAX_FLOOR
-from m3_kernels.maps import FP8_BLOCK, cdiv
+from m3_kernels.maps import FP8_BLOCK, MX_BLOCK, cdiv
 
 from ._triton_call import on_gpu
 from .ops import operand, run
 
-MX_BLOCK = 32   # MXFP8 (OCP MX): one UE8M0 scale per 32 elements along K (m3_engine.quantization.MX_BLOCK)
 
 __all__ = ["quantize_weight", "dequantize_mxfp8", "quantize_activation", "fp8_linear", "fused_moe_fp8"]
 
@@ -44,13 +43,7 @@ def quantize_weight(weight):
 def dequantize_mxfp8(codes, scale):
     """An MXFP8 weight -> float32 ``[..., N, K]`` (exact): as ``m3_torch.fp8.dequantize_mxfp8`` (codes
     float8_e4m3fn, scale ``[..., N, ceil(K / 32)]`` uint8 UE8M0)."""
-    if codes.dtype != jnp.float8_e4m3fn or scale.dtype != jnp.uint8:
-        raise TypeError(f"dequantize_mxfp8: expected float8_e4m3fn codes and uint8 scales, got {codes.dtype} "
-                        f"and {scale.dtype}")
-    k = codes.shape[-1]
-    if scale.shape != (*codes.shape[:-1], cdiv(k, MX_BLOCK)):
-        raise ValueError(f"scale: expected shape {(*codes.shape[:-1], cdiv(k, MX_BLOCK))} for codes of shape "
-                         f"{tuple(codes.shape)}, got {tuple(scale.shape)}")
+    validate.check_mxfp8(codes, scale)
     return _dequantize_mxfp8(codes, scale)
 
 

@@ -16,12 +16,11 @@ import torch
 from m3_kernels import step_launches, validate
 from m3_kernels.common import E4M3_MAX
 from m3_kernels.fp8_linear import AMAX_FLOOR
-from m3_kernels.maps import FP8_BLOCK, cdiv
+from m3_kernels.maps import FP8_BLOCK, MX_BLOCK, cdiv
 
 from . import guards
 from .ops import operand, run
 
-MX_BLOCK = 32   # MXFP8 (OCP MX): one UE8M0 scale per 32 elements along K (m3_engine.quantization.MX_BLOCK)
 
 __all__ = ["quantize_weight", "dequantize_mxfp8", "quantize_activation", "fp8_linear", "fused_moe_fp8"]
 
@@ -50,13 +49,8 @@ def dequantize_mxfp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """An MXFP8 weight -> float32 ``[..., N, K]`` (exact): ``codes [..., N, K]`` float8_e4m3fn times
     ``2 ** (scale - 127)``, ``scale [..., N, ceil(K / 32)]`` uint8 (UE8M0) one per 1 x 32 block along K.
     ``quantize_weight`` of the result is the engine's 128 x 128 format (``m3_engine.quantization``)."""
-    if codes.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
-        raise TypeError(f"dequantize_mxfp8: expected float8_e4m3fn codes and uint8 scales, got {codes.dtype} "
-                        f"and {scale.dtype}")
+    validate.check_mxfp8(codes, scale)
     k = codes.shape[-1]
-    if scale.shape != (*codes.shape[:-1], cdiv(k, MX_BLOCK)):
-        raise ValueError(f"scale: expected shape {(*codes.shape[:-1], cdiv(k, MX_BLOCK))} for codes of shape "
-                         f"{tuple(codes.shape)}, got {tuple(scale.shape)}")
     factor = torch.exp2(scale.float() - 127.0).repeat_interleave(MX_BLOCK, dim=-1)[..., :k]
     return codes.float() * factor
 
