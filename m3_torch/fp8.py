@@ -75,8 +75,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """
     tokens, n, _ = validate.check_fp8_linear_call(x, weight, weight_scale)
     device = guards.check_devices(x=x, weight=weight, weight_scale=weight_scale)
-    if not weight.is_contiguous():
-        raise ValueError(f"weight: expected a contiguous tensor, got strides {tuple(weight.stride())}")
+    guards.check_contiguous(weight=weight)
     out = torch.empty((tokens, n), dtype=x.dtype, device=device)
     if tokens == 0:
         return out
@@ -111,9 +110,7 @@ def fused_moe_fp8(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids,
                    shared_gate_up=shared_gate_up, shared_gate_up_scale=shared_gate_up_scale,
                    shared_down=shared_down, shared_down_scale=shared_down_scale)
     device = guards.check_devices(x=x, **weights, topk_ids=topk_ids, topk_weights=topk_weights)
-    for name, w in weights.items():
-        if w is not None and not w.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(w.stride())}")
+    guards.check_contiguous(**weights)
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=device)
     if tokens == 0:
         return out

@@ -16,7 +16,7 @@ import torch
 
 from m3_kernels import validate
 
-__all__ = ["check_call", "check_devices"]
+__all__ = ["check_call", "check_devices", "check_contiguous"]
 
 
 def check_call(op: str, **tensors) -> None:
@@ -44,6 +44,13 @@ def check_devices(**tensors) -> torch.device:
         if device != first:
             raise ValueError(f"{name}: expected device {first} (as {next(iter(devices))}), got {device}")
     return first
+
+
+def check_contiguous(**tensors) -> None:
+    """Each given tensor (None skipped) is contiguous (weights the kernels read with fixed strides)."""
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")
 
 
 def _check_values(op, tensors):

@@ -38,9 +38,7 @@ def fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, *, swiglu_alpha: flo
     weights = {"w_gate_up": w_gate_up, "w_down": w_down, "shared_gate_up": shared_gate_up,
                "shared_down": shared_down}
     device = guards.check_devices(x=x, **weights, topk_ids=topk_ids, topk_weights=topk_weights)
-    for name, w in weights.items():
-        if w is not None and not w.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(w.stride())}")
+    guards.check_contiguous(**weights)
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=device)
     if tokens == 0:
         return out
