@@ -457,7 +457,7 @@ def jax_step(llm, step, reps: int) -> dict:
     inputs = (runner._put(flat), None)   # no carried tokens (async scheduling off)
     t0 = time.perf_counter()
     compiled = runner._step.lower(runner.params, runner.pool, *inputs, spec=spec, packing=packing,
-                                  num_logprobs=None).compile()
+                                  num_logprobs=None, prompt=None).compile()
     row = dict(jax_compile_s=time.perf_counter() - t0, jax_launches=hlo_launches(compiled.as_text()))
 
     def call():
