@@ -12,6 +12,11 @@ of its own (XLA reads its flags when JAX starts):
 * ``ffi``: jaxlib's FFI call, which XLA records into command buffers (CUDA graphs).
 * ``ffi_skip_temp``: ``ffi`` with ``--xla_gpu_command_buffer_update_mode=SKIP_TEMP`` (XLA's temporaries at
   fixed addresses; the VMM allocator).
+* ``ffi_skip_profiled``: ``ffi`` with ``--xla_gpu_command_buffer_update_mode=SKIP_PROFILED``: XLA profiles
+  the buffer addresses of the first executions, then maps the stable arguments, outputs and temporaries to
+  fixed virtual addresses (VA remapping, the VMM allocator), so the recorded commands need no update when
+  the runtime buffers move. jaxlib 0.11.2's XLA has this mode; it has no
+  ``--xla_gpu_command_buffer_inline_traced_commands`` (traced commands stay child graphs).
 
 Per configuration and batch (``--batches``, 1 and 64): ``step_us``, the compiled step on device-resident
 inputs, median of ``--reps`` blocking calls; ``pipelined_us``, ``--reps`` calls back to back / reps;
@@ -44,6 +49,7 @@ CONFIGS = {   # name -> (LAUNCH_TARGETS key, XLA flags)
     "legacy_nocb": ("legacy", "--xla_gpu_enable_command_buffer="),
     "ffi": ("ffi", ""),
     "ffi_skip_temp": ("ffi", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"),
+    "ffi_skip_profiled": ("ffi", "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"),
 }
 XLA_LOG = "command_buffer_thunk=3,command_executor=3"
 

@@ -68,6 +68,17 @@ attention, o_proj, the MoE (router kernel, fused experts with the shared one;
 floor with the distinct experts its router chose on the piece's random input), the dense MLP, and the final norm + lm_head: time,
 kernels, floor (weights + the piece's inputs and outputs) and share.
 
+FP8 weights (``--quantization none,fp8``): every run above once per weight
+format, each in a process of its own, the engines built with
+``quantization="fp8"`` (the linear weights as e4m3 codes with 128 x 128 block
+scales, quantized as they are drawn; ``m3_engine.quantization``). The floor
+counts those weights at 1 byte plus their scales; ``fp8_speedups``: the bf16
+time over the FP8 time per batch and context (torch, JAX, the 60-layer
+extrapolation) and each format's JAX / torch ratio. ``full_model_memory``
+(ARITHMETIC): M3's 60 layers at these dimensions in bf16 and FP8 on 4 and 8
+GPUs of this kind: weights per GPU split ideally, and the KV room 90% of the
+GPU leaves.
+
 Writes ``<date>-<gpu>-model-step.{json,md}`` to ``--out`` (default
 benchmarks/results/) with the command, the GPU, the copy bandwidth and every
 number above. ``--tiny``: the same code on the tiny test config on the CPU
@@ -94,8 +105,10 @@ import torch
 
 from m3_engine.checkpoint import expected_shapes
 from m3_engine.model_config import DEFAULTS, M3TextConfig
+from m3_engine.quantization import is_quantized
 from m3_engine.runner import SamplingBatch
-from m3_engine.tiny_model import tiny_text_config
+from m3_engine.tiny_model import tiny_fp8_config, tiny_text_config
+from m3_kernels.maps import FP8_BLOCK
 from m3_kernels.planner import PAGE_SIZE
 from m3_kernels.pool import PoolLayout
 
@@ -131,8 +144,16 @@ def write_config(path: Path, text: dict) -> Path:
     return path
 
 
-def weight_bytes(c: M3TextConfig) -> int:
-    return 2 * sum(math.prod(shape) for shape in expected_shapes(c).values())
+def weight_elt(quantization) -> float:
+    """Bytes per element of a quantized linear weight (``m3_engine.quantization.is_quantized``): bf16, or
+    e4m3 plus one float32 scale per 128 x 128 block."""
+    return 2.0 if quantization is None else 1.0 + 4.0 / (FP8_BLOCK * FP8_BLOCK)
+
+
+def weight_bytes(c: M3TextConfig, quantization=None) -> float:
+    """The checkpoint's bytes as the engine holds them (``quantization``: None or "fp8")."""
+    return sum(math.prod(shape) * (weight_elt(quantization) if is_quantized(name) else 2)
+               for name, shape in expected_shapes(c).items())
 
 
 def kv_bytes_per_request(c: M3TextConfig, context: int) -> int:
@@ -144,7 +165,7 @@ def kv_bytes_per_request(c: M3TextConfig, context: int) -> int:
 
 def plan_grid(c: M3TextConfig, batches, contexts, memory: int | None) -> tuple[dict, dict]:
     """-> ({context: batches that fit}, {(batch, context): why skipped}); ``memory``: the GPU's bytes
-    (None: everything fits)."""
+    (None: everything fits). Planned for bf16 weights (FP8 ones take less)."""
     runs, skipped = {}, {}
     budget = None if memory is None else MEMORY_FRACTION * memory - weight_bytes(c) - HEADROOM
     for context in contexts:
@@ -167,24 +188,26 @@ def expected_experts(tokens: int, experts: int, k: int) -> float:
     return experts * (1 - (1 - k / experts) ** tokens)
 
 
-def projection_weight_bytes(c: M3TextConfig, sparse: bool) -> int:
-    """The fused q/k/v (+ index q/k) projection and the q/k (+ index) norms of a layer."""
+def projection_weight_bytes(c: M3TextConfig, sparse: bool, wb: float = 2.0) -> float:
+    """The fused q/k/v (+ index q/k) projection and the q/k (+ index) norms of a layer; ``wb``: bytes per
+    element of the quantized weights (:func:`weight_elt`)."""
     H, D, Di = c.hidden_size, c.head_dim, c.index_head_dim
     rows = (c.num_attention_heads + 2 * c.num_key_value_heads) * D + (c.index_n_heads * Di + Di if sparse else 0)
-    return 2 * (rows * H + 2 * D + (2 * Di if sparse else 0))
+    return wb * rows * H + 2 * (2 * D + (2 * Di if sparse else 0))
 
 
-def attention_weight_bytes(c: M3TextConfig, sparse: bool) -> int:
+def attention_weight_bytes(c: M3TextConfig, sparse: bool, wb: float = 2.0) -> float:
     """The projections, their norms and o_proj."""
-    return projection_weight_bytes(c, sparse) + 2 * c.hidden_size * c.num_attention_heads * c.head_dim
+    return projection_weight_bytes(c, sparse, wb) + wb * c.hidden_size * c.num_attention_heads * c.head_dim
 
 
-def mlp_weight_bytes(c: M3TextConfig, moe: bool, experts: float) -> float:
+def mlp_weight_bytes(c: M3TextConfig, moe: bool, experts: float, wb: float = 2.0) -> float:
+    """The dense MLP, or the MoE's router (bf16), shared expert and the ``experts`` it touches."""
     H = c.hidden_size
     if not moe:
-        return 2 * 3 * c.dense_intermediate_size * H
+        return wb * 3 * c.dense_intermediate_size * H
     E = c.num_local_experts
-    return 2 * (E * H + E + 3 * c.shared_intermediate_size * H + experts * 3 * c.intermediate_size * H)
+    return 2 * (E * H + E) + wb * (3 * c.shared_intermediate_size * H + experts * 3 * c.intermediate_size * H)
 
 
 def kv_bytes(c: M3TextConfig, tokens: int, context: int, sparse: bool) -> int:
@@ -201,11 +224,11 @@ def kv_bytes(c: M3TextConfig, tokens: int, context: int, sparse: bool) -> int:
 
 
 def layer_bytes(c: M3TextConfig, sparse: bool, moe: bool, tokens: int, context: int,
-                experts: float | None = None) -> float:
+                experts: float | None = None, wb: float = 2.0) -> float:
     """``experts``: the distinct experts the layer's router chose (None: the uniform-routing expectation)."""
     if experts is None:
         experts = expected_experts(tokens, c.num_local_experts, c.num_experts_per_tok)
-    return (attention_weight_bytes(c, sparse) + 2 * 2 * c.hidden_size + mlp_weight_bytes(c, moe, experts)
+    return (attention_weight_bytes(c, sparse, wb) + 2 * 2 * c.hidden_size + mlp_weight_bytes(c, moe, experts, wb)
             + kv_bytes(c, tokens, context, sparse))
 
 
@@ -215,17 +238,32 @@ def head_bytes(c: M3TextConfig, tokens: int) -> int:
     return 2 * (tokens * H + H + V * H + tokens * V)
 
 
-def step_floor_bytes(c: M3TextConfig, tokens: int, context: int, experts_touched=None) -> float:
+def step_floor_bytes(c: M3TextConfig, tokens: int, context: int, experts_touched=None, quantization=None) -> float:
     """``experts_touched``: the distinct experts of each MoE layer in order (None: the expectation)."""
-    touched = iter(experts_touched or [])
-    return head_bytes(c, tokens) + sum(layer_bytes(c, s, m, tokens, context, next(touched, None) if m else None)
+    touched, wb = iter(experts_touched or []), weight_elt(quantization)
+    return head_bytes(c, tokens) + sum(layer_bytes(c, s, m, tokens, context, next(touched, None) if m else None, wb)
                                        for s, m in zip(c.sparse_layers, c.moe_layers))
 
 
-def full_model_floor_bytes(c: M3TextConfig, tokens: int, context: int) -> float:
+def full_model_floor_bytes(c: M3TextConfig, tokens: int, context: int, quantization=None) -> float:
     """The byte floor of M3's 60 layers (3 dense + 57 MSA + MoE) at these dimensions, on one device."""
-    return (head_bytes(c, tokens) + FULL_DENSE_LAYERS * layer_bytes(c, False, False, tokens, context)
-            + (FULL_LAYERS - FULL_DENSE_LAYERS) * layer_bytes(c, True, True, tokens, context))
+    wb = weight_elt(quantization)
+    return (head_bytes(c, tokens) + FULL_DENSE_LAYERS * layer_bytes(c, False, False, tokens, context, wb=wb)
+            + (FULL_LAYERS - FULL_DENSE_LAYERS) * layer_bytes(c, True, True, tokens, context, wb=wb))
+
+
+def full_model_memory(dims: dict, quantization, tp: int, gpu_bytes: float) -> dict:
+    """M3's 60 layers (3 dense + 57 MSA + MoE) at these dimensions: weight bytes per GPU split ideally
+    ``tp`` ways (tensor parallelism for attention and the dense MLP, the experts spread over the GPUs),
+    and what ``gpu_bytes`` x 0.9 (``gpu_memory_utilization``) leaves for KV, in tokens of context."""
+    text = tiny_text_config(num_hidden_layers=FULL_LAYERS, num_dense_layers=FULL_DENSE_LAYERS, dtype="bfloat16",
+                            **dims)
+    c = M3TextConfig.from_dict(text)
+    per_gpu = weight_bytes(c, quantization) / tp
+    free = 0.9 * gpu_bytes - per_gpu
+    return dict(quantization=quantization or "bf16", tp=tp, params_B=weight_bytes(c, None) / 2e9,
+                weights_per_gpu_GB=per_gpu / 1e9, kv_room_per_gpu_GB=free / 1e9,
+                kv_tokens=max(free, 0) * tp / (kv_bytes_per_request(c, PAGE_SIZE) / PAGE_SIZE))
 
 
 # -- torch -----------------------------------------------------------------------------------------
@@ -314,9 +352,9 @@ def torch_step(llm, step, reps: int) -> dict:
     return row
 
 
-def torch_pieces(llm, tokens: int, context: int, reps: int) -> list:
+def torch_pieces(llm, tokens: int, context: int, reps: int, quantization=None) -> list:
     """The step's pieces at ``tokens`` decode requests (attention at ``context``): see the module docstring."""
-    import torch.nn.functional as F
+    from m3_torch.model import linear
 
     runner, device = llm.runner.rank0, llm.runner.device
     model, c = runner.model, runner.model.config
@@ -328,35 +366,37 @@ def torch_pieces(llm, tokens: int, context: int, reps: int) -> list:
     o = torch.randn(tokens, c.num_attention_heads * c.head_dim, generator=g, device=device).to(model.dtype)
     rows = torch.arange(tokens, device=device)
     experts = routed_experts(model, lambda: model.mlp(msa, h))[0]
-    H, elt, io = c.hidden_size, 2, 2 * 2 * tokens * c.hidden_size
+    H, elt, io, wb = c.hidden_size, 2, 2 * 2 * tokens * c.hidden_size, weight_elt(quantization)
     qkv_out = model.layers[msa].qkv.shape[0]
     pieces = {   # name -> (what runs, bytes it must move)
         "projections": (lambda: model._project(model.layers[msa], h, tensors.positions, tensors.slot_mapping,
                                                 runner.caches[msa]),
-                        projection_weight_bytes(c, True) + elt * tokens * (H + qkv_out)),
+                        projection_weight_bytes(c, True, wb) + elt * tokens * (H + qkv_out)),
         "msa_attention": (attention_call(runner, step, [msa]), kv_bytes(c, tokens, context, True)),
         "dense_attention": (attention_call(runner, step, [dense]), kv_bytes(c, tokens, context, False)),
-        "o_proj": (lambda: F.linear(o, model.layers[msa].o_proj),
-                   elt * (H * o.shape[1] + tokens * (o.shape[1] + H))),
-        "moe": (lambda: model.mlp(msa, h), mlp_weight_bytes(c, True, experts) + io),
-        "dense_mlp": (lambda: model.mlp(dense, h), mlp_weight_bytes(c, False, 0) + io),
+        "o_proj": (lambda: linear(o, model.layers[msa].o_proj),
+                   wb * H * o.shape[1] + elt * tokens * (o.shape[1] + H)),
+        "moe": (lambda: model.mlp(msa, h), mlp_weight_bytes(c, True, experts, wb) + io),
+        "dense_mlp": (lambda: model.mlp(dense, h), mlp_weight_bytes(c, False, 0, wb) + io),
         "lm_head": (lambda: model.logits(h, rows), head_bytes(c, tokens)),   # h's rows for the embedding's
     }
     out = []
     for name, (fn, nbytes) in pieces.items():
         us, kernels = measure(fn, device, reps)
-        out.append(dict(piece=name, tokens=tokens, context=context, us=us, kernels=kernels, floor_bytes=nbytes,
-                        **({"experts_touched": experts} if name == "moe" else {})))
+        out.append(dict(piece=name, tokens=tokens, context=context, quantization=quantization, us=us,
+                        kernels=kernels, floor_bytes=nbytes, **({"experts_touched": experts} if name == "moe" else {})))
     return out
 
 
-def torch_context(model_dir, context: int, batches, reps: int, device: str, piece_tokens=()) -> tuple:
+def torch_context(model_dir, context: int, batches, reps: int, device: str, piece_tokens=(),
+                  quantization=None) -> tuple:
     """-> ({batch: row}, pieces) of a torch engine built for ``context`` (closed before returning)."""
     import m3_torch
 
     blocks = -(-context // PAGE_SIZE)
     llm = m3_torch.LLM(model_dir, dtype="bfloat16", device=device, load_format="dummy", max_num_seqs=max(batches),
-                       max_model_len=context, num_gpu_blocks_override=max(batches) * blocks)
+                       max_model_len=context, num_gpu_blocks_override=max(batches) * blocks,
+                       quantization=quantization)
     try:
         runner = llm.runner.rank0
         runner.pool.normal_(generator=torch.Generator(device=runner.device).manual_seed(0))   # random K/V/index-K
@@ -364,8 +404,9 @@ def torch_context(model_dir, context: int, batches, reps: int, device: str, piec
         for batch in batches:
             step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
             rows[batch] = torch_step(llm, step, reps)
-            _print(f"torch batch {batch:3d} context {_tokens(context):>4}", rows[batch])
-        pieces = [p for t in piece_tokens if t <= max(batches) for p in torch_pieces(llm, t, context, reps)]
+            _print(f"torch {_quant(quantization)} batch {batch:3d} context {_tokens(context):>4}", rows[batch])
+        pieces = [p for t in piece_tokens if t <= max(batches)
+                  for p in torch_pieces(llm, t, context, reps, quantization)]
         for p in pieces:
             _print(f"torch piece {p['piece']:15s} tokens {p['tokens']:3d}", p)
         return rows, pieces
@@ -373,16 +414,17 @@ def torch_context(model_dir, context: int, batches, reps: int, device: str, piec
         llm.close()
 
 
-def run_torch(model_dir, runs: dict, reps: int, device: str, piece_context: int, piece_tokens) -> dict:
+def run_torch(model_dir, runs: dict, reps: int, device: str, piece_context: int, piece_tokens,
+              quantization=None) -> dict:
     """Every context of ``runs`` ({context: batches}) in turn, one engine each (in one fresh process on a
     GPU) -> {"rows": {(batch, context): row}, "pieces": [...], "errors": [...]}."""
     out = dict(rows={}, pieces=[], errors=[])
     for context, batches in runs.items():
         try:
             rows, pieces = torch_context(model_dir, context, batches, reps, device,
-                                         piece_tokens if context == piece_context else ())
+                                         piece_tokens if context == piece_context else (), quantization)
         except Exception as e:   # one context failing must not lose the others' numbers
-            out["errors"].append(_error("torch", context, e))
+            out["errors"].append(_error(f"torch {_quant(quantization)}", context, e))
             rows, pieces = {}, []
         _free_torch()   # here, not in the except clause: its traceback holds the failed engine's frames
         out["rows"].update({(batch, context): row for batch, row in rows.items()})
@@ -492,7 +534,7 @@ def fill_jax_pool(runner, seed: int = 0):
         runner.pool = fill(runner.pool, key, i)
 
 
-def jax_context(model_dir, context: int, batches, reps: int, device: str) -> dict:
+def jax_context(model_dir, context: int, batches, reps: int, device: str, quantization=None) -> dict:
     """-> {batch: row} of a JAX engine built for ``context`` (closed before returning)."""
     import jax
 
@@ -501,7 +543,8 @@ def jax_context(model_dir, context: int, batches, reps: int, device: str) -> dic
     blocks = -(-context // PAGE_SIZE)
     platform = jax.devices("gpu" if device == "cuda" else "cpu")[0]
     llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=platform, load_format="dummy", max_num_seqs=max(batches),
-                     max_model_len=context, num_gpu_blocks_override=max(batches) * blocks)
+                     max_model_len=context, num_gpu_blocks_override=max(batches) * blocks,
+                     quantization=quantization)
     rows = {}
     try:
         with jax.default_device(platform):   # the kernels trace their GPU or CPU path from it
@@ -509,22 +552,22 @@ def jax_context(model_dir, context: int, batches, reps: int, device: str) -> dic
             for batch in batches:
                 step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
                 rows[batch] = jax_step(llm, step, reps)
-                _print(f"jax   batch {batch:3d} context {_tokens(context):>4}", rows[batch])
+                _print(f"jax   {_quant(quantization)} batch {batch:3d} context {_tokens(context):>4}", rows[batch])
         return rows
     finally:
         llm.close()
 
 
-def run_jax(model_dir, runs: dict, reps: int, device: str) -> dict:
+def run_jax(model_dir, runs: dict, reps: int, device: str, quantization=None) -> dict:
     """As :func:`run_torch`, for the JAX engine -> {"rows": {(batch, context): row}, "errors": [...]}."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(MEMORY_FRACTION))   # default 0.75: too little
     out = dict(rows={}, errors=[])
     for context, batches in runs.items():
         try:
-            rows = jax_context(model_dir, context, batches, reps, device)
+            rows = jax_context(model_dir, context, batches, reps, device, quantization)
         except Exception as e:   # one context failing must not lose the others' numbers
-            out["errors"].append(_error("jax", context, e))
+            out["errors"].append(_error(f"jax {_quant(quantization)}", context, e))
             rows = {}
         gc.collect()   # here, not in the except clause: its traceback holds the failed engine's frames
         out["rows"].update({(batch, context): row for batch, row in rows.items()})
@@ -548,8 +591,8 @@ def device_info(device: str) -> dict:
 
 def finish_row(row: dict, c: M3TextConfig, bandwidth: float):
     """Floors, shares of the floor and the 60-layer extrapolation of a measured row."""
-    batch, context = row["batch"], row["context"]
-    row["floor_bytes"] = step_floor_bytes(c, batch, context, row.get("experts_touched"))
+    batch, context, quantization = row["batch"], row["context"], row["quantization"]
+    row["floor_bytes"] = step_floor_bytes(c, batch, context, row.get("experts_touched"), quantization)
     row["floor_us"] = row["floor_bytes"] / bandwidth * 1e6
     row["experts_expected"] = expected_experts(batch, c.num_local_experts, c.num_experts_per_tok)
     for name in ("torch_step_us", "jax_step_us", "jax_pipelined_us"):
@@ -559,52 +602,79 @@ def finish_row(row: dict, c: M3TextConfig, bandwidth: float):
         row["torch_tok_s"] = batch / (row["torch_step_us"] * 1e-6)
     if row.get("jax_launches") is not None:
         row["jax_launches_per_layer"] = row["jax_launches"] / c.num_hidden_layers
-    row["floor_60l_tp8_us"] = full_model_floor_bytes(c, batch, context) / bandwidth * 1e6 / FULL_TP
+    row["floor_60l_tp8_us"] = full_model_floor_bytes(c, batch, context, quantization) / bandwidth * 1e6 / FULL_TP
     if "torch_msa_layer_us" in row:
         row["extrap_60l_tp8_us"] = (FULL_DENSE_LAYERS * row["torch_dense_layer_us"] + (
             FULL_LAYERS - FULL_DENSE_LAYERS) * row["torch_msa_layer_us"] + row["torch_rest_us"]) / FULL_TP
 
 
 def run_grid(args, model_dir: Path, runs: dict, device: str, report) -> tuple[list, list, list]:
-    """Each framework's engines, one process per framework (a fresh one on a GPU: each process's allocator
-    keeps its memory) -> (rows, pieces, errors); ``report(rows, pieces, errors)`` after each framework."""
+    """Each framework's engines per weight format (``--quantization``), one process each (a fresh one on a
+    GPU: each process's allocator keeps its memory) -> (rows, pieces, errors); ``report(rows, pieces,
+    errors)`` after each process."""
     child = in_fresh_process if device == "cuda" else (lambda fn, *a: fn(*a))
     runs = {context: batches for context, batches in runs.items() if batches}
     rows, pieces, errors = {}, [], []
     piece_context = args.piece_context if args.piece_context in runs else next(iter(runs), None)
-    for name in args.frameworks:
-        try:
-            if name == "torch":
-                result = child(run_torch, model_dir, runs, args.reps, device, piece_context, args.piece_tokens)
-            else:
-                result = child(run_jax, model_dir, runs, args.reps, device)
-        except Exception as e:   # a process that died: its numbers are lost, not the other framework's
-            errors.append(f"{name}: {type(e).__name__}: {e}")
-            print("  " + errors[-1], flush=True)
-            continue
-        errors += result["errors"]
-        pieces += result.get("pieces", [])
-        for (batch, context), row in result["rows"].items():
-            rows.setdefault((batch, context), dict(batch=batch, context=context)).update(row)
-        report(list(rows.values()), pieces, errors)
+    for quantization in args.quantization:
+        for name in args.frameworks:
+            try:
+                if name == "torch":
+                    result = child(run_torch, model_dir, runs, args.reps, device, piece_context, args.piece_tokens,
+                                   quantization)
+                else:
+                    result = child(run_jax, model_dir, runs, args.reps, device, quantization)
+            except Exception as e:   # a process that died: its numbers are lost, not the other runs'
+                errors.append(f"{name} {_quant(quantization)}: {type(e).__name__}: {e}")
+                print("  " + errors[-1], flush=True)
+                continue
+            errors += result["errors"]
+            pieces += result.get("pieces", [])
+            for (batch, context), row in result["rows"].items():
+                rows.setdefault((batch, context, quantization),
+                                dict(batch=batch, context=context, quantization=quantization)).update(row)
+            report(list(rows.values()), pieces, errors)
     return list(rows.values()), pieces, errors
 
 
 def build_result(command: str, info: dict, c: M3TextConfig, config: dict, skipped: dict, rows: list, pieces: list,
                  errors: list) -> dict:
     """The JSON of a run: the measured rows finished (floors, shares, extrapolation) and the skipped ones."""
-    rows = sorted(rows + [dict(batch=b, context=ctx, skipped=why) for (b, ctx), why in skipped.items()],
-                  key=lambda r: (r["context"], r["batch"]))
+    rows = sorted(rows + [dict(batch=b, context=ctx, quantization=None, skipped=why)
+                          for (b, ctx), why in skipped.items()],
+                  key=lambda r: (r["quantization"] or "", r["context"], r["batch"]))
     for row in rows:
         if "skipped" not in row:
             finish_row(row, c, info["copy_bandwidth"])
     for p in pieces:
         p["floor_us"] = p["floor_bytes"] / info["copy_bandwidth"] * 1e6
         p["pct_floor"] = p["floor_us"] / p["us"]
+    dims = {k: v for k, v in config.items() if k in M3_DIMS}
+    memory = [full_model_memory(dims, q, tp, info["memory"]) for q in (None, "fp8") for tp in (4, 8)] \
+        if info["memory"] is not None else []
     return dict(date=datetime.date.today().isoformat(), device=info["name"], command=command,
                 copy_bandwidth_TBps=info["copy_bandwidth"] / 1e12, config=config, weights_GB=weight_bytes(c) / 1e9,
                 kv_bytes_per_token=kv_bytes_per_request(c, PAGE_SIZE) / PAGE_SIZE, rows=rows, pieces=pieces,
-                errors=errors)
+                fp8_speedups=fp8_speedups(rows), full_model_memory=memory, errors=errors)
+
+
+def fp8_speedups(rows: list) -> list:
+    """Per (batch, context) measured in both weight formats: the FP8 step against the bf16 one, torch and JAX."""
+    by = {(r["batch"], r["context"], r["quantization"]): r for r in rows if "skipped" not in r}
+    out = []
+    for (batch, context, quantization), fp8 in by.items():
+        bf16 = by.get((batch, context, None))
+        if quantization != "fp8" or bf16 is None:
+            continue
+        row = dict(batch=batch, context=context)
+        for name in ("torch_step_us", "jax_step_us", "jax_pipelined_us", "extrap_60l_tp8_us"):
+            if bf16.get(name) and fp8.get(name):
+                row[name.replace("_us", "_speedup")] = bf16[name] / fp8[name]
+        for q, r in (("bf16", bf16), ("fp8", fp8)):
+            if r.get("torch_step_us") and r.get("jax_step_us"):
+                row[f"jax_over_torch_{q}"] = r["jax_step_us"] / r["torch_step_us"]
+        out.append(row)
+    return out
 
 
 def write_result(out_dir, result: dict, final: bool):
@@ -629,11 +699,15 @@ def parse_args(argv):
     ap.add_argument("--piece-context", type=int, default=PIECE_CONTEXT, help="the pieces' attention context "
                     "(one of --contexts; else the first)")
     ap.add_argument("--frameworks", type=lambda s: s.split(","), default=["torch", "jax"])
+    ap.add_argument("--quantization", type=lambda s: [None if q == "none" else q for q in s.split(",")],
+                    default=[None], help="weight formats, each run in turn: none (bf16) and/or fp8 (default none)")
     ap.add_argument("--reps", type=int, default=None, help="timed replays / calls per number (default 10)")
     ap.add_argument("--tiny", action="store_true", help="the tiny test config on the CPU (checks the script)")
     args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error("--layers: at least 2 (one dense, one MSA + MoE layer)")
+    if not set(args.quantization) <= {None, "fp8"}:
+        ap.error(f"--quantization: expected none and/or fp8, got {','.join(q or 'none' for q in args.quantization)}")
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("benchmarks.model_step: needs a GPU (use --tiny to check the script on the CPU)")
     defaults = (TINY_BATCHES, TINY_CONTEXTS, TINY_PIECE_TOKENS, 1) if args.tiny else (
@@ -647,13 +721,15 @@ def parse_args(argv):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    dims, device = ({}, "cpu") if args.tiny else (M3_DIMS, "cuda")
+    # --tiny: the tiny test config whose quantized weights are whole 128 x 128 blocks (FP8's unit)
+    dims, device = ({k: v for k, v in tiny_fp8_config().items() if k != "num_hidden_layers"}, "cpu") \
+        if args.tiny else (M3_DIMS, "cuda")
     text = text_config(dims, args.layers, max(args.contexts))
     c = M3TextConfig.from_dict(text)
     info = in_fresh_process(device_info, device) if device == "cuda" else device_info(device)
     runs, skipped = plan_grid(c, args.batches, args.contexts, info["memory"])
     command = "python3 -m benchmarks.model_step " + " ".join(sys.argv[1:] if argv is None else argv)
-    config = dict(shapes="MiniMax-M3" if dims else "tiny test config", layers=args.layers, **dims)
+    config = dict(shapes="tiny test config" if args.tiny else "MiniMax-M3", layers=args.layers, **dims)
 
     def report(rows, pieces, errors, final=False):
         result = build_result(command, info, c, config, skipped, rows, pieces, errors)
@@ -681,35 +757,65 @@ def markdown(r: dict) -> str:
              "run, KV and index-K with top-16 selection) / copy bandwidth. Experts: expected / the torch router's distinct choices per MoE layer. 60L TP8: "
              "EXTRAPOLATION, (3 dense + 57 MSA layer times + rest) / 8, ideal 8-way split, no all-reduces; "
              "its floor likewise.", "",
-             "| batch | context | torch step | kernels (dense / MSA layer) | torch % floor | JAX step | JAX "
+             "| weights | batch | context | torch step | kernels (dense / MSA layer) | torch % floor | JAX step | JAX "
              "pipelined | JAX launches (per layer) | JAX % floor | floor | experts | 60L TP8 extrap. (floor) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in r["rows"]:
         if "skipped" in row:
-            lines.append(f"| {row['batch']} | {_tokens(row['context'])} | {row['skipped']} |" + " |" * 9)
+            lines.append(f"| {_quant(row['quantization'])} | {row['batch']} | {_tokens(row['context'])} | "
+                         f"{row['skipped']} |" + " |" * 9)
             continue
         kernels = (f"{_num(row.get('torch_kernels'))} ({_num(row.get('torch_dense_layer_kernels'))} / "
                    f"{_num(row.get('torch_msa_layer_kernels'))})")
         launches = f"{_num(row.get('jax_launches'))} ({_num(row.get('jax_launches_per_layer'))})"
         experts = f"{row['experts_expected']:.0f} / " + ", ".join(map(str, row.get("experts_touched", ["-"])))
         extrap = f"{_num(row.get('extrap_60l_tp8_us'))} ({_num(row.get('floor_60l_tp8_us'))})"
-        lines.append(f"| {row['batch']} | {_tokens(row['context'])} | {_num(row.get('torch_step_us'))} | {kernels} | "
+        lines.append(f"| {_quant(row['quantization'])} | {row['batch']} | {_tokens(row['context'])} | "
+                     f"{_num(row.get('torch_step_us'))} | {kernels} | "
                      f"{_pct(row.get('torch_step_pct_floor'))} | {_num(row.get('jax_step_us'))} | "
                      f"{_num(row.get('jax_pipelined_us'))} | {launches} | {_pct(row.get('jax_step_pct_floor'))} | "
                      f"{_num(row['floor_us'])} | {experts} | {extrap} |")
     if r["pieces"]:
         lines += ["", "Pieces (torch, each in its own CUDA graph; MSA layer unless named; attention at "
                   f"{_tokens(r['pieces'][0]['context'])}; MoE floor with the experts its router chose):", "",
-                  "| piece | tokens | us | kernels | floor us | % floor |", "| --- | --- | --- | --- | --- | --- |"]
+                  "| weights | piece | tokens | us | kernels | floor us | % floor |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for p in r["pieces"]:
-            lines.append(f"| {p['piece']} | {p['tokens']} | {_num(p['us'])} | {_num(p['kernels'])} | "
-                         f"{_num(p['floor_us'])} | {_pct(p['pct_floor'])} |")
+            lines.append(f"| {_quant(p['quantization'])} | {p['piece']} | {p['tokens']} | {_num(p['us'])} | "
+                         f"{_num(p['kernels'])} | {_num(p['floor_us'])} | {_pct(p['pct_floor'])} |")
+    if r["fp8_speedups"]:
+        lines += ["", "FP8 weights against bf16 (the same batch and context; speedup = bf16 time / FP8 time; "
+                  "JAX / torch = the blocking JAX step over the torch step, per weight format):", "",
+                  "| batch | context | torch | JAX blocking | JAX pipelined | 60L TP8 extrap. | JAX / torch bf16 | "
+                  "JAX / torch FP8 |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for s in r["fp8_speedups"]:
+            lines.append(f"| {s['batch']} | {_tokens(s['context'])} | {_x(s.get('torch_step_speedup'))} | "
+                         f"{_x(s.get('jax_step_speedup'))} | {_x(s.get('jax_pipelined_speedup'))} | "
+                         f"{_x(s.get('extrap_60l_tp8_speedup'))} | {_x(s.get('jax_over_torch_bf16'))} | "
+                         f"{_x(s.get('jax_over_torch_fp8'))} |")
+    if r["full_model_memory"]:
+        lines += ["", "M3's 60 layers at these dimensions (3 dense + 57 MSA/MoE; ARITHMETIC, not measured): weights "
+                  "per GPU split ideally over the GPUs, and the KV room that 90% of this GPU's memory leaves "
+                  "(tokens of context over all GPUs, K/V/index-K of every layer in bf16):", "",
+                  "| weights | GPUs | parameters | weights / GPU | KV room / GPU | KV tokens |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for m in r["full_model_memory"]:
+            lines.append(f"| {m['quantization']} | {m['tp']} | {m['params_B']:.0f} B | {m['weights_per_gpu_GB']:.1f} GB "
+                         f"| {m['kv_room_per_gpu_GB']:.1f} GB | {m['kv_tokens'] / 1e6:.2f} M |")
     if r["errors"]:
         lines += ["", "Errors:", *[f"- {e}" for e in r["errors"]]]
     return "\n".join(lines) + "\n"
 
 
 # -- helpers -----------------------------------------------------------------------------------------
+
+def _quant(quantization) -> str:
+    return quantization or "bf16"
+
+
+def _x(ratio) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
 
 def _ints(text: str) -> list:
     return [int(x) for x in text.split(",") if x.strip()]

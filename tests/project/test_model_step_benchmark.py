@@ -24,14 +24,20 @@ PIECES = {"projections", "msa_attention", "dense_attention", "o_proj", "moe", "d
 @pytest.mark.long   # ~40 s of interpreted model steps: not in `make test`
 def test_tiny_run_writes_every_field(tmp_path):
     result = model_step.main(["--tiny", "--layers", "2", "--batches", "1", "--contexts", "128", "--piece-tokens", "1",
-                              "--out", str(tmp_path)])
+                              "--quantization", "none,fp8", "--out", str(tmp_path)])
     [json_file] = tmp_path.glob("*-cpu-model-step.json")
     saved = json.loads(json_file.read_text())
     assert saved == json.loads(json.dumps(result))
     assert saved["errors"] == [] and saved["copy_bandwidth_TBps"] > 0 and "--tiny" in saved["command"]
-    [row] = saved["rows"]
-    assert ROW_FIELDS <= row.keys() and row["jax_launches"] > 0 and row["floor_us"] > 0
-    assert {p["piece"] for p in saved["pieces"]} == PIECES
+    bf16, fp8 = saved["rows"]
+    assert (bf16["quantization"], fp8["quantization"]) == (None, "fp8")
+    for row in (bf16, fp8):
+        assert ROW_FIELDS <= row.keys() and row["jax_launches"] > 0 and row["floor_us"] > 0
+    assert fp8["floor_bytes"] < bf16["floor_bytes"]
+    [speedup] = saved["fp8_speedups"]
+    assert speedup["torch_step_speedup"] > 0 and speedup["jax_over_torch_fp8"] > 0
+    assert {p["piece"] for p in saved["pieces"] if p["quantization"] is None} == PIECES
+    assert {p["piece"] for p in saved["pieces"] if p["quantization"] == "fp8"} == PIECES
     assert all(p["us"] > 0 and p["floor_bytes"] > 0 for p in saved["pieces"])
     md = json_file.with_suffix(".md").read_text()
     assert "| 1 | 128 |" in md and "EXTRAPOLATION" in md and "| moe | 1 |" in md
@@ -46,6 +52,22 @@ def test_the_floor_and_the_grid():
     # batch 1 at 4k reads about the weights once: all but the untouched experts, plus a little KV
     weights = model_step.weight_bytes(c) - 3 * (128 - 4) * 2 * 3 * 3072 * 6144 - 2 * 200063 * 6144
     assert weights < model_step.step_floor_bytes(c, 1, 4096) < 1.01 * weights
+    # FP8: the quantized weights at a byte (+ scales); embeddings, lm_head, router and norms stay bf16
+    head = 2 * 200064 * 6144   # lm_head (the one embedding row read is in the slack)
+    fp8 = model_step.step_floor_bytes(c, 1, 4096, quantization="fp8")
+    assert 0.5 * (weights - head) + head < fp8 < 0.51 * (weights - head) + head + 0.01 * weights
+    embed_and_head = 2 * 2 * 200064 * 6144
+    assert model_step.weight_bytes(c, "fp8") < 0.501 * (model_step.weight_bytes(c) - embed_and_head) + embed_and_head
+
+
+def test_full_model_memory():
+    """M3 at its dimensions (~440 B parameters): FP8 on 4 GPUs holds what bf16 needs 8 for."""
+    h200 = 143771 << 20
+    bf16_tp8, fp8_tp4 = (model_step.full_model_memory(model_step.M3_DIMS, q, tp, h200)
+                         for q, tp in ((None, 8), ("fp8", 4)))
+    assert 400 < bf16_tp8["params_B"] < 460 and bf16_tp8["params_B"] == fp8_tp4["params_B"]
+    assert 100 < bf16_tp8["weights_per_gpu_GB"] < 115 and 100 < fp8_tp4["weights_per_gpu_GB"] < 115
+    assert fp8_tp4["kv_room_per_gpu_GB"] > 0 and fp8_tp4["kv_tokens"] > 0
 
 
 HLO = """HloModule m, entry_computation_layout={(f32[2]{0})->f32[2]{0}}
