@@ -145,7 +145,8 @@ def attention_us(llm, step: Step, reps: int) -> float:
 
 def run_torch(model_dir, context, batches, reps, device) -> dict:
     blocks = -(-context // PAGE_SIZE)
-    llm = m3_torch.LLM(model_dir, dtype="bfloat16", device=device, max_num_seqs=max(batches), max_model_len=context,
+    llm = m3_torch.LLM(model_dir, precompile=False,
+                       dtype="bfloat16", device=device, max_num_seqs=max(batches), max_model_len=context,
                        num_gpu_blocks_override=max(batches) * blocks)
     llm.runner.pool.normal_(generator=torch.Generator(device=llm.runner.device).manual_seed(0))
     out = {}
@@ -176,7 +177,8 @@ def run_jax(model_dir, context, batches, reps, device, launch="legacy") -> dict:
     _triton_call.LAUNCH_TARGET = _triton_call.LAUNCH_TARGETS[launch]   # this process's kernels' custom call
 
     blocks = -(-context // PAGE_SIZE)
-    llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=device, max_num_seqs=max(batches), max_model_len=context,
+    llm = m3_jax.LLM(model_dir, precompile=False,
+                     dtype="bfloat16", device=device, max_num_seqs=max(batches), max_model_len=context,
                      num_gpu_blocks_override=max(batches) * blocks)
     planner = llm.planner   # the engine's graph batch sizes
     out = {}
@@ -211,7 +213,8 @@ def run_torch_tp(model_dir, tp: int, context: int, batches, reps: int, device) -
 
     blocks = -(-context // PAGE_SIZE)
     out = {}
-    with m3_torch.LLM(model_dir, dtype="bfloat16", device=device, max_num_seqs=max(batches), max_model_len=context,
+    with m3_torch.LLM(model_dir, precompile=False,
+                      dtype="bfloat16", device=device, max_num_seqs=max(batches), max_model_len=context,
                       num_gpu_blocks_override=max(batches) * blocks, tensor_parallel_size=tp) as llm:
         llm.runner.collective_rpc(e2e_ranks.fill_pool)
         for batch in batches:
@@ -244,7 +247,8 @@ def run_jax_tp(model_dir, tp: int, context: int, batches, reps: int, device) -> 
 
     blocks = -(-context // PAGE_SIZE)
     platform = "gpu" if device == "cuda" else "cpu"
-    llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=platform if tp > 1 else jax.devices(platform)[0],
+    llm = m3_jax.LLM(model_dir, precompile=False,
+                     dtype="bfloat16", device=platform if tp > 1 else jax.devices(platform)[0],
                      max_num_seqs=max(batches), max_model_len=context, num_gpu_blocks_override=max(batches) * blocks,
                      tensor_parallel_size=tp)
     c = llm.config

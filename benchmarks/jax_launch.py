@@ -172,7 +172,8 @@ def child(name: str, args) -> dict:
     payloads = lib.zlib = _Payloads(lib.zlib)
     model = write_config(Path(tempfile.mkdtemp()) / "model", text_config(M3_DIMS, args.layers, args.context + 1024))
     gpu = jax.devices("gpu")[0]
-    llm = m3_jax.LLM(str(model), dtype="bfloat16", device=gpu, load_format="dummy", max_num_seqs=max(args.batches),
+    llm = m3_jax.LLM(str(model), precompile=False,
+                     dtype="bfloat16", device=gpu, load_format="dummy", max_num_seqs=max(args.batches),
                      max_model_len=args.context + 1024, num_gpu_blocks_override=max(args.batches) * (args.context // 128 + 8))
     trace = Path(args.out, f"trace-{name}") if args.trace else None
     try:

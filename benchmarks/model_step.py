@@ -394,7 +394,8 @@ def torch_context(model_dir, context: int, batches, reps: int, device: str, piec
     import m3_torch
 
     blocks = -(-context // PAGE_SIZE)
-    llm = m3_torch.LLM(model_dir, dtype="bfloat16", device=device, load_format="dummy", max_num_seqs=max(batches),
+    llm = m3_torch.LLM(model_dir, precompile=False,
+                       dtype="bfloat16", device=device, load_format="dummy", max_num_seqs=max(batches),
                        max_model_len=context, num_gpu_blocks_override=max(batches) * blocks,
                        quantization=quantization)
     try:
@@ -542,7 +543,8 @@ def jax_context(model_dir, context: int, batches, reps: int, device: str, quanti
 
     blocks = -(-context // PAGE_SIZE)
     platform = jax.devices("gpu" if device == "cuda" else "cpu")[0]
-    llm = m3_jax.LLM(model_dir, dtype="bfloat16", device=platform, load_format="dummy", max_num_seqs=max(batches),
+    llm = m3_jax.LLM(model_dir, precompile=False,
+                     dtype="bfloat16", device=platform, load_format="dummy", max_num_seqs=max(batches),
                      max_model_len=context, num_gpu_blocks_override=max(batches) * blocks,
                      quantization=quantization)
     rows = {}

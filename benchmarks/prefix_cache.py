@@ -49,7 +49,8 @@ def _engine(framework: str, model_dir, *, caching: bool, max_model_len: int, max
         import m3_torch as fw
     else:
         import m3_jax as fw
-    return fw.LLM(model_dir, dtype="bfloat16", device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+    return fw.LLM(model_dir, precompile=False,
+                  dtype="bfloat16", device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                   max_num_batched_tokens=min(8192, max_model_len), enable_prefix_caching=caching)
 
 

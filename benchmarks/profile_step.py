@@ -29,7 +29,7 @@ def main(argv=None):
     blocks = -(-args.context // e2e.PAGE_SIZE)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = e2e.write_model(Path(tmp) / "model", e2e.M3_SHAPES, args.context)
-        llm = m3_torch.LLM(model_dir, dtype="bfloat16", device="cuda", max_num_seqs=max(batches),
+        llm = m3_torch.LLM(model_dir, precompile=False, dtype="bfloat16", device="cuda", max_num_seqs=max(batches),
                            max_model_len=args.context, num_gpu_blocks_override=max(batches) * blocks)
     for batch in batches:
         step = e2e.decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, args.context, seed=batch)

@@ -137,7 +137,7 @@ def run_framework(framework: str, model_dir: str, args: dict) -> dict:
     k, batch, new, reps = args["k"], args["batch"], args["new_tokens"], args["reps"]
     greedy = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
     options = dict(dtype=args["dtype"], max_num_seqs=batch, max_model_len=args["prompt_len"] + new + 16,
-                   load_format="dummy", seed=0, device=args["device"])
+                   load_format="dummy", seed=0, device=args["device"], precompile=False)
     rows = []
     with LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **options) as llm:
         source = DraftSource(llm.config.vocab_size)
