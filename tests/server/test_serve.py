@@ -831,6 +831,17 @@ def test_fake_prefix_cache_usage(fake_server):
     assert after["m3_kv_cache_evictable_blocks"] >= 1 and after["m3_kv_cache_cached_blocks"] >= 1
 
 
+def test_fake_generation_tokens_counted_when_answered(fake_server):
+    """``m3_generation_tokens_total`` holds an answer's tokens by the time the client has it, the last
+    step's included, whatever that step brought (1 token, then one per choice)."""
+    client = fake_server.client()
+    for n in (1, 3):
+        before = wait_idle(fake_server.port, timeout=10)
+        out = client.completions.create(model=MODEL, prompt="a", max_tokens=4, n=n, extra_body={"ignore_eos": True})
+        generated = metrics(fake_server.port)["m3_generation_tokens_total"] - before["m3_generation_tokens_total"]
+        assert generated == out.usage.completion_tokens == 4 * n
+
+
 def test_fake_context_limit_alias_version_ping_and_vllm_metrics(fake_server):
     """vLLM's rules: prompt + max_tokens never exceed max_model_len (a 400 naming the numbers; left
     out, max_tokens fills the context exactly); the response names the model alias the request
