@@ -211,8 +211,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, ParentRequest] = {}   # request id -> unfinished request
         self._children: dict[str, RequestState] = {}   # engine request id -> its unfinished completion
-        # tokens that reached a request (a token the core made after a stop string ended its request
-        # is dropped, not counted): what a server reports as generated
+        # tokens that reached a request (the tokens the core made after a stop string ended its
+        # request, in that step or later, are dropped, not counted): what a server reports as generated
         self.num_generation_tokens = 0
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_ids: list, params: SamplingParams, *,
@@ -256,9 +256,10 @@ class OutputProcessor:
             child = self._children.get(out.request_id)
             if child is None:
                 continue
-            self.num_generation_tokens += len(out.new_token_ids)
+            had = len(child.token_ids)
             if child.apply(out, now):
                 stopped.append(out.request_id)
+            self.num_generation_tokens += len(child.token_ids) - had
             if child.finished:
                 del self._children[out.request_id]
             moved[child.parent.request_id] = child.parent

@@ -24,8 +24,8 @@ token ids, a list of token-id lists: ``n`` choices per prompt), ``messages``,
 vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
 ``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``return_token_ids`` (each choice / chunk gets ``token_ids``, and
-``prompt_token_ids``), ``structured_outputs`` (chat and completions),
-``add_generation_prompt`` (chat). Tools, tool choice, constrained output and the
+``prompt_token_ids``), ``prompt_logprobs``, ``structured_outputs`` (chat and
+completions), ``add_generation_prompt`` (chat). Tools, tool choice, constrained output and the
 reasoning split: ``m3_engine.server.chat`` (a constraint goes to the engine process
 as the requests' ``SamplingParams.structured_outputs``).
 Unknown fields are ignored; fields this engine cannot honour (``logit_bias``,
@@ -55,9 +55,19 @@ Semantics worth knowing:
   parsers set) unless ``include_stop_str_in_output``, as vLLM's (``m3_engine.output_processor``).
   A stop string ends its request in the engine process too (the engine sees no text).
 * ``echo`` (completions) puts the prompt text before the completion; with
-  ``logprobs`` it is a 400 (the engine computes no prompt logprobs). In chat,
-  ``echo`` puts the last message's content first when that message is the
-  assistant's (vLLM's rule).
+  ``logprobs`` the echoed prompt's tokens come first in ``logprobs`` too (the
+  first with None logprobs; streamed, in a choice's first chunk; ``text_offset``
+  where each token's text begins in the returned text), as OpenAI's legacy API
+  did. In chat, ``echo`` puts the last message's content first when that
+  message is the assistant's (vLLM's rule).
+* ``prompt_logprobs`` N (vLLM's): each completions choice, and a chat answer at
+  its top level, gets ``prompt_logprobs``: None for the first prompt token, then
+  per prompt token ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` of
+  the prompt's token (first) and the N most likely ones
+  (``SamplingParams.prompt_logprobs``; such a request does not use the prefix
+  cache). N is at most 20; -1 (vLLM's whole vocabulary) is a 400 unless the
+  vocabulary has at most 20 tokens. A stream carries none: with ``stream`` only
+  0 is accepted (and nothing is computed), as vLLM's.
 * Sampling defaults a request leaves out come from the model's
   ``generation_config.json``; the server passes on only the fields a request
   sets and the engine fills the others, as for ``LLM.generate`` (an explicit
@@ -104,8 +114,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import MAX_LOGPROBS, SamplingParams
 from ..structured_outputs import StructuredOutputsParams
+from ..tokenizer import IncrementalDetokenizer
 from .chat import ChatFeatures, ChoiceOutput, merge_deltas, structured_outputs, tool_choice
 from .engine_client import EngineClient, Sink
 from .metrics import render_metrics
@@ -181,6 +192,18 @@ class _Server:
         if self.tokenizer is None:
             raise bad(f"{param}: this model has no tokenizer.json; send token ids", param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def text_offsets(self, ids: list) -> list:
+        """Where each token's text begins in the text of ``ids`` (as ``echo`` shows a prompt: special
+        tokens left out; all 0 without a tokenizer, whose echo is empty)."""
+        if self.tokenizer is None:
+            return [0] * len(ids)
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        offsets = []
+        for token in ids:
+            offsets.append(len(detokenizer.text))
+            detokenizer.add([token])
+        return offsets
 
 
 def create_app(client: EngineClient, *, served_model_name=None, api_key: Optional[str] = None,
@@ -420,12 +443,13 @@ def _check_unsupported(body: BaseModel, fields: dict) -> None:
 
 
 def _sampling_params(server: "_Server", body: GenerationRequest, *, max_tokens: int, logprobs: Optional[int],
-                     rename: dict, constraint: Optional[StructuredOutputsParams] = None,
+                     prompt_logprobs: Optional[int], rename: dict,
+                     constraint: Optional[StructuredOutputsParams] = None,
                      skip_special_tokens: Optional[bool] = None) -> SamplingParams:
     """The request's ``SamplingParams`` (``n`` choices), with only the fields it sets (the engine
     gives the others the model's ``generation_config.json`` values, as for ``LLM.generate``)."""
     kwargs = dict(n=1 if body.n is None else body.n, max_tokens=max_tokens, logprobs=logprobs,
-                  ignore_eos=body.ignore_eos,
+                  prompt_logprobs=prompt_logprobs, ignore_eos=body.ignore_eos,
                   include_stop_str_in_output=body.include_stop_str_in_output,
                   skip_special_tokens=body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
                   structured_outputs=constraint)
@@ -454,6 +478,40 @@ def _stream_flags(body: GenerationRequest) -> bool:
     return bool(body.stream and body.stream_options is not None and body.stream_options.include_usage)
 
 
+def _prompt_logprobs(server: "_Server", body: GenerationRequest) -> Optional[int]:
+    """The top-N of the ``prompt_logprobs`` the answer carries (vLLM's rules): an int >= 0, or -1 for
+    the whole vocabulary (a 400 when that is more than ``MAX_LOGPROBS``); a stream carries none, so
+    a streamed request may ask only 0 (accepted, None: nothing is computed)."""
+    n = body.prompt_logprobs
+    if n is None:
+        return None
+    if n < -1:
+        raise bad(f"prompt_logprobs: expected an int >= 0, or -1 for the whole vocabulary, got {n}",
+                  "prompt_logprobs")
+    if body.stream:
+        if n != 0:
+            raise bad(f"prompt_logprobs: not available with stream=true (a streamed chunk has no field for them), "
+                      f"got {n}", "prompt_logprobs")
+        return None
+    if n == -1 and server.vocab_size > MAX_LOGPROBS:
+        raise bad(f"prompt_logprobs: -1 asks for the whole vocabulary ({server.vocab_size} tokens) at each prompt "
+                  f"token; this server returns at most {MAX_LOGPROBS}", "prompt_logprobs")
+    return server.vocab_size if n == -1 else n
+
+
+def _prompt_logprobs_json(server: "_Server", prompt_ids: list, entries: list, n: int) -> list:
+    """vLLM's ``prompt_logprobs`` of a prompt: None for its first token, then per token
+    ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` of the prompt's token (first) and the
+    ``n`` most likely ones."""
+    out = [None]
+    for token, entry in zip(prompt_ids[1:], entries[1:]):
+        kept = [(token, entry[token])] + sorted(((t, lp) for t, lp in entry.items() if t != token and lp.rank <= n),
+                                                key=lambda kv: kv[1].rank)
+        out.append({str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                    for t, lp in kept})
+    return out
+
+
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
@@ -474,18 +532,28 @@ def _usage(outputs: list) -> dict:
 
 def _completion_logprobs(server: _Server, token_ids: list, logprobs: list, n: int, offset: int) -> dict:
     """OpenAI's completions logprobs of these tokens: ``tokens``, ``token_logprobs``,
-    ``top_logprobs`` (the top ``n`` and the sampled token), ``text_offset`` (from ``offset``)."""
+    ``top_logprobs`` (the top ``n`` and the token itself), ``text_offset`` (from ``offset``). A
+    None entry (an echoed prompt's first token) has None logprobs."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(token_ids, logprobs):
         text = server.token_text(token)
         out["tokens"].append(text)
-        out["token_logprobs"].append(_finite(entry[token].logprob))
-        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0))
-        out["top_logprobs"].append({server.token_text(t): _finite(lp.logprob) for t, lp in ranked
-                                    if (lp.rank is not None and lp.rank <= n) or t == token})
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            out["token_logprobs"].append(_finite(entry[token].logprob))
+            ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0))
+            out["top_logprobs"].append({server.token_text(t): _finite(lp.logprob) for t, lp in ranked
+                                        if (lp.rank is not None and lp.rank <= n) or t == token})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
+
+
+def _joined(first: dict, then: dict) -> dict:
+    """Two completions logprobs one after the other."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def _chat_logprobs(server: _Server, token_ids: list, logprobs: list, n: int) -> list:
@@ -547,17 +615,21 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
     arrival = time.time()
     model = server.model_name(body.model)
     _check_unsupported(body, {"best_of": lambda v: v == 1, "suffix": lambda v: v == "",
-                              "logit_bias": lambda v: not v, "prompt_logprobs": lambda v: False})
+                              "logit_bias": lambda v: not v})
     include_usage = _stream_flags(body)
-    if body.echo and body.logprobs is not None:
-        raise bad("echo with logprobs: not supported (this engine computes no prompt logprobs)", "echo")
+    n_prompt_logprobs = _prompt_logprobs(server, body)
+    n_logprobs = body.logprobs
+    echo_logprobs = bool(body.echo) and n_logprobs is not None   # the echoed prompt's tokens get logprobs too
+    computed = n_prompt_logprobs   # the top-N of the prompt logprobs the engine computes: enough for both uses
+    if echo_logprobs:
+        computed = max(n_logprobs, n_prompt_logprobs or 0)
     constraint = structured_outputs(body.response_format, body.structured_outputs)
     prompts = _completion_prompts(server, body.prompt)
     base = f"cmpl-{uuid.uuid4().hex}"
     items, echo = [], []   # one per prompt, with its n choices: prompt 0's, then prompt 1's, ... (vLLM's order)
     for text, ids in prompts:
         params = _sampling_params(server, body, max_tokens=server.max_tokens(body.max_tokens, len(ids), "max_tokens"),
-                                  logprobs=body.logprobs, rename={}, constraint=constraint)
+                                  logprobs=n_logprobs, prompt_logprobs=computed, rename={}, constraint=constraint)
         shown = ((text if text is not None else (server.tokenizer.decode(ids) if server.tokenizer else ""))
                  if body.echo else "")
         items.append((f"{base}-{len(items)}", {"prompt_token_ids": ids, "prompt": text}, params))
@@ -566,7 +638,13 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
     job = _Job(server, [r for r, _, _ in items])
     await job.start(items, arrival)
     created = int(arrival)
-    n_logprobs = body.logprobs
+
+    def echoed_logprobs(out) -> dict:
+        """The completions logprobs of the echoed prompt (None for its first token); ``text_offset``:
+        where each token's text begins in the echoed text."""
+        logprobs = _completion_logprobs(server, out.prompt_token_ids, out.prompt_logprobs, n_logprobs, 0)
+        logprobs["text_offset"] = server.text_offsets(out.prompt_token_ids)
+        return logprobs
 
     def choice_extras(out, c, sent: int) -> dict:
         extra = {}
@@ -585,11 +663,17 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
         for k, out in enumerate(outs):
             for c in out.outputs:
                 i = k * n + c.index
-                logprobs = None if n_logprobs is None else \
-                    _completion_logprobs(server, c.token_ids, c.logprobs, n_logprobs, len(echo[i]))
-                choices.append({"index": i, "text": echo[i] + c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                **choice_extras(out, c, 0)})
+                logprobs = None
+                if n_logprobs is not None:
+                    logprobs = _completion_logprobs(server, c.token_ids, c.logprobs, n_logprobs, len(echo[i]))
+                    if echo_logprobs:
+                        logprobs = _joined(echoed_logprobs(out), logprobs)
+                choice = {"index": i, "text": echo[i] + c.text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, **choice_extras(out, c, 0)}
+                if n_prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(server, out.prompt_token_ids,
+                                                                      out.prompt_logprobs, n_prompt_logprobs)
+                choices.append(choice)
         return {"id": base, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": _usage(outs)}
 
@@ -597,7 +681,7 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
         sent_text = [0] * len(echo)
         sent_tokens = [0] * len(echo)
         offsets = [len(e) for e in echo]
-        ended = set()   # the choices whose last chunk went out
+        started, ended = set(), set()   # the choices whose first / last chunk went out
         while not job.done:
             for out, c in _moved_choices(await job.updates()):
                 i = job.index[out.request_id] * n + c.index
@@ -606,13 +690,19 @@ async def _completions(server: _Server, body: CompletionRequest, request: Reques
                 finished = c.finish_reason is not None
                 if i in ended or (not new_tokens and not delta and not finished):
                     continue
-                if sent_tokens[i] == 0 and echo[i]:
+                first = i not in started
+                if first and echo_logprobs and out.prompt_logprobs is None:
+                    continue   # the prompt's logprobs come with its first completion's first token
+                started.add(i)
+                if first:
                     delta = echo[i] + delta
                 logprobs = None
                 if n_logprobs is not None:
                     logprobs = _completion_logprobs(server, new_tokens, c.logprobs[sent_tokens[i]:],
                                                     n_logprobs, offsets[i])
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                    if first and echo_logprobs:
+                        logprobs = _joined(echoed_logprobs(out), logprobs)
                 choice = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
                           **choice_extras(out, c, sent_tokens[i])}
                 if finished:
@@ -637,8 +727,9 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
     arrival = time.time()
     model = server.model_name(body.model)
     _check_unsupported(body, {"logit_bias": lambda v: not v, "functions": lambda v: not v,
-                              "function_call": lambda v: v == "none", "prompt_logprobs": lambda v: False})
+                              "function_call": lambda v: v == "none"})
     include_usage = _stream_flags(body)
+    n_prompt_logprobs = _prompt_logprobs(server, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad("top_logprobs: needs logprobs=true", "top_logprobs")
     n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -650,7 +741,8 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     rename = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
     params = _sampling_params(server, body, max_tokens=server.max_tokens(requested, len(ids), max_tokens_param),
-                              logprobs=n_logprobs, rename=rename, constraint=constraint,
+                              logprobs=n_logprobs, prompt_logprobs=n_prompt_logprobs, rename=rename,
+                              constraint=constraint,
                               skip_special_tokens=False if ChoiceOutput.parses_text(tools, server.features) else None)
     readers = [ChoiceOutput(tools, server.features, text) for _ in range(params.n)]   # one per choice
     echo = ""
@@ -681,6 +773,9 @@ async def _chat(server: _Server, body: ChatCompletionRequest, request: Request):
             choices.append(choice)
         response = {"id": base, "object": "chat.completion", "created": created, "model": model,
                     "choices": choices, "usage": _usage([out])}
+        if n_prompt_logprobs is not None:
+            response["prompt_logprobs"] = _prompt_logprobs_json(server, out.prompt_token_ids, out.prompt_logprobs,
+                                                                n_prompt_logprobs)
         if body.return_token_ids:
             response["prompt_token_ids"] = out.prompt_token_ids
         return response

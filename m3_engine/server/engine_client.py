@@ -206,7 +206,6 @@ class EngineClient:
                 return
 
     def _handle(self, message: EngineOutputs, now: float) -> None:
-        self._publish(message.stats)
         for group in message.added:
             sink, _ = self._groups.pop(group)
             sink.push("added")
@@ -226,6 +225,7 @@ class EngineClient:
         elif message.stepped:
             self.failed_steps = 0
         outputs, stopped = self.processor.process(message.outputs, now)
+        self._publish(message.stats)   # after process(): the counts hold this message's tokens
         if stopped:   # a stop string ended them: the core does not know
             self.process.send(AbortRequests(stopped, "stop"))
         for out in outputs:

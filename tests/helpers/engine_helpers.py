@@ -31,13 +31,20 @@ def say(text: str) -> str:
     return f"{SAY}{text}{END_SAY}"
 
 
+def fake_prompt_logprob(rank):
+    """:class:`FakeRunner`'s logprob of the prompt token of this rank."""
+    return -0.25 * rank
+
+
 class FakeRunner(SynchronousRunner):
     """Instant steps: token = 3 + (seed + 7 * index) % (vocab - 3). A row under a structured-outputs
     token bitmask takes the allowed token number (seed + 7 * index) % (how many are allowed) instead
     (a walk through the grammar, as random weights would take). A request whose prompt holds
     ``say(text)`` answers ``text``'s tokens (``tokenizer.encode(text, add_special_tokens=False)``),
     then eos, whatever the bitmask. The sampled token's logprob is -temperature (so a test sees the
-    temperature that reached the runner). A row seeded ``FAIL_SEED + k`` makes the step sampling its
+    temperature that reached the runner). A prompt token t asked for its logprobs with top-N ranks
+    N + 1 with logprob -0.25 (N + 1), after the N ids that follow it (t + 1, t + 2, ... mod vocab) with
+    -0.25, -0.5, ... (:func:`fake_prompt_logprob`). A row seeded ``FAIL_SEED + k`` makes the step sampling its
     token ``k`` raise. Runs in the engine process of ``m3-serve``: tests steer it through requests
     only."""
 
@@ -70,9 +77,17 @@ class FakeRunner(SynchronousRunner):
         rows = len(tokens)
         n = sampling.num_logprobs
         top = None if n is None else (tokens[:, None] + np.arange(max(n, 1))[None]) % self.vocab
+        prompt = {}
+        if sampling.prompt_targets is not None:
+            targets, k = sampling.prompt_targets, sampling.num_prompt_logprobs
+            prompt = dict(prompt_logprobs=np.full(len(targets), fake_prompt_logprob(k + 1), np.float32),
+                          prompt_ranks=np.full(len(targets), k + 1, np.int32),
+                          prompt_top_ids=((targets[:, None] + 1 + np.arange(k)[None]) % self.vocab).astype(np.int32),
+                          prompt_top_logprobs=np.tile(fake_prompt_logprob(np.arange(1, k + 1)), (len(targets), 1))
+                          .astype(np.float32))
         return SampleResult(tokens=tokens, logprobs=-sampling.temperature.astype(np.float32),
                             top_ids=top, top_logprobs=None if n is None else np.full(top.shape, -0.5, np.float32),
-                            ranks=None if n is None else np.ones(rows, np.int32))
+                            ranks=None if n is None else np.ones(rows, np.int32), **prompt)
 
     def _script(self, request):
         """The token ids ``say(text)`` in the request's prompt asks for, or None."""

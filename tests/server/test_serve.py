@@ -6,7 +6,7 @@ each test the server must be idle (no request running or waiting, no KV page res
 request open: ``/metrics``), and at the end SIGTERM must stop it with exit status 0 while a stream
 is still open. Model steps are slow in Triton's interpreter (about 0.7 s of CPU per row of a
 step, plus a fixed cost per step), so the basic requests (completions and chat, streamed and not,
-seeded and greedy, logprobs, echo, stop strings and stop tokens) go to the server all at once in
+seeded and greedy, logprobs, echo, prompt logprobs, stop strings and stop tokens) go to the server all at once in
 ``batch`` (one continuous batch) and the tests check their answers; ``reference`` is
 ``LLM.generate`` of the same framework in this process with the same parameters (computed while the
 server starts; every selected framework's server starts at once, see ``Launch``): seeded and
@@ -42,7 +42,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from benchmarks.serve import parse_metrics                              # noqa: E402
-from engine_helpers import FAIL_SEED, FakeLLM, say                     # noqa: E402
+from engine_helpers import FAIL_SEED, FakeLLM, fake_prompt_logprob, say  # noqa: E402
 from m3_engine import SamplingParams, engine_class                      # noqa: E402
 from m3_engine.tiny_model import write_tiny_checkpoint                 # noqa: E402
 from m3_engine.tokenizer import Tokenizer                               # noqa: E402
@@ -286,7 +286,8 @@ def reference(running_server):
 def generate_reference(framework, model_dir, tok) -> dict:
     """``LLM.generate`` of the same framework in this process: the seeded prompts, the chat prompt
     as ``LLM.chat`` makes it (template, then ids without special tokens) and the stop tests' prompt,
-    greedy; with the stop string and stop token chosen from that greedy answer."""
+    greedy (with its prompt's top-2 logprobs); with the stop string and stop token chosen from that
+    greedy answer."""
     llm = engine_class(framework)(model_dir, max_num_seqs=8, max_model_len=MAX_CONTEXT, device="cpu")
     text = tok.apply_chat_template(MESSAGES)
     chat_prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
@@ -294,7 +295,8 @@ def generate_reference(framework, model_dir, tok) -> dict:
         *seeded, chat, greedy = llm.generate(
             PROMPTS + [chat_prompt, STOP_PROMPT],
             [SamplingParams(**SEEDED)] * 2 + [SamplingParams(**CHAT_GREEDY),
-                                              SamplingParams(temperature=0, max_tokens=STOP_TOKENS, ignore_eos=True)],
+                                              SamplingParams(temperature=0, max_tokens=STOP_TOKENS, ignore_eos=True,
+                                                             prompt_logprobs=2)],
             use_tqdm=False)
     finally:
         llm.close()
@@ -335,6 +337,8 @@ def batch(running_server, reference):
                 "greedy_stream": collect(c.completions.create(**greedy, max_tokens=STOP_TOKENS, logprobs=3,
                                                               stream=True)),
                 "echo": c.completions.create(**greedy, max_tokens=2, echo=True),
+                "prompt_logprobs": c.completions.create(**{**greedy, "extra_body": {
+                    "ignore_eos": True, "prompt_logprobs": 2}}, max_tokens=1, echo=True, logprobs=2),
                 "stop": c.completions.create(**greedy, max_tokens=STOP_TOKENS, stop=[stop, "never seen"]),
                 "stop_kept": c.completions.create(**{**greedy, "extra_body": {
                     "ignore_eos": True, "include_stop_str_in_output": True}}, max_tokens=STOP_TOKENS, stop=stop),
@@ -440,7 +444,7 @@ def test_chat(server, batch, reference, tok):
     assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
 
 
-def test_logprobs_and_echo(server, batch):
+def test_logprobs_and_echo(server, batch, reference):
     greedy = batch["greedy"].choices[0]
     lp = greedy.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == STOP_TOKENS
@@ -466,10 +470,31 @@ def test_logprobs_and_echo(server, batch):
     echo = batch["echo"]
     assert echo.choices[0].text.startswith(STOP_PROMPT) and len(echo.choices[0].text) > len(STOP_PROMPT)
     assert echo.choices[0].token_ids == greedy.token_ids[:2] and echo.usage.completion_tokens == 2
+
+    # prompt_logprobs (vLLM's {id: {logprob, rank, decoded_token}}) are LLM.generate's; echo with
+    # logprobs gives the echoed prompt's tokens the same numbers
+    ref = reference["greedy"]
+    choice = batch["prompt_logprobs"].choices[0]
+    prompt_lps = choice.prompt_logprobs
+    assert len(prompt_lps) == len(ref.prompt_token_ids) > 1 and prompt_lps[0] is None
+    for token, entry, ref_entry in zip(ref.prompt_token_ids[1:], prompt_lps[1:], ref.prompt_logprobs[1:]):
+        assert list(entry)[0] == str(token) and len(entry) <= 3
+        assert sorted(e["rank"] for e in entry.values() if e["rank"] <= 2) == [1, 2]
+        for t, e in entry.items():   # near ties may order the top 2 differently in another batch
+            if int(t) in ref_entry:
+                assert e["logprob"] == pytest.approx(ref_entry[int(t)].logprob, abs=1e-3), (t, e)
+    lp = choice.logprobs
+    prompt_len = len(ref.prompt_token_ids)
+    assert choice.text.startswith(STOP_PROMPT) and len(lp.tokens) == prompt_len + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:prompt_len] == [e[str(t)]["logprob"] for t, e in zip(ref.prompt_token_ids[1:],
+                                                                                     prompt_lps[1:])]
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[prompt_len] == len(STOP_PROMPT)
+
     before, after = batch["metrics"]
     generated = after["m3_generation_tokens_total"] - before["m3_generation_tokens_total"]
     counted = sum(batch[name].usage.completion_tokens for name in ("seeded", "chat", "greedy", "echo", "stop",
-                                                                   "stop_kept", "stop_token"))
+                                                                   "stop_kept", "stop_token", "prompt_logprobs"))
     counted += batch["seeded_stream"][-1].usage.completion_tokens + batch["chat_stream"][-1].usage.completion_tokens
     counted += sum(len(c.choices[0].token_ids) for name in ("greedy_stream", "stop_stream") for c in batch[name])
     assert generated == counted > 0   # every token the server generated went to a client
@@ -608,7 +633,6 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, KEY, 400, None,
      "stream_options", None),
     ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, KEY, 400, None, "logit_bias", None),
-    ("POST", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, KEY, 400, None, "echo", None),
     ("POST", "/v1/completions", {"prompt": [5] * MAX_CONTEXT}, KEY, 400, None, "prompt",
      "context_length_exceeded"),
     ("POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": MAX_CONTEXT - 1}, KEY, 400, None, "max_tokens",
@@ -829,6 +853,90 @@ def test_fake_prefix_cache_usage(fake_server):
     assert after["m3_prefix_cache_hits_total"] - before["m3_prefix_cache_hits_total"] == 128
     assert after["m3_prefix_cache_queries_total"] > before["m3_prefix_cache_queries_total"]
     assert after["m3_kv_cache_evictable_blocks"] >= 1 and after["m3_kv_cache_cached_blocks"] >= 1
+
+
+def test_fake_generation_tokens_counted_when_answered(fake_server):
+    """``m3_generation_tokens_total`` holds an answer's tokens by the time the client has it, the last
+    step's included, whatever that step brought (1 token, then one per choice)."""
+    client = fake_server.client()
+    for n in (1, 3):
+        before = wait_idle(fake_server.port, timeout=10)
+        out = client.completions.create(model=MODEL, prompt="a", max_tokens=4, n=n, extra_body={"ignore_eos": True})
+        generated = metrics(fake_server.port)["m3_generation_tokens_total"] - before["m3_generation_tokens_total"]
+        assert generated == out.usage.completion_tokens == 4 * n
+
+
+def fake_prompt_entries(tok, prompt_ids: list, n: int, computed: int) -> list:
+    """The ``prompt_logprobs`` of ``prompt_ids`` (top ``n`` of the ``computed`` ones) that the fake runner
+    makes (``engine_helpers.FakeRunner``): the token ranks ``computed + 1``, after t + 1, t + 2, ..."""
+    def entry(token, rank):
+        return {"logprob": fake_prompt_logprob(rank), "rank": rank, "decoded_token": tok.token_text(token)}
+
+    return [None] + [{str(t): entry(t, computed + 1), **{str(t + k): entry(t + k, k) for k in range(1, n + 1)}}
+                     for t in prompt_ids[1:]]
+
+
+def test_fake_prompt_logprobs(fake_server, tok):
+    """``prompt_logprobs`` (vLLM's): per completions choice, at the top of a chat answer; None for the
+    first prompt token, then the prompt's token first and the top N ({id: {logprob, rank,
+    decoded_token}}). ``echo`` with ``logprobs`` gives the echoed prompt's tokens their logprobs,
+    streamed (in a choice's first chunk) or not. A stream carries no prompt_logprobs (only 0 is
+    accepted); out of range is a 400 naming the field."""
+    prompt = [10, 11, 12, 13]
+    status, out = call(fake_server.port, "POST", "/v1/completions",
+                       {"prompt": prompt, "max_tokens": 2, "n": 2, "seed": 5, "prompt_logprobs": 2})
+    assert status == 200, out
+    expected = fake_prompt_entries(tok, prompt, 2, 2)
+    for choice in out["choices"]:
+        assert choice["prompt_logprobs"] == expected and choice["logprobs"] is None
+        assert [list(e) for e in choice["prompt_logprobs"][1:]] == [list(e) for e in expected[1:]]   # vLLM's order
+
+    status, chat = call(fake_server.port, "POST", "/v1/chat/completions",
+                        {"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0})
+    assert status == 200, chat
+    ids = call(fake_server.port, "POST", "/tokenize", {"messages": MESSAGES})[1]["tokens"]
+    assert chat["prompt_logprobs"] == fake_prompt_entries(tok, ids, 0, 0)
+    assert "prompt_logprobs" not in chat["choices"][0]
+
+    # echo + logprobs=1, with prompt_logprobs=3: the prompt's tokens rank 4, each shows itself and the top 1
+    client = fake_server.client()
+    asked = dict(model=MODEL, prompt=prompt, max_tokens=3, seed=5, echo=True, logprobs=1,
+                 extra_body={"ignore_eos": True})
+    whole = client.completions.create(n=2, **{**asked, "extra_body": {"ignore_eos": True, "prompt_logprobs": 3}})
+    assert len(whole.choices) == 2
+    for choice in whole.choices:
+        assert choice.prompt_logprobs == fake_prompt_entries(tok, prompt, 3, 3)
+        lp = choice.logprobs
+        text = [tok.token_text(t) for t in prompt]
+        assert lp.tokens[:4] == text and len(lp.tokens) == 4 + 3
+        assert lp.token_logprobs[:4] == [None] + [fake_prompt_logprob(4)] * 3
+        assert lp.top_logprobs[:4] == [None] + [{tok.token_text(t): fake_prompt_logprob(4),
+                                                 tok.token_text(t + 1): fake_prompt_logprob(1)} for t in prompt[1:]]
+        assert lp.text_offset[:5] == [len(tok.decode(prompt[:k])) for k in range(5)]   # where each begins
+        assert choice.text.startswith(tok.decode(prompt))
+    plain = client.completions.create(n=2, **asked)
+    assert plain.choices[0].logprobs.token_logprobs[:4] == [None] + [fake_prompt_logprob(2)] * 3
+    chunks = list(client.completions.create(n=2, stream=True, **asked))
+    for choice in plain.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for c in mine for x in getattr(c.logprobs, key)] == getattr(choice.logprobs, key), key
+        assert not hasattr(mine[0], "prompt_logprobs")
+
+    stream = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, stream=True,
+                                                 extra_body={"prompt_logprobs": 0}))
+    assert stream and not any(hasattr(c, "prompt_logprobs") for c in stream)
+    for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        for bad, message in (({"prompt_logprobs": -2}, "expected an int >= 0, or -1"),
+                             ({"prompt_logprobs": -1}, "whole vocabulary (512 tokens)"),
+                             ({"prompt_logprobs": 21}, "[0, 20]"),
+                             ({"prompt_logprobs": "some"}, "prompt_logprobs"),
+                             ({"prompt_logprobs": 1, "stream": True}, "not available with stream=true")):
+            status, got = call(fake_server.port, "POST", path, {**base, "max_tokens": 2, **bad})
+            check_error(status, got, 400, "invalid_request_error", "prompt_logprobs")
+            assert message in got["error"]["message"], (path, bad, got)
+    wait_idle(fake_server.port, timeout=10)
 
 
 def test_fake_context_limit_alias_version_ping_and_vllm_metrics(fake_server):
@@ -1145,7 +1253,6 @@ AGENT_BAD = [
      "structured_outputs", "cannot be combined"),
     ("agent", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice", "cannot be combined"),
-    ("agent", {"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
     ("plain", {"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
     ("plain", {"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
 ]
