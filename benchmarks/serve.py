@@ -57,6 +57,15 @@ row: offline and server output tok/s and their ratio, the server's TPOT p50
 against the median decode step at batch ``min(concurrency, max_num_seqs)``,
 and the targets (:data:`THROUGHPUT_RATIO_MIN`, :data:`TPOT_STEP_RATIO_MAX_FULL`,
 :data:`TPOT_STEP_RATIO_MAX_ONE`).
+
+Step timeline: the server's engine core (and the offline engine's) writes a line per step
+(``m3_engine.step_timeline``, ``$M3_STEP_TIMELINE``, set here); the client keeps each request's
+send time and the times its first and last tokens came (``time.time()``, the clock of the engine's
+processes on this host). Per row, "Step timeline" puts the server's and the offline engine's
+:func:`timeline_summary` side by side: steps, their mean generation rows, prefill steps and their
+prompt tokens, the core's busy time (and its wait for the device) and idle time, request send ->
+in the core, and step end -> client for first and last tokens. ``--out`` keeps the step files too
+(``timeline-server.jsonl``, ``timeline-offline.jsonl``).
 """
 
 from __future__ import annotations
@@ -500,6 +509,8 @@ def timeline_summary(lines: list, timing: dict) -> dict:
     request, ``(core request id, sent, first token, last token)`` as its client saw them. The row's
     steps are those that started in its window. Times in seconds, lags in ms:
 
+    * ``generation_rows``: per step, on average (a batch that drains while requests change hands
+      shows here);
     * ``busy_s``: the steps' wall time (``execute_step`` calls); ``device_wait_s`` the part of it
       waiting for the device; ``core_idle_s``: the window less ``busy_s`` (the core's caller at
       work, or waiting for requests); ``gaps_s``: the part of it between the row's steps;
@@ -521,6 +532,7 @@ def timeline_summary(lines: list, timing: dict) -> dict:
     first_sent = min(requests, key=lambda x: x[1], default=None)
     return dict(
         wall_s=end - start, steps=len(steps), prefill_steps=len(prefill),
+        generation_rows=sum(s["generation_rows"] for s in steps) / len(steps) if steps else None,
         prompt_tokens_per_prefill_step=sum(s["prompt_tokens"] for s in prefill) / len(prefill) if prefill else None,
         busy_s=busy, device_wait_s=sum(s["device_wait"] for s in steps), core_idle_s=end - start - busy,
         gaps_s=sum(s["since_last"] for s in steps[1:]),
@@ -597,6 +609,7 @@ def markdown(result: dict) -> str:
 # the step timeline table's lines: (label, the summary's key, its p50 / p99 or None, format)
 TIMELINE_LINES = (("wall time of the row (s)", "wall_s", None, "{:.3f}"),
                   ("steps", "steps", None, "{}"),
+                  ("generation rows / step (mean)", "generation_rows", None, "{:.1f}"),
                   ("steps with prefill", "prefill_steps", None, "{}"),
                   ("prompt tokens / prefill step", "prompt_tokens_per_prefill_step", None, "{:.0f}"),
                   ("busy: steps' wall time (s)", "busy_s", None, "{:.3f}"),

@@ -121,6 +121,7 @@ def test_timeline_summary_of_a_row():
     timing = dict(window=(10.0, 11.0), requests=[("b", 10.2, 10.51, 10.7), ("a", 10.0, 10.35, 10.52)])
     t = serve.timeline_summary(lines, timing)
     assert (t["steps"], t["prefill_steps"], t["prompt_tokens_per_prefill_step"]) == (4, 2, 250)
+    assert t["generation_rows"] == 1
     assert t["busy_s"] == pytest.approx(0.35) and t["device_wait_s"] == pytest.approx(0.175)
     assert t["core_idle_s"] == pytest.approx(0.65) and t["gaps_s"] == pytest.approx(0.15)
     assert t["first_arrival_ms"] == pytest.approx(50)                       # "a" was sent first
