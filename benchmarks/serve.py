@@ -12,7 +12,9 @@
 Without ``--url`` the server is started here as a subprocess (``python -m
 m3_engine.server MODEL --port 0`` with ``--framework``, ``--max-num-seqs``,
 ``--max-model-len``, ``--dtype``, ``--kv-cache-dtype``, ``--tensor-parallel-size``
-and anything in ``--server-args``), waited for (``/health``), warmed up, and
+and anything in ``--server-args``), waited for (``/health``), warmed up (``--warmup``
+requests of the rows' lengths, at most the largest ``--max-concurrency`` in flight: the
+rows' step shapes, decode batches included, are compiled before they are measured), and
 stopped with SIGTERM at the end (its exit status is checked). ``--e2e-model``
 writes ``benchmarks.e2e``'s random bf16 model (MiniMax-M3's attention shapes,
 4 layers, a 32k vocabulary, no tokenizer) into ``--model`` first when that
@@ -511,8 +513,9 @@ def timeline_summary(lines: list, timing: dict) -> dict:
 
     * ``generation_rows``: per step, on average (a batch that drains while requests change hands
       shows here);
-    * ``busy_s``: the steps' wall time (``execute_step`` calls); ``device_wait_s`` the part of it
-      waiting for the device; ``core_idle_s``: the window less ``busy_s`` (the core's caller at
+    * ``busy_s``: the steps' wall time (``execute_step`` calls), ``longest_step_ms`` the longest (a
+      compile or a CUDA graph capture on the request path shows here); ``device_wait_s`` the part of
+      it waiting for the device; ``core_idle_s``: the window less ``busy_s`` (the core's caller at
       work, or waiting for requests); ``gaps_s``: the part of it between the row's steps;
     * ``first_arrival_ms``: the row's first request, sent -> added to the core; ``arrival_ms``:
       the same over all requests (p50, p99);
@@ -534,7 +537,8 @@ def timeline_summary(lines: list, timing: dict) -> dict:
         wall_s=end - start, steps=len(steps), prefill_steps=len(prefill),
         generation_rows=sum(s["generation_rows"] for s in steps) / len(steps) if steps else None,
         prompt_tokens_per_prefill_step=sum(s["prompt_tokens"] for s in prefill) / len(prefill) if prefill else None,
-        busy_s=busy, device_wait_s=sum(s["device_wait"] for s in steps), core_idle_s=end - start - busy,
+        busy_s=busy, longest_step_ms=max((s["end"] - s["start"] for s in steps), default=0.0) * 1e3,
+        device_wait_s=sum(s["device_wait"] for s in steps), core_idle_s=end - start - busy,
         gaps_s=sum(s["since_last"] for s in steps[1:]),
         first_arrival_ms=(added[first_sent[0]] - first_sent[1]) * 1e3 if first_sent and first_sent[0] in added
         else None,
@@ -614,6 +618,7 @@ TIMELINE_LINES = (("wall time of the row (s)", "wall_s", None, "{:.3f}"),
                   ("prompt tokens / prefill step", "prompt_tokens_per_prefill_step", None, "{:.0f}"),
                   ("busy: steps' wall time (s)", "busy_s", None, "{:.3f}"),
                   ("  of it waiting for the device (s)", "device_wait_s", None, "{:.3f}"),
+                  ("longest step (ms)", "longest_step_ms", None, "{:.1f}"),
                   ("core idle: wall - busy (s)", "core_idle_s", None, "{:.3f}"),
                   ("  of it between the row's steps (s)", "gaps_s", None, "{:.3f}"),
                   ("first request: sent -> in the core (ms)", "first_arrival_ms", None, "{:.2f}"),
@@ -695,8 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--output-len", type=int, default=128)
     load.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L*(1-r)..L*(1+r)")
     load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--warmup", type=int, default=None, help="requests run before measuring (default: one "
-                      "round of max concurrency, at most 16)")
+    load.add_argument("--warmup", type=int, default=None, help="requests run before measuring, of --input-len "
+                      "and --output-len tokens, at most the largest --max-concurrency in flight (default: one round "
+                      "of max concurrency, at most 16)")
     load.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offline", action="store_true", help="after the server stopped: the same requests through "
                     "the engine alone (m3_<framework>.LLM with the server's engine options, in a process of its own) "
@@ -774,12 +780,17 @@ async def _main(args, argv, longest) -> dict:
             raise SystemExit(f"prompt + output up to {longest} tokens, more than the server's context "
                              f"({card['max_model_len']})")
         warm = args.warmup if args.warmup is not None else min(max(args.max_concurrency), 16)
-        if warm:
+        if warm:   # the rows' lengths and in-flight limit: their step shapes (decode batches too) compiled
             print(f"warm-up: {warm} requests ...", flush=True)
             rng = random.Random(args.seed + 1)
-            records = await asyncio.gather(*[one_request(
-                ep, model, [rng.randrange(3, vocab) for _ in range(args.input_len)], min(args.output_len, 8),
-                args.temperature) for _ in range(warm)])
+            gate = asyncio.Semaphore(max(args.max_concurrency))
+
+            async def warm_up_request():
+                async with gate:
+                    return await one_request(ep, model, [rng.randrange(3, vocab) for _ in range(args.input_len)],
+                                             args.output_len, args.temperature)
+
+            records = await asyncio.gather(*[warm_up_request() for _ in range(warm)])
             errors = [r["error"] for r in records if r["error"]]
             if errors:
                 raise SystemExit(f"warm-up failed: {errors[0]}")

@@ -123,6 +123,7 @@ def test_timeline_summary_of_a_row():
     assert (t["steps"], t["prefill_steps"], t["prompt_tokens_per_prefill_step"]) == (4, 2, 250)
     assert t["generation_rows"] == 1
     assert t["busy_s"] == pytest.approx(0.35) and t["device_wait_s"] == pytest.approx(0.175)
+    assert t["longest_step_ms"] == pytest.approx(100)
     assert t["core_idle_s"] == pytest.approx(0.65) and t["gaps_s"] == pytest.approx(0.15)
     assert t["first_arrival_ms"] == pytest.approx(50)                       # "a" was sent first
     assert t["arrival_ms"]["p50"] == pytest.approx(35)                      # 50 and 20 ms
