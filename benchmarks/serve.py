@@ -12,7 +12,9 @@
 Without ``--url`` the server is started here as a subprocess (``python -m
 m3_engine.server MODEL --port 0`` with ``--framework``, ``--max-num-seqs``,
 ``--max-model-len``, ``--dtype``, ``--kv-cache-dtype``, ``--tensor-parallel-size``
-and anything in ``--server-args``), waited for (``/health``), warmed up, and
+and anything in ``--server-args``), waited for (``/health``), warmed up (``--warmup``
+requests of the rows' lengths, at most the largest ``--max-concurrency`` in flight: the
+rows' step shapes, decode batches included, are compiled before they are measured), and
 stopped with SIGTERM at the end (its exit status is checked). ``--e2e-model``
 writes ``benchmarks.e2e``'s random bf16 model (MiniMax-M3's attention shapes,
 4 layers, a 32k vocabulary, no tokenizer) into ``--model`` first when that
@@ -57,6 +59,15 @@ row: offline and server output tok/s and their ratio, the server's TPOT p50
 against the median decode step at batch ``min(concurrency, max_num_seqs)``,
 and the targets (:data:`THROUGHPUT_RATIO_MIN`, :data:`TPOT_STEP_RATIO_MAX_FULL`,
 :data:`TPOT_STEP_RATIO_MAX_ONE`).
+
+Step timeline: the server's engine core (and the offline engine's) writes a line per step
+(``m3_engine.step_timeline``, ``$M3_STEP_TIMELINE``, set here); the client keeps each request's
+send time and the times its first and last tokens came (``time.time()``, the clock of the engine's
+processes on this host). Per row, "Step timeline" puts the server's and the offline engine's
+:func:`timeline_summary` side by side: steps, their mean generation rows, prefill steps and their
+prompt tokens, the core's busy time (and its wait for the device) and idle time, request send ->
+in the core, and step end -> client for first and last tokens. ``--out`` keeps the step files too
+(``timeline-server.jsonl``, ``timeline-offline.jsonl``).
 """
 
 from __future__ import annotations
@@ -69,6 +80,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +90,8 @@ import urllib.parse
 from pathlib import Path
 
 import numpy as np
+
+from m3_engine.step_timeline import ENV_VAR as STEP_TIMELINE, read as read_timeline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -171,24 +185,27 @@ async def one_request(ep: Endpoint, model: str, prompt: list, output_len: int, t
                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
                "return_token_ids": True}
     times, counts, record = [], [], {"input_len": len(prompt), "output_len": 0, "error": None}
+    walls = []   # time.time() of the chunks with tokens: set against the engine core's step timeline
 
     def on_event(data: bytes):
-        now = time.perf_counter()
+        now, wall = time.perf_counter(), time.time()
         if data == b"[DONE]":
             return
         event = json.loads(data)
         if "error" in event:
             record["error"] = event["error"].get("message")
             return
+        record.setdefault("id", event.get("id"))
         for choice in event.get("choices") or ():
             n = len(choice.get("token_ids") or ())
             if n:
                 times.append(now)
+                walls.append(wall)
                 counts.append(n)
         if event.get("usage"):
             record["usage"] = event["usage"]
 
-    start = time.perf_counter()
+    start, record["sent_at"] = time.perf_counter(), time.time()
     try:
         status, body = await ep.request("POST", ep.prefix + "/completions", payload, on_event)
     except (OSError, asyncio.IncompleteReadError, ValueError) as e:
@@ -198,6 +215,7 @@ async def one_request(ep: Endpoint, model: str, prompt: list, output_len: int, t
         record["error"] = f"HTTP {status}: {body[:300].decode(errors='replace')}"
     record.update(start=start, end=end, output_len=sum(counts))
     if times:
+        record["first_at"], record["last_at"] = walls[0], walls[-1]
         record["ttft"] = times[0] - start
         record["itl"] = [b - a for a, b in zip(times, times[1:])]
         if record["output_len"] > 1:
@@ -232,14 +250,14 @@ async def run_row(ep: Endpoint, model: str, vocab: int, args, rate: float, concu
         async with gate:
             return await one_request(ep, model, prompt, n, args.temperature)
 
-    start = time.perf_counter()
+    start, began = time.perf_counter(), time.time()
     tasks = []
     for prompt, n, gap in zip(prompts, outputs, gaps):
         if gap:
             await asyncio.sleep(gap)
         tasks.append(asyncio.ensure_future(limited(prompt, n)))
     records = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - start
+    duration, ended = time.perf_counter() - start, time.time()
     _, after = await ep.request("GET", ep.root + "/metrics")
     idle = await wait_idle(ep)
     before, after = parse_metrics(before.decode()), parse_metrics(after.decode())
@@ -256,7 +274,11 @@ async def run_row(ep: Endpoint, model: str, vocab: int, args, rate: float, concu
                mean_input_len=in_tokens / max(len(ok), 1), mean_output_len=out_tokens / max(len(ok), 1),
                server_generation_tokens=after.get("m3_generation_tokens_total", 0)
                - before.get("m3_generation_tokens_total", 0),
-               server_idle_after=idle)
+               server_idle_after=idle,
+               # for the step timeline (taken out once read): the engine core names the completion of
+               # prompt 0 of the request "cmpl-..." "cmpl-...-0" (m3_engine.server.app)
+               timing=dict(window=(began, ended), requests=[(f"{r['id']}-0", r["sent_at"], r["first_at"], r["last_at"])
+                                                            for r in ok if "first_at" in r]))
     for key, values in (("ttft", [r["ttft"] for r in ok if "ttft" in r]),
                         ("tpot", [r["tpot"] for r in ok if "tpot" in r]),
                         ("itl", [x for r in ok for x in r.get("itl", ())]),
@@ -306,9 +328,11 @@ def server_argv(args) -> list:
     return argv + shlex.split(args.server_args or "")
 
 
-def start_server(args, log_path: Path):
+def start_server(args, log_path: Path, timeline: Path):
+    """Start ``m3-serve`` (its output to ``log_path``, its engine core's step timeline to ``timeline``)
+    -> (process, log file, its URL)."""
     cmd = [sys.executable, "-m", "m3_engine.server", *server_argv(args)]
-    env = dict(os.environ, **ENGINE_ENV,
+    env = dict(os.environ, **ENGINE_ENV, **{STEP_TIMELINE: str(timeline)},
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     log = open(log_path, "w")
     print("server:", " ".join(cmd), f"(log: {log_path})", flush=True)
@@ -367,54 +391,64 @@ def offline_pass(llm, prompts: list, output_lens: list, concurrency: int, temper
     step is decode-only at that batch), else 0. It is the engine's whole step seen from
     its caller: scheduling, the runner (its launches and the wait for the sampled tokens) and the
     output processor. Not meant for speculative decoding (a verify step emits several tokens).
-    -> output tok/s over the pass, per-request TPOT (ms), and per decode batch the count, median and
-    mean of its steps (ms)."""
+    -> output tok/s over the pass, per-request TPOT (ms), per decode batch the count, median and
+    mean of its steps (ms), and ``timing`` for the step timeline (:func:`timeline_summary`): the pass's
+    ``window`` (``time.time()`` at its start and end) and ``requests``, ``(request id, added, first
+    token, last token)`` in ``time.time()``, the times this loop saw them."""
     from m3_engine import SamplingParams
 
     engine, max_num_seqs = llm.engine, llm.scheduler_config.max_batch
     queue = list(zip(prompts, output_lens))[::-1]
     counts, first = {}, {}      # request in flight -> tokens so far; -> time of its first token
+    walls = {}                  # request -> time.time() when added, of its first token, of its last
     steps, tpot, output_tokens = [], [], 0
-    start = time.perf_counter()
+    start, wall_start = time.perf_counter(), time.time()
     while queue or counts:
         while queue and len(counts) < concurrency:
             prompt, n = queue.pop()
             params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=temperature)
-            counts[engine.add_request(None, {"prompt_token_ids": prompt}, params)] = 0
+            sent = time.time()
+            request_id = engine.add_request(None, {"prompt_token_ids": prompt}, params)
+            counts[request_id], walls[request_id] = 0, [sent, None, None]
         decoding = sum(1 for n in counts.values() if n)
         batch = decoding if decoding in (len(counts), max_num_seqs) else 0
         before = time.perf_counter()
         outputs = engine.step()
-        now = time.perf_counter()
+        now, wall = time.perf_counter(), time.time()
         steps.append((batch, now - before))
         for out in outputs:
             n = len(out.outputs[0].token_ids)
             if n and not counts[out.request_id]:
                 first[out.request_id] = now
+                walls[out.request_id][1] = wall
             counts[out.request_id] = n
+            walls[out.request_id][2] = wall
             if out.finished:
                 del counts[out.request_id]
                 output_tokens += n
                 began = first.pop(out.request_id)
                 if n > 1:
                     tpot.append((now - began) / (n - 1))
-    duration = time.perf_counter() - start
+    duration, wall_end = time.perf_counter() - start, time.time()
     decode = []
     for batch in sorted({b for b, _ in steps if b}):
         ms = np.array([t for b, t in steps if b == batch]) * 1e3
         decode.append(dict(batch=batch, steps=len(ms), median_ms=float(np.median(ms)), mean_ms=float(ms.mean())))
     return dict(max_concurrency=concurrency, num_requests=len(prompts), duration_s=duration,
                 output_tokens=output_tokens, output_throughput=output_tokens / duration, steps=len(steps),
-                tpot_ms=_summary(tpot), decode_steps=decode)
+                tpot_ms=_summary(tpot), decode_steps=decode,
+                timing=dict(window=(wall_start, wall_end), requests=[(r, *w) for r, w in walls.items()]))
 
 
-def run_offline(llm_class: str, model: str, options: dict, workloads: list, temperature: float) -> list:
+def run_offline(llm_class: str, model: str, options: dict, workloads: list, temperature: float,
+                timeline: str) -> list:
     """``llm_class(model, **options)`` (``"m3_torch:LLM"``: the server's engine class, built with the
     server's options and environment, :data:`ENGINE_ENV`, set here first: run it in a process of its
-    own); then per workload ``(concurrency, prompts, output lengths)`` a warm-up pass of the same
-    lengths (other token ids: the same step shapes compiled, no prefix-cache hits for what follows)
-    and the measured pass. -> the measured passes (:func:`offline_pass`)."""
-    os.environ.update(ENGINE_ENV)
+    own), its engine core writing its step timeline to the file ``timeline``; then per workload
+    ``(concurrency, prompts, output lengths)`` a warm-up pass of the same lengths (other token ids: the
+    same step shapes compiled, no prefix-cache hits for what follows) and the measured pass. -> the
+    measured passes (:func:`offline_pass`)."""
+    os.environ.update(ENGINE_ENV, **{STEP_TIMELINE: timeline})
     from m3_engine import load_class
 
     rng = np.random.default_rng(0)
@@ -427,14 +461,14 @@ def run_offline(llm_class: str, model: str, options: dict, workloads: list, temp
     return results
 
 
-def offline(llm_class: str, model: str, options: dict, workloads: list, temperature: float) -> list:
+def offline(llm_class: str, model: str, options: dict, workloads: list, temperature: float, timeline: str) -> list:
     """:func:`run_offline` in a spawned process: its GPU memory is gone when it returns (run it when
     no server holds the GPU)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run_offline, llm_class, model, options, workloads, temperature).result()
+        return pool.submit(run_offline, llm_class, model, options, workloads, temperature, timeline).result()
 
 
 # targets of the server against the offline engine, for rows at request rate inf: output tok/s at least
@@ -467,6 +501,50 @@ def versus_offline(rows: list, offline_rows: list, max_num_seqs: int) -> list:
             tpot_step_ratio_max=(TPOT_STEP_RATIO_MAX_ONE if c == 1 else TPOT_STEP_RATIO_MAX_FULL
                                  if c >= max_num_seqs else None) if saturated else None))
     return out
+
+
+# -- the step timeline: where the time goes, server and offline --------------------------------------------
+
+def timeline_summary(lines: list, timing: dict) -> dict:
+    """One row's view of the engine core's step timeline (``m3_engine.step_timeline``): ``lines`` the
+    file's steps, ``timing`` the row's (:func:`run_row`, :func:`offline_pass`): its ``window`` and, per
+    request, ``(core request id, sent, first token, last token)`` as its client saw them. The row's
+    steps are those that started in its window. Times in seconds, lags in ms:
+
+    * ``generation_rows``: per step, on average (a batch that drains while requests change hands
+      shows here);
+    * ``busy_s``: the steps' wall time (``execute_step`` calls), ``longest_step_ms`` the longest (a
+      compile or a CUDA graph capture on the request path shows here); ``device_wait_s`` the part of
+      it waiting for the device; ``core_idle_s``: the window less ``busy_s`` (the core's caller at
+      work, or waiting for requests); ``gaps_s``: the part of it between the row's steps;
+    * ``first_arrival_ms``: the row's first request, sent -> added to the core; ``arrival_ms``:
+      the same over all requests (p50, p99);
+    * ``first_token_lag_ms`` / ``last_token_lag_ms``: the end of the step that made a request's
+      first / last token -> its client had it (p50, p99)."""
+    start, end = timing["window"]
+    steps = [s for s in lines if start <= s["start"] <= end]
+    prefill = [s for s in steps if s["prompt_tokens"]]
+    added, first_done, last_done = {}, {}, {}
+    for s in steps:
+        added.update(s["added"])
+        first_done.update((r, s["end"]) for r in s["first"])
+        last_done.update((r, s["end"]) for r in s["finished"])
+    requests = timing["requests"]
+    busy = sum(s["end"] - s["start"] for s in steps)
+    arrival = [added[r] - sent for r, sent, _, _ in requests if r in added]
+    first_sent = min(requests, key=lambda x: x[1], default=None)
+    return dict(
+        wall_s=end - start, steps=len(steps), prefill_steps=len(prefill),
+        generation_rows=sum(s["generation_rows"] for s in steps) / len(steps) if steps else None,
+        prompt_tokens_per_prefill_step=sum(s["prompt_tokens"] for s in prefill) / len(prefill) if prefill else None,
+        busy_s=busy, longest_step_ms=max((s["end"] - s["start"] for s in steps), default=0.0) * 1e3,
+        device_wait_s=sum(s["device_wait"] for s in steps), core_idle_s=end - start - busy,
+        gaps_s=sum(s["since_last"] for s in steps[1:]),
+        first_arrival_ms=(added[first_sent[0]] - first_sent[1]) * 1e3 if first_sent and first_sent[0] in added
+        else None,
+        arrival_ms=_summary(arrival),
+        first_token_lag_ms=_summary([t - first_done[r] for r, _, t, _ in requests if r in first_done]),
+        last_token_lag_ms=_summary([t - last_done[r] for r, _, _, t in requests if r in last_done]))
 
 
 # -- report ---------------------------------------------------------------------------------------------
@@ -528,7 +606,53 @@ def markdown(result: dict) -> str:
                 f"{v['decode_batch']}: {_fmt(v['decode_step_ms'], '{:.2f}')}, {v['decode_steps']} | "
                 f"{_fmt(v['tpot_step_ratio'], '{:.3f}')} | "
                 f"{_target(v['tpot_step_ratio'], v['tpot_step_ratio_max'], '<=')} |")
+    lines += timeline_markdown(result)
     return "\n".join(lines) + "\n"
+
+
+# the step timeline table's lines: (label, the summary's key, its p50 / p99 or None, format)
+TIMELINE_LINES = (("wall time of the row (s)", "wall_s", None, "{:.3f}"),
+                  ("steps", "steps", None, "{}"),
+                  ("generation rows / step (mean)", "generation_rows", None, "{:.1f}"),
+                  ("steps with prefill", "prefill_steps", None, "{}"),
+                  ("prompt tokens / prefill step", "prompt_tokens_per_prefill_step", None, "{:.0f}"),
+                  ("busy: steps' wall time (s)", "busy_s", None, "{:.3f}"),
+                  ("  of it waiting for the device (s)", "device_wait_s", None, "{:.3f}"),
+                  ("longest step (ms)", "longest_step_ms", None, "{:.1f}"),
+                  ("core idle: wall - busy (s)", "core_idle_s", None, "{:.3f}"),
+                  ("  of it between the row's steps (s)", "gaps_s", None, "{:.3f}"),
+                  ("first request: sent -> in the core (ms)", "first_arrival_ms", None, "{:.2f}"),
+                  ("sent -> in the core, p50 (ms)", "arrival_ms", "p50", "{:.2f}"),
+                  ("sent -> in the core, p99 (ms)", "arrival_ms", "p99", "{:.2f}"),
+                  ("first token: step end -> client, p50 (ms)", "first_token_lag_ms", "p50", "{:.2f}"),
+                  ("first token: step end -> client, p99 (ms)", "first_token_lag_ms", "p99", "{:.2f}"),
+                  ("last token: step end -> client, p50 (ms)", "last_token_lag_ms", "p50", "{:.2f}"),
+                  ("last token: step end -> client, p99 (ms)", "last_token_lag_ms", "p99", "{:.2f}"))
+
+
+def timeline_markdown(result: dict) -> list:
+    """The "Step timeline" section: per row, the server's and the offline engine's
+    :func:`timeline_summary` side by side ([] when there is none)."""
+    offline = {(o["max_concurrency"], o["num_requests"]): o for o in result.get("offline") or ()}
+    columns = []   # (title, summary)
+    for r in result["rows"]:
+        o = offline.get((r["max_concurrency"], r["num_requests"]))
+        label = f"rate {r['request_rate']}, c {r['max_concurrency']}"
+        columns += [(f"server, {label}", r.get("timeline"))] + ([(f"offline, {label}", o.get("timeline"))] if o else [])
+    if not any(summary for _, summary in columns):
+        return []
+    lines = ["", "## Step timeline", "",
+             "The engine core's steps (m3_engine.step_timeline) in each row's window: a step is one "
+             "`execute_step` call on the host; sent = the client sent the request (offline: `add_request`); "
+             "client = its client had the token (offline: `engine.step()` returned it).", "",
+             "| | " + " | ".join(title for title, _ in columns) + " |", "|---|" + "---|" * len(columns)]
+    for label, key, quantile, spec in TIMELINE_LINES:
+        cells = []
+        for _, summary in columns:
+            value = None if summary is None else summary[key] if quantile is None else summary[key][quantile]
+            cells.append(_fmt(value, spec))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _target(value, bound, relation: str) -> str:
@@ -576,8 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--output-len", type=int, default=128)
     load.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L*(1-r)..L*(1+r)")
     load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--warmup", type=int, default=None, help="requests run before measuring (default: one "
-                      "round of max concurrency, at most 16)")
+    load.add_argument("--warmup", type=int, default=None, help="requests run before measuring, of --input-len "
+                      "and --output-len tokens, at most the largest --max-concurrency in flight (default: one round "
+                      "of max concurrency, at most 16)")
     load.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offline", action="store_true", help="after the server stopped: the same requests through "
                     "the engine alone (m3_<framework>.LLM with the server's engine options, in a process of its own) "
@@ -637,8 +762,9 @@ def main(argv=None) -> dict:
 async def _main(args, argv, longest) -> dict:
     proc = log = None
     log_path = Path(tempfile.mkstemp(prefix="m3-serve-", suffix=".log")[1])
+    timelines = Path(tempfile.mkdtemp(prefix="m3-timeline-"))   # the engine cores' steps: server.jsonl, offline.jsonl
     if args.url is None:
-        proc, log, url = start_server(args, log_path)
+        proc, log, url = start_server(args, log_path, timelines / "server.jsonl")
     else:
         url = args.url
     ep = Endpoint(url, args.api_key)
@@ -654,12 +780,17 @@ async def _main(args, argv, longest) -> dict:
             raise SystemExit(f"prompt + output up to {longest} tokens, more than the server's context "
                              f"({card['max_model_len']})")
         warm = args.warmup if args.warmup is not None else min(max(args.max_concurrency), 16)
-        if warm:
+        if warm:   # the rows' lengths and in-flight limit: their step shapes (decode batches too) compiled
             print(f"warm-up: {warm} requests ...", flush=True)
             rng = random.Random(args.seed + 1)
-            records = await asyncio.gather(*[one_request(
-                ep, model, [rng.randrange(3, vocab) for _ in range(args.input_len)], min(args.output_len, 8),
-                args.temperature) for _ in range(warm)])
+            gate = asyncio.Semaphore(max(args.max_concurrency))
+
+            async def warm_up_request():
+                async with gate:
+                    return await one_request(ep, model, [rng.randrange(3, vocab) for _ in range(args.input_len)],
+                                             args.output_len, args.temperature)
+
+            records = await asyncio.gather(*[warm_up_request() for _ in range(warm)])
             errors = [r["error"] for r in records if r["error"]]
             if errors:
                 raise SystemExit(f"warm-up failed: {errors[0]}")
@@ -687,12 +818,18 @@ async def _main(args, argv, longest) -> dict:
                      for c, n in dict.fromkeys(zip(args.max_concurrency, args.num_requests))]
         print(f"offline: {llm_class} with the server's engine options, concurrency "
               f"{', '.join(str(c) for c, *_ in workloads)} ...", flush=True)
-        offline_rows = offline(llm_class, str(args.model), options, workloads, args.temperature)
+        offline_rows = offline(llm_class, str(args.model), options, workloads, args.temperature,
+                               str(timelines / "offline.jsonl"))
         versus = versus_offline(rows, offline_rows, options["max_num_seqs"])
         offline_setup = (f"`{llm_class}` with the server's engine options, in a process of its own after the "
                          "server stopped; per concurrency a warm-up pass (the same lengths, other token ids), then "
                          "the row's requests (the same prompt token ids and output lengths, ignore_eos) through "
                          "LLM.generate's loop with at most that many in flight")
+    for found, name in ((rows, "server"), (offline_rows or [], "offline")):
+        lines = read_timeline(timelines / f"{name}.jsonl")   # none from a server that runs elsewhere (--url)
+        for r in found:
+            timing = r.pop("timing")
+            r["timeline"] = timeline_summary(lines, timing) if lines else None
     server = (f"m3-serve {args.framework}, max_num_seqs {args.max_num_seqs}, max_model_len {args.max_model_len}"
               + (f", tp {args.tensor_parallel_size}" if args.tensor_parallel_size else "")
               + (f", dtype {args.dtype}" if args.dtype else "")
@@ -711,6 +848,10 @@ async def _main(args, argv, longest) -> dict:
             json.dump(result, f, indent=1)
         with open(os.path.join(args.out, "serve.md"), "w") as f:
             f.write(text)
+        for name in ("server", "offline"):
+            if (timelines / f"{name}.jsonl").is_file():
+                shutil.copy(timelines / f"{name}.jsonl", os.path.join(args.out, f"timeline-{name}.jsonl"))
+    shutil.rmtree(timelines, ignore_errors=True)
     print(text)
     if rc not in (None, 0):
         raise SystemExit(f"the server exited with {rc}")

@@ -60,6 +60,7 @@ from .runner import Runner, SampleResult, SamplingBatch
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Scheduler
 from .step_inputs import Step
+from .step_timeline import StepTimeline
 from .structured_outputs import Grammar, StructuredOutputsBackend, bitmask_width, fill_bitmask, forbid_tokens
 from .tokenizer import Tokenizer
 
@@ -167,6 +168,7 @@ class EngineCore:
         # steps_ahead: steps scheduled and submitted while the step before them was still running
         self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0,
                         "steps_ahead": 0}
+        self.timeline = StepTimeline.from_environ()   # a line per step with $M3_STEP_TIMELINE (benchmarks)
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -197,6 +199,8 @@ class EngineCore:
         request = _CoreRequest(request_id, prompt_ids, params, seed, scheduler_id, grammar, stop_ids, bad_words)
         self._requests[request_id] = request
         self._by_scheduler_id[scheduler_id] = request
+        if self.timeline is not None:
+            self.timeline.added(request_id)
 
     def _grammar(self, params: SamplingParams) -> Optional[Grammar]:
         """A constrained request's matcher (the backend is built on the first one); None without
@@ -219,6 +223,8 @@ class EngineCore:
             if request is not None:
                 self.scheduler.finish_request(request.scheduler_id, reason)
                 self._forget(request)
+                if self.timeline is not None:
+                    self.timeline.forget([request_id])
         self._drain_if_idle()
 
     def has_unfinished_requests(self) -> bool:
@@ -250,6 +256,7 @@ class EngineCore:
         :meth:`propose_drafts` must follow before the next step."""
         if self._draft_work is not None:
             raise RuntimeError("execute_step: the last step's draft pass has not run (call propose_drafts() first)")
+        start = time.time()
         if self._in_flight is None:
             if not self.scheduler.has_unfinished():
                 return []
@@ -258,7 +265,9 @@ class EngineCore:
         try:
             if done.may_run_ahead:
                 self._in_flight = self._submit(previous=done)
+            waited = time.perf_counter()
             result = self.runner.result(done.handle)
+            waited = time.perf_counter() - waited
         except BaseException:   # nothing of either step is applied
             if self._in_flight is not None:
                 self.scheduler.cancel(self._in_flight.step)
@@ -267,6 +276,8 @@ class EngineCore:
             raise
         outputs = self._apply(done, result)
         self._drain_if_idle()
+        if self.timeline is not None:
+            self.timeline.record(start, done.step, waited, outputs)
         return outputs
 
     def _submit(self, previous: Optional[_Submitted]) -> Optional[_Submitted]:
