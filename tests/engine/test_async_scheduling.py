@@ -205,10 +205,12 @@ def test_engine_core_runs_steps_ahead_with_the_same_tokens():
 
 
 class MaskingRunner(FakeRunner):
-    """:class:`FakeRunner` whose rows never take a token the step's bitmask forbids (the next allowed id)."""
+    """:class:`FakeRunner` whose rows never take a token the step's bitmask forbids (the next allowed id).
+    The bitmask is asked for after the step's "forward" ran, as a runner does (``m3_engine.runner``)."""
 
     def submit(self, step, sampling, previous=None):
         tokens = self.model.run(step, previous)
+        sampling = sampling.with_token_bitmask()
         if sampling.token_bitmask is not None:
             bits = np.unpackbits(sampling.token_bitmask.view(np.uint8), axis=1, bitorder="little")[:, :VOCAB]
             for row, allowed in enumerate(bits):
@@ -218,34 +220,49 @@ class MaskingRunner(FakeRunner):
 
 
 def run_masked(params: SamplingParams, *, overlap: bool, tokenizer=None) -> tuple:
-    """One request of ``params`` beside a plain one -> (its tokens, steps run ahead)."""
+    """One request of ``params`` beside a plain one -> (its tokens and finish reason, steps run ahead)."""
     s = scheduler()
     core = EngineCore(MaskingRunner(s.config.num_slots), s, tokenizer=tokenizer, async_scheduling=overlap)
     core.add_request("plain", prompt(5, 8), SamplingParams(max_tokens=8, ignore_eos=True))
     core.add_request("r", prompt(6, 9), params)
-    out = {}
+    out, reason = {}, None
     while core.has_unfinished_requests():
         for o in core.execute_step():
             out[o.request_id] = out.get(o.request_id, []) + o.new_token_ids
-    return out["r"], core.stats["steps_ahead"]
+            reason = o.finish_reason if o.request_id == "r" else reason
+    assert s.num_free_slots == s.config.num_slots and not s.has_unfinished()
+    return (out["r"], reason), core.stats["steps_ahead"]
 
 
-def test_min_tokens_and_bad_words_wait_for_their_tokens(tmp_path):
-    """min_tokens masks the stop ids until the output has exactly that many tokens, and a bad word of
-    several tokens is matched against the whole output: their steps do not run ahead (stale tokens)."""
-    plain, _ = run_masked(SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=4, stop_token_ids=[VOCAB - 2]),
-                          overlap=False)
-    stop = plain[4]   # the first token min_tokens=4 lets through: a stale count would mask it
-    params = SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=4, stop_token_ids=[stop])
-    sync, _ = run_masked(params, overlap=False)
-    ahead, steps_ahead = run_masked(params, overlap=True)
-    assert sync == plain[:5] and ahead == sync and steps_ahead > 0   # the plain request ran ahead
+def test_masked_requests_run_ahead_with_the_same_tokens(tmp_path):
+    """Structured outputs (a JSON schema, a regex, a choice whose grammar ends the request under
+    ignore_eos), min_tokens (the stop ids masked until the output has exactly that many tokens) and a
+    bad word of several tokens (matched against the whole output): every step after the first runs
+    ahead, its bitmask filled once the step before it is applied, with the tokens of synchronous steps."""
+    from m3_engine.structured_outputs import StructuredOutputsParams as Constraint
+
+    pytest.importorskip("xgrammar")
     tokenizer = load_tokenizer(write_tiny_checkpoint(tmp_path, seed=0))
+    (plain, _), _ = run_masked(SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=4,
+                                              stop_token_ids=[VOCAB - 2]), overlap=False)
+    stop = plain[4]   # the first token min_tokens=4 lets through: a stale count would mask it
     word = next(w for w in ("quick brown", "the lazy dog") if len(tokenizer.encode(w, add_special_tokens=False)) > 1)
-    _, steps_ahead = run_masked(SamplingParams(max_tokens=3, ignore_eos=True, bad_words=[word]), overlap=True,
-                                tokenizer=tokenizer)
-    _, plain_ahead = run_masked(SamplingParams(max_tokens=3, ignore_eos=True), overlap=True)
-    assert steps_ahead < plain_ahead
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    cases = {"min_tokens": SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=4, stop_token_ids=[stop]),
+             "bad_words": SamplingParams(max_tokens=8, ignore_eos=True, bad_words=[word]),
+             "json": SamplingParams(max_tokens=12, structured_outputs=Constraint(json=schema)),
+             "regex": SamplingParams(max_tokens=12, structured_outputs=Constraint(regex=r"[a-z]{3,8}-\d{2}")),
+             "choice": SamplingParams(max_tokens=12, ignore_eos=True,
+                                      structured_outputs=Constraint(choice=["yes", "no way"]))}
+    for name, params in cases.items():
+        sync, _ = run_masked(params, overlap=False, tokenizer=tokenizer)
+        ahead, steps_ahead = run_masked(params, overlap=True, tokenizer=tokenizer)
+        assert ahead == sync, name
+        assert steps_ahead >= max(len(sync[0]), 8) - 1, name   # every step but the first ran ahead
+    assert run_masked(cases["min_tokens"], overlap=False)[0] == (plain[:5], "stop")
+    choice, reason = run_masked(cases["choice"], overlap=True, tokenizer=tokenizer)[0]
+    assert reason == "stop" and tokenizer.decode(choice[:-1]) in ("yes", "no way")   # the grammar ended it
 
 
 # -- engines: the tiny model, both frameworks ---------------------------------------------------------
