@@ -279,12 +279,20 @@ def run_engine(llm, stop_token, *, overlap: bool) -> dict:
     def greedy(n, **kw):
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
+    from m3_engine.structured_outputs import StructuredOutputsParams as Constraint
+
     engine = llm.engine
     engine.core.async_scheduling = overlap
     stops = [] if stop_token is None else [stop_token]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     requests = [("long", list(range(3, 23)), greedy(3)), ("short", [5, 6, 7], greedy(1)),
                 ("seeded", [9, 10, 11], SamplingParams(temperature=0.8, seed=7, max_tokens=3, ignore_eos=True)),
-                ("stop", [13, 14, 15], greedy(4, stop_token_ids=stops))]
+                ("stop", [13, 14, 15], greedy(4, stop_token_ids=stops)),
+                ("json", [40, 41], greedy(4, structured_outputs=Constraint(json=schema))),
+                ("regex", [42, 43], greedy(4, structured_outputs=Constraint(regex=r"[a-z]{2,5}-\d"))),
+                ("choice", [44, 45], greedy(6, structured_outputs=Constraint(choice=["yes", "no"]))),
+                ("min_tokens", [46, 47], greedy(3, min_tokens=2, stop_token_ids=[50, 51])),
+                ("bad_words", [48, 49], greedy(3, bad_words=["quick brown"]))]
     late = [("late", [20, 21], greedy(2)), ("aborted", [30, 31], greedy(4))]
     for request_id, ids, params in requests:
         engine.add_request(request_id, ids, params)
@@ -302,11 +310,12 @@ def run_engine(llm, stop_token, *, overlap: bool) -> dict:
     return out
 
 
-@pytest.mark.long   # ~25 s a framework on the CPU interpreter: `pytest -m long tests/test_async_scheduling.py`
+@pytest.mark.long   # ~60 s a framework on the CPU interpreter: `pytest -m long tests/test_async_scheduling.py`
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_engine_same_tokens_async_on_and_off(model_dir, framework):
     """The synchronous run (no stop token) is the reference; the run with steps ahead ends "stop" at its
-    second token, found one step late."""
+    second token, found one step late. Constrained requests (a JSON schema, a regex, a choice its grammar
+    ends), min_tokens and bad words run ahead with their late token bitmasks, to the same tokens."""
     llm_class = pytest.importorskip(f"m3_{framework}").LLM
     with llm_class(model_dir, device="cpu", max_num_seqs=4, max_model_len=64, graph_batch_sizes=[4],
                    max_num_batched_tokens=16, prefill_chunk=12, async_scheduling=True) as llm:
@@ -321,7 +330,8 @@ def test_engine_same_tokens_async_on_and_off(model_dir, framework):
     assert overlapped.pop("stop") == (sync.pop("stop")[0][:2], "stop")
     assert overlapped == sync
     assert len(sync["long"][0]) == 3 and sync["short"] == (sync["short"][0], "length")
-    assert sync["aborted"][1] == "abort" and len(sync) == 5
+    assert sync["aborted"][1] == "abort" and len(sync) == 10
+    assert sync["choice"][1] == "stop"   # the grammar ended it (ignore_eos)
 
 
 def test_async_scheduling_option_is_checked(model_dir):
