@@ -265,6 +265,39 @@ def test_masked_requests_run_ahead_with_the_same_tokens(tmp_path):
     assert reason == "stop" and tokenizer.decode(choice[:-1]) in ("yes", "no way")   # the grammar ended it
 
 
+class FailingRunner(MaskingRunner):
+    """:class:`MaskingRunner` whose ``fail_at``-th submission fails after asking for its late bitmask
+    (a sampling launch that fails once the step before it was applied)."""
+
+    def __init__(self, num_slots: int, fail_at: int):
+        super().__init__(num_slots)
+        self.fail_at, self.submitted = fail_at, 0
+
+    def submit(self, step, sampling, previous=None):
+        self.submitted += 1
+        if self.submitted == self.fail_at:
+            self.model.run(step, previous)
+            sampling.with_token_bitmask()
+            raise RuntimeError("injected sampling failure")
+        return super().submit(step, sampling, previous)
+
+
+def test_a_failure_after_the_previous_step_was_applied_comes_one_call_later():
+    """The step before the failed one has its outputs handed out (its request saw its tokens); the failure
+    is raised by the next call, with nothing scheduled left behind."""
+    s = scheduler()
+    core = EngineCore(FailingRunner(s.config.num_slots, fail_at=3), s, tokenizer=None, async_scheduling=True)
+    core.add_request("r", prompt(6, 9), SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=6,
+                                                       stop_token_ids=[VOCAB - 2]))
+    assert [len(o.new_token_ids) for o in core.execute_step()] == [1]
+    assert [len(o.new_token_ids) for o in core.execute_step()] == [1]   # submission 3 failed after applying 2
+    with pytest.raises(RuntimeError, match="injected sampling failure"):
+        core.execute_step()
+    assert core.unfinished_request_ids() == ["r"]
+    core.finish_request("r")
+    assert s.num_free_slots == s.config.num_slots and not s.has_unfinished()
+
+
 # -- engines: the tiny model, both frameworks ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
