@@ -28,6 +28,10 @@ drafts the next step verifies; it comes after the front end finished the request
 scheduler drafts for unfinished requests only). A request that finishes frees its cache pages at
 once. Not thread-safe: one thread drives it.
 
+**The token bitmask comes late** (vLLM's order): the runner launches a step's forward, then asks for
+its bitmask (``SamplingBatch.late_token_bitmask``, ``m3_engine.runner``), then launches its sampling,
+so the host fills the mask while the device runs the forward.
+
 **Async scheduling** (``async_scheduling=True``, vLLM's option): the device never waits for the
 host between steps. Each :meth:`execute_step` schedules and submits the next step while the
 last one runs, then waits for the last one's tokens and hands them out::
@@ -37,14 +41,22 @@ last one runs, then waits for the last one's tokens and hands them out::
 
 Step ``k + 1`` is scheduled before step ``k``'s tokens are known: its generation rows take those
 tokens on the device (``Step.carry_from``); a request that step ``k`` ends by length is left
-out of it, and one that step ``k`` ends by a stop token (or that is aborted or stopped by a stop
-string meanwhile) has its row of step ``k + 1`` discarded (``m3_engine.scheduler``). Outputs are
-the same tokens as with synchronous steps, one call later. A step runs synchronously (the next
-one scheduled after its tokens are back) when a request it samples for needs its tokens on the
-host to build the next step: penalties (they count the output), structured outputs (the token
-bitmask follows the grammar), a bad word of several tokens (its last token is masked after the
-output ends with the rest of it), ``min_tokens`` not reached yet (the stop tokens are masked
-until the output has exactly that many tokens). Not with speculative decoding (``m3_engine.args`` refuses it).
+out of it, and one that step ``k`` ends by a stop token, by completing its grammar (or that is
+aborted or stopped by a stop string meanwhile) has its row of step ``k + 1`` discarded
+(``m3_engine.scheduler``). When step ``k + 1`` is masked, the wait for step ``k`` moves inside its
+submission: its forward is launched, then the host waits for step ``k``'s tokens, applies them
+(scheduler update, grammar advance), fills step ``k + 1``'s mask from them (the rows of a request
+that ended meanwhile allow every token: they are discarded) and only then launches its sampling::
+
+    call k:   schedule, launch forward k+1 | wait for step k, update, fill mask k+1 | launch sampling k+1
+    device:   ... step k ...................... forward k+1 ..................... sampling k+1 ...
+
+so structured outputs, ``min_tokens`` and bad words (of any length) run ahead too. Outputs are the
+same tokens as with synchronous steps, one call later. A step runs synchronously (the next one
+scheduled after its tokens are back) when a request it samples for uses penalties: the next step
+uploads its output ids. Not with speculative decoding (``m3_engine.args`` refuses it). When a
+step's submission fails after the tokens of the step before it were applied, :meth:`execute_step`
+hands those out and raises the failure at its next call.
 """
 
 from __future__ import annotations
@@ -52,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -61,7 +73,7 @@ from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Scheduler
 from .step_inputs import Step
 from .step_timeline import StepTimeline
-from .structured_outputs import Grammar, StructuredOutputsBackend, bitmask_width, fill_bitmask, forbid_tokens
+from .structured_outputs import Grammar, StructuredOutputsBackend, fill_bitmask, forbid_tokens
 from .tokenizer import Tokenizer
 
 __all__ = ["EngineCore", "CoreOutput", "TokenLogprobs", "bad_words_token_ids", "banned_tokens"]
@@ -119,23 +131,22 @@ class _CoreRequest:
         return bool(self.bad_words) or len(self.token_ids) < self.params.min_tokens
 
     @property
-    def needs_tokens_on_host(self) -> bool:
-        """Its next step's inputs depend on its last token on the host (the sampling batch counts it
-        or masks by it: penalties, a grammar, a bad word of several tokens (its prefix is matched
-        against the output), fewer outputs than ``min_tokens``): its steps run synchronously under
-        async scheduling."""
-        return (self.grammar is not None or self.params.has_penalties or self.longest_bad_word > 1
-                or len(self.token_ids) < self.params.min_tokens)
+    def masked(self) -> bool:
+        """Whether its next rows need a token bitmask: a grammar, or tokens it bans."""
+        return self.grammar is not None or self.bans_tokens
 
 
 @dataclasses.dataclass(eq=False)
 class _Submitted:
-    """A step launched on the runner: its handle (``Runner.submit``), and whether the next step may be
-    scheduled before its tokens are back."""
+    """A step launched on the runner: its handle (``Runner.submit``), whether the next step may be
+    scheduled before its tokens are back, and once its tokens are back and applied, its outputs."""
     step: Step
     handle: Any
     may_run_ahead: bool
     prompt_spans: list   # [(request, start, end)]: the prompt logprobs the step's result holds
+    taken: bool = False                    # runner.result returned its tokens
+    outputs: Optional[list] = None         # what _apply made of them
+    device_wait: float = 0.0               # seconds runner.result waited for them (the step timeline)
 
 
 class EngineCore:
@@ -160,6 +171,7 @@ class EngineCore:
         self.seed = seed
         self.async_scheduling = async_scheduling
         self._in_flight: Optional[_Submitted] = None   # the step submitted and not yet updated
+        self._failure: Optional[Exception] = None       # a submission's failure, raised at the next step
         self._requests: dict[str, _CoreRequest] = {}       # request id -> unfinished request
         self._by_scheduler_id: dict[int, _CoreRequest] = {}
         self._arrivals = itertools.count()
@@ -256,6 +268,9 @@ class EngineCore:
         :meth:`propose_drafts` must follow before the next step."""
         if self._draft_work is not None:
             raise RuntimeError("execute_step: the last step's draft pass has not run (call propose_drafts() first)")
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         start = time.time()
         if self._in_flight is None:
             if not self.scheduler.has_unfinished():
@@ -265,24 +280,44 @@ class EngineCore:
         try:
             if done.may_run_ahead:
                 self._in_flight = self._submit(previous=done)
-            waited = time.perf_counter()
-            result = self.runner.result(done.handle)
-            waited = time.perf_counter() - waited
-        except BaseException:   # nothing of either step is applied
-            if self._in_flight is not None:
-                self.scheduler.cancel(self._in_flight.step)
-                self._in_flight = None
-            self.scheduler.cancel(done.step)
+            outputs = self._take(done)
+        except Exception as e:
+            if done.outputs is None:
+                self._cancel(done)
+                raise
+            self._failure = e   # the next step failed after this one's tokens were applied: hand them out
+            outputs = done.outputs
+        except BaseException:
+            self._cancel(done)
             raise
-        outputs = self._apply(done, result)
         self._drain_if_idle()
         if self.timeline is not None:
-            self.timeline.record(start, done.step, waited, outputs)
+            self.timeline.record(start, done.step, done.device_wait, outputs)
         return outputs
+
+    def _cancel(self, done: _Submitted) -> None:
+        """A step failed: undo the scheduling of the step in flight and of ``done`` unless its tokens came
+        back (nothing of them is applied when the runner failed)."""
+        if self._in_flight is not None:
+            self.scheduler.cancel(self._in_flight.step)
+            self._in_flight = None
+        if not done.taken:
+            self.scheduler.cancel(done.step)
+
+    def _take(self, done: _Submitted) -> list:
+        """Wait for a step's tokens and apply them, once (the next step's late bitmask may have done it)."""
+        if not done.taken:
+            waited = time.perf_counter()
+            result = self.runner.result(done.handle)
+            done.device_wait = time.perf_counter() - waited
+            done.taken = True
+            done.outputs = self._apply(done, result)
+        return done.outputs
 
     def _submit(self, previous: Optional[_Submitted]) -> Optional[_Submitted]:
         """Schedule the next step and launch it. ``previous``: the step still running, whose sampled
-        tokens the new one may take on the device. -> None when no step can run before ``previous``'s
+        tokens the new one may take on the device, and which a masked new step takes (waits for and
+        applies) before its bitmask is filled. -> None when no step can run before ``previous``'s
         tokens are back."""
         if not self.scheduler.has_unfinished():
             return None
@@ -297,15 +332,24 @@ class EngineCore:
                 request.first_scheduled_time = now
                 request.num_cached_tokens = r.prefix_hit_tokens
         prompt_spans = self._prompt_spans(step)
+        late_bitmask = None
+        if any(r.masked for r in rows):
+            requests = [self._by_scheduler_id[r.id] for r, _ in step.rows]
+
+            def late_bitmask():   # called by the runner once the step's forward is launched
+                if previous is not None:
+                    self._take(previous)
+                return self._token_bitmask(step, requests)
+
         try:
-            handle = self.runner.submit(step, self._sampling_batch(step, rows, prompt_spans),
+            handle = self.runner.submit(step, self._sampling_batch(step, rows, prompt_spans, late_bitmask),
                                         previous.handle if step.carry_from is not None else None)
         except BaseException:
             self.scheduler.cancel(step)
             raise
         self._counts["prompt_tokens"] += step.num_prompt_tokens
         self._counts["steps_ahead"] += previous is not None
-        may_run_ahead = self.async_scheduling and not any(r.needs_tokens_on_host for r in rows)
+        may_run_ahead = self.async_scheduling and not any(r.params.has_penalties for r in rows)
         return _Submitted(step, handle, may_run_ahead, prompt_spans)
 
     def _apply(self, done: _Submitted, result: SampleResult) -> list:
@@ -413,7 +457,8 @@ class EngineCore:
                                                              int(result.prompt_ranks[i])))
                 i += 1
 
-    def _sampling_batch(self, step: Step, rows: list, prompt_spans: list) -> SamplingBatch:
+    def _sampling_batch(self, step: Step, rows: list, prompt_spans: list,
+                        late_bitmask: Optional[Callable[[], np.ndarray]]) -> SamplingBatch:
         params = [r.params for r in rows]
         penalties = any(p.has_penalties for p in params)
         asked = [p.logprobs for p in params if p.logprobs is not None]
@@ -437,26 +482,23 @@ class EngineCore:
             prompt_ids=ids([r.prompt_ids for r in rows]) if penalties else None,
             output_ids=ids(self._outputs_so_far(step)) if penalties else None,
             num_logprobs=max(asked) if asked else None,
-            token_bitmask=self._token_bitmask(step, rows),
+            late_token_bitmask=late_bitmask,
             prompt_targets=np.concatenate([np.asarray(request.prompt_ids[start + 1:end + 1], np.int32)
                                            for request, start, end in prompt_spans]) if prompt_spans else None,
             num_prompt_logprobs=max((request.params.prompt_logprobs for request, _, _ in prompt_spans), default=None))
 
-    def _token_bitmask(self, step: Step, rows: list) -> Optional[np.ndarray]:
-        """The step's token bitmask (module docstring), None when no row forbids a token."""
-        constrained = any(r.grammar is not None for r in rows)
-        if not constrained and not any(r.bans_tokens for r in rows):
-            return None
-        requests = [self._by_scheduler_id[r.id] for r, _ in step.rows]
+    def _token_bitmask(self, step: Step, requests: list) -> np.ndarray:
+        """The step's token bitmask (module docstring), from the requests' tokens so far; ``requests``:
+        per row of the step. The rows of a request that ended since the step was scheduled allow every
+        token (they are discarded)."""
         counts = step.num_logits.tolist()
+        live = [not r.finished for r, _ in step.rows]
         vocab_size = self.scheduler.vocab_size
-        if constrained:
-            bitmask = fill_bitmask(list(zip([r.grammar for r in requests], counts, step.drafts)), vocab_size)
-        else:
-            bitmask = np.full((sum(counts), bitmask_width(vocab_size)), -1, np.int32)
+        bitmask = fill_bitmask([(request.grammar if alive else None, count, drafts) for request, alive, count, drafts
+                                in zip(requests, live, counts, step.drafts)], vocab_size)
         start = 0
-        for request, count, drafts in zip(requests, counts, step.drafts):
-            if request.bans_tokens:
+        for request, alive, count, drafts in zip(requests, live, counts, step.drafts):
+            if alive and request.bans_tokens:
                 keep = request.longest_bad_word - 1   # the output's tail a bad word's prefix may match
                 tail = request.token_ids[len(request.token_ids) - keep:] if keep else []
                 for j in range(count):   # a verify row's row j follows drafts 0..j-1

@@ -9,7 +9,7 @@ only, so everything a request does outside the model step lives once, here in
     runner.scheduler_config: SchedulerConfig          # the engine's limits, num_slots = the pool the runner made
     runner.on_gpu: bool                               # precompile's default (m3_engine.args)
     runner.warm_up(builder) -> dict                   # make every step program now (precompile)
-    handle = runner.submit(step, sampling, previous)  # launch one step: model forward + sampling, on every rank
+    handle = runner.submit(step, sampling, previous)  # launch one step: model forward, then sampling
     runner.result(handle) -> SampleResult             # wait for it: the sampled tokens on the host
     runner.execute(step, sampling) -> SampleResult    # both at once: result(submit(step, sampling, None))
     runner.propose(work) -> drafts [n, k] int32       # EAGLE-3 only: the draft model after that step
@@ -24,6 +24,17 @@ from this one's sampled tokens without the host seeing them
 logits row ``i``): ``previous`` is the handle of the step submitted just
 before (None when ``step.carry_from`` is None). ``result`` is called once per
 handle, in submission order.
+
+A step's token bitmask may come late (``sampling.late_token_bitmask``, a
+callable; vLLM's order): ``submit`` launches the step's forward first, then
+calls it once (:meth:`SamplingBatch.with_token_bitmask`), then launches the
+sampling that consumes the mask. The host fills the mask while the device runs
+the forward; under async scheduling the call also waits for ``previous``'s
+tokens and applies them (the engine's scheduler update and grammar advance,
+``m3_engine.engine_core``) first, so it may call ``result(previous)`` from
+inside ``submit``. Whether a step is masked is known at submission
+(:attr:`SamplingBatch.masked`): a runner picks its programs by it before the
+mask exists.
 
 ``scheduler_config`` is ``args.scheduler`` with ``num_slots`` the pages of the
 KV pool the runner allocated: on a GPU without ``num_gpu_blocks_override``,
@@ -59,7 +70,7 @@ pass over the step's rows and its chain, and returns the greedy drafts of
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
@@ -83,6 +94,9 @@ class SamplingBatch:
     token_bitmask: only when a row forbids tokens (structured outputs, min_tokens, bad_words; else
     None): [L, ceil(V / 32)] int32, V the logits width; bit ``t % 32`` of word ``t // 32`` set =
     token ``t`` may be sampled (``m3_engine.structured_outputs``); other rows are all ones (-1).
+    late_token_bitmask: instead of token_bitmask, a callable returning it, which the runner calls
+    once, after launching the step's forward and before launching its sampling (the module
+    docstring).
     Prompt logprobs, only on a step with ``step.prompt_logits_indices`` (else None): prompt_targets
     [P] int32, the prompt token that follows each of those rows; num_prompt_logprobs, the
     largest top-N asked (0: the target's logprob and rank only).
@@ -100,6 +114,7 @@ class SamplingBatch:
     output_ids: Optional[np.ndarray] = None
     num_logprobs: Optional[int] = None
     token_bitmask: Optional[np.ndarray] = None
+    late_token_bitmask: Optional[Callable[[], np.ndarray]] = None
     prompt_targets: Optional[np.ndarray] = None
     num_prompt_logprobs: Optional[int] = None
 
@@ -109,6 +124,22 @@ class SamplingBatch:
         return cls(temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
                    top_p=np.ones(rows, np.float32), min_p=np.zeros(rows, np.float32),
                    seeds=np.zeros(rows, np.int64), counters=np.zeros(rows, np.int32))
+
+    def __post_init__(self):
+        if self.token_bitmask is not None and self.late_token_bitmask is not None:
+            raise ValueError("late_token_bitmask: expected None with a token_bitmask given (one or the other)")
+
+    @property
+    def masked(self) -> bool:
+        """Whether the step's sampling takes a token bitmask (given now or late)."""
+        return self.token_bitmask is not None or self.late_token_bitmask is not None
+
+    def with_token_bitmask(self) -> "SamplingBatch":
+        """This batch with its late token bitmask filled (``late_token_bitmask()`` called now, once);
+        itself when the mask is given or there is none."""
+        if self.late_token_bitmask is None:
+            return self
+        return dataclasses.replace(self, token_bitmask=self.late_token_bitmask(), late_token_bitmask=None)
 
     @property
     def has_penalties(self) -> bool:
@@ -169,13 +200,14 @@ class Runner(Protocol):
 
 class SynchronousRunner:
     """A base for runners (stand-ins in tests) whose steps are done when ``execute`` returns: ``submit``
-    runs the step, ``result`` hands its outputs back. No carried tokens: not for async scheduling."""
+    runs the step (its late token bitmask filled first), ``result`` hands its outputs back. No carried
+    tokens: not for async scheduling."""
 
     def submit(self, step: Step, sampling: SamplingBatch, previous: Any = None) -> SampleResult:
         if step.carry_from is not None:
             raise ValueError("step.carry_from: this runner takes every token id from the host "
                              "(expected async_scheduling=False)")
-        return self.execute(step, sampling)
+        return self.execute(step, sampling.with_token_bitmask())
 
     def result(self, handle: SampleResult) -> SampleResult:
         return handle

@@ -18,8 +18,9 @@ A request names exactly one constraint. How it runs (vLLM v1's design):
 * **One matcher per request.** :class:`Grammar` wraps the request's
   ``xgrammar.GrammarMatcher``: it accepts the request's tokens one by one and
   says which tokens may come next.
-* **A bitmask per step.** Before each step :func:`fill_bitmask` writes, for
-  every logits row, the tokens that row may sample: ``[L, ceil(V / 32)]``
+* **A bitmask per step.** While the step's forward runs, :func:`fill_bitmask`
+  writes, for every logits row, the tokens that row may sample (the rows of
+  a step in one multi-threaded call): ``[L, ceil(V / 32)]``
   int32, bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed, ``V`` the
   model's vocabulary (the logits width, which may exceed the tokenizer's: ids
   past the tokenizer's are never allowed). Unconstrained rows are all ones
@@ -44,16 +45,21 @@ imported on the first constrained request; it imports torch itself.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
 import re
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
 __all__ = ["StructuredOutputsParams", "StructuredOutputsBackend", "Grammar", "fill_bitmask", "forbid_tokens",
-           "apply_token_bitmask", "bitmask_width", "COMPILE_CACHE_BYTES"]
+           "apply_token_bitmask", "bitmask_width", "COMPILE_CACHE_BYTES", "FILL_THREADS"]
 
 COMPILE_CACHE_BYTES = 1 << 30   # compiled grammars kept by the backend (xgrammar evicts past this)
+# threads filling a step's bitmask rows: half the cores (the other half run the engine, the server and
+# the framework's dispatch), at most 8 (a step's rows are few; more threads cost more to start than they save)
+FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: ": the message is what follows
 _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -171,19 +177,22 @@ def fill_bitmask(rows: Sequence[tuple], vocab_size: int) -> np.ndarray:
           logits row ``j`` follows drafts ``0..j-1``.
     Unconstrained rows are all ones (-1); so are the rows of a verify row after a draft its
     grammar refuses or that terminates it (the verify never accepts past that draft, so they
-    are never used). A constrained row that allows no token raises ``RuntimeError``.
+    are never used). A constrained row that allows no token raises ``RuntimeError``. The rows
+    without drafts are filled in one call on :data:`FILL_THREADS` threads (xgrammar's
+    ``BatchGrammarMatcher``).
     """
     total = sum(count for _, count, _ in rows)
     bitmask = np.full((total, bitmask_width(vocab_size)), -1, np.int32)
-    start = 0
+    start, batch, batch_rows = 0, [], []
     for grammar, count, drafts in rows:
-        if grammar is not None:
+        if grammar is not None and count and not drafts:
+            batch.append(grammar.matcher)
+            batch_rows.append(start)
+        elif grammar is not None:
             accepted = 0
             for j in range(count):
                 grammar.fill(bitmask, start + j)
-                if not bitmask[start + j].any():
-                    raise RuntimeError("structured outputs: the request's grammar allows no token of the vocabulary "
-                                       "next (a grammar this tokenizer cannot write)")
+                _check_allows_a_token(bitmask, start + j)
                 if j == len(drafts) or not grammar.try_accept(drafts[j]):
                     break   # past the drafts (padding rows), or a refused draft: the rest are never used
                 accepted += 1
@@ -191,7 +200,23 @@ def fill_bitmask(rows: Sequence[tuple], vocab_size: int) -> np.ndarray:
                     break   # a stop-token draft: the request ends there
             grammar.rollback(accepted)
         start += count
+    if batch:
+        _batch_matcher().batch_fill_next_token_bitmask(batch, bitmask, batch_rows)
+        for row in batch_rows:
+            _check_allows_a_token(bitmask, row)
     return bitmask
+
+
+def _check_allows_a_token(bitmask: np.ndarray, row: int) -> None:
+    if not bitmask[row].any():
+        raise RuntimeError("structured outputs: the request's grammar allows no token of the vocabulary "
+                           "next (a grammar this tokenizer cannot write)")
+
+
+@functools.lru_cache(maxsize=None)
+def _batch_matcher():
+    """xgrammar's multi-threaded filler of many matchers' rows (one per process)."""
+    return _import_xgrammar().BatchGrammarMatcher(FILL_THREADS)
 
 
 def forbid_tokens(bitmask: np.ndarray, row: int, token_ids: Sequence[int]) -> None:

@@ -20,7 +20,11 @@ donated (cache writes in place). What the compile cache is keyed by:
   never a length.
 
 So the step programs are exactly one per shape of ``buckets.shapes()`` (and
-sampling variant, below): :meth:`JaxRunner.warm_up` compiles them all at start
+sampling variant, below), plus, for a step whose token bitmask comes late
+(``SamplingBatch.late_token_bitmask``: the engine's masked steps), two programs
+run one after the other: the forward (one per shape), dispatched before the
+host fills the mask, and the masked sampling of its logits (one per logits
+rows and sampling variant): :meth:`JaxRunner.warm_up` compiles them all at start
 (``precompile``), and the persistent compilation cache
 (``m3_engine.compile_cache``, set up when the runner starts) keeps them for the
 next start.
@@ -30,7 +34,9 @@ in ``shard_map`` over a mesh of N devices (``m3_jax.tp``); the scheduler,
 the padding and the compile keys are unchanged (plans are made for one
 shard's heads).
 
-:attr:`JaxRunner.compiled_steps` lists the ``StepSpec`` of every compilation.
+:attr:`JaxRunner.compiled_steps` lists the ``StepSpec`` of every compilation of the
+one-program step, :attr:`JaxRunner.compiled_masked` those of the two programs of a
+late-masked step.
 Sampling parameters join the key only through what changes the traced
 function: whether a row uses penalties (their id arrays padded to powers of
 two), whether a row forbids tokens (the token bitmask: structured outputs,
@@ -38,7 +44,8 @@ min_tokens, bad_words), how many top logprobs are asked, and on a step that
 computes prompt logprobs, its prompt rows (padded to powers of two) and
 their top-N.
 The warm-up compiles the plain variant (temperature, top-k/p, min-p: arrays,
-one program); the others compile on their first use of a shape.
+one program) and the late-masked one (a masked step's forward and its plain
+masked sampling); the others compile on their first use of a shape.
 
 With an EAGLE-3 draft (``speculative_config`` method "eagle3", one device)
 the jitted step also returns the target's aux hidden states, and
@@ -76,6 +83,7 @@ from m3_engine.quantization import is_quantized, is_scale, load_stream
 from m3_engine.runner import SampleResult, SamplingBatch
 from m3_engine.scheduler import DraftPass
 from m3_engine.step_inputs import Step, StepBuilder
+from m3_engine.structured_outputs import bitmask_width
 from m3_kernels.maps import next_pow2
 
 from . import eagle3, fp8, model, tp
@@ -201,8 +209,11 @@ class JaxRunner:
             self.pool = allocate_pool(self.pool_layout, self.device) if self.mesh is None else \
                 tp.allocate_pool(self.pool_layout, self.mesh)
         self.compiled_steps: list[StepSpec] = []   # one entry per compilation: the spec it was traced for
+        self.compiled_masked: list[tuple] = []      # the same for the two programs of a late-masked step
         self._step = jax.jit(self._run, static_argnames=("spec", "packing", "num_logprobs", "prompt"),
                              donate_argnames=("pool",))
+        self._forward = jax.jit(self._run_forward, static_argnames=("spec", "packing"), donate_argnames=("pool",))
+        self._sample = jax.jit(self._run_sample, static_argnames=("packing", "num_logprobs", "prompt"))
         # async scheduling: the sampled tokens a step passes to the next one, on the device (None: off)
         self._no_feed = None
         if args.async_scheduling:
@@ -228,22 +239,36 @@ class JaxRunner:
             -> "SubmittedStep":
         """Dispatch ``step`` and its sampling, and start the copy of the outputs to the host; returns
         without waiting. ``previous``: the step submitted before it, when ``step.carry_from`` takes
-        its tokens."""
+        its tokens. A late token bitmask (``sampling.late_token_bitmask``) splits the step in two
+        programs: the forward is dispatched, the mask filled on the host while it runs, then the
+        masked sampling is dispatched."""
         if self.pool is None:
             raise RuntimeError("this LLM is closed (close() was called)")
         batch, spec, maps = self._layout(step)
         carry, feed = self._carry(step, previous)
         num_prompt = len(step.prompt_logits_indices)
         prompt = (_prompt_rows(num_prompt), sampling.num_prompt_logprobs) if num_prompt else None
-        flat, packing = pack_inputs((batch, maps, _sampling_arrays(sampling, _num_logits(spec), prompt), carry))
-        with self._on_device():
-            (flat_out, aux, next_feed), self.pool = self._step(
-                self.params, self.pool, self._step_input(flat), feed, spec=spec, packing=packing,
-                num_logprobs=sampling.num_logprobs, prompt=prompt)
+        rows = _num_logits(spec)
+        if sampling.late_token_bitmask is None:
+            flat, packing = pack_inputs((batch, maps, _sampling_arrays(sampling, rows, prompt), carry))
+            with self._on_device():
+                (flat_out, next_feed, aux), self.pool = self._step(
+                    self.params, self.pool, self._step_input(flat), feed, spec=spec, packing=packing,
+                    num_logprobs=sampling.num_logprobs, prompt=prompt)
+        else:
+            flat, packing = pack_inputs((batch, maps, carry))
+            with self._on_device():
+                (logits, aux), self.pool = self._forward(self.params, self.pool, self._step_input(flat), feed,
+                                                         spec=spec, packing=packing)
+            sampling = sampling.with_token_bitmask()   # the host fills it while the device runs the forward
+            flat, packing = pack_inputs(_sampling_arrays(sampling, rows, prompt))
+            with self._on_device():
+                flat_out, next_feed = self._sample(logits, self._step_input(flat), feed, packing=packing,
+                                                   num_logprobs=sampling.num_logprobs, prompt=prompt)
         flat_out.copy_to_host_async()
         if self.proposer is not None:
             self._last = (step, eagle3.TargetStep(batch, aux))
-        return SubmittedStep(flat_out, next_feed, len(step.logits_indices), _num_logits(spec),
+        return SubmittedStep(flat_out, next_feed, len(step.logits_indices), rows,
                              sampling.num_logprobs, num_prompt, prompt)
 
     def result(self, handle: "SubmittedStep") -> SampleResult:
@@ -264,16 +289,21 @@ class JaxRunner:
         return device.platform == "gpu"
 
     def warm_up(self, builder: StepBuilder) -> dict:
-        """Compile the step program of every shape of ``self.buckets`` (``shapes()``: the bounded set),
-        plain sampling, by running a step of it that reads and writes nothing (``builder.dummy``)."""
+        """Compile the step programs of every shape of ``self.buckets`` (``shapes()``: the bounded set) by
+        running steps of it that read and write nothing (``builder.dummy``): the one program of plain
+        sampling, and the forward and masked sampling programs of a step whose token bitmask comes late."""
         from tqdm.auto import tqdm
 
-        start, before = time.perf_counter(), len(self.compiled_steps)
-        sampling = SamplingBatch.greedy(1)
+        start, before = time.perf_counter(), len(self.compiled_steps) + len(self.compiled_masked)
+        plain = SamplingBatch.greedy(1)
+        bitmask = np.full((1, bitmask_width(self.config.vocab_size)), -1, np.int32)
+        masked = dataclasses.replace(plain, late_token_bitmask=lambda: bitmask)
         for shape in tqdm(list(self.buckets.shapes()), desc="Compiling step programs (jax)", unit="shape"):
-            self.execute(builder.dummy(shape), sampling)
+            self.execute(builder.dummy(shape), plain)
+            self.execute(builder.dummy(shape), masked)
         self._last = None
-        return dict(programs=len(self.compiled_steps) - before, compile=time.perf_counter() - start, capture=0.0)
+        programs = len(self.compiled_steps) + len(self.compiled_masked) - before
+        return dict(programs=programs, compile=time.perf_counter() - start, capture=0.0)
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
         return self.result(self.submit(step, sampling))
@@ -309,8 +339,26 @@ class JaxRunner:
     # -- one step -----------------------------------------------------------------------------------
 
     def _run(self, params, pool, flat, feed, *, spec, packing, num_logprobs, prompt):
+        """The step program: forward, then sampling."""
         self.compiled_steps.append(spec)  # runs once per trace, i.e. per compilation
         batch, maps, sampling, carry = unpack_inputs(flat, packing)
+        logits, aux, pool = self._logits(params, pool, batch, maps, feed, carry, spec)
+        return self._sampled(logits, sampling, feed, num_logprobs, prompt) + (aux,), pool
+
+    def _run_forward(self, params, pool, flat, feed, *, spec, packing):
+        """The forward program of a step whose token bitmask comes late -> (logits, aux)."""
+        self.compiled_masked.append(("forward", spec))
+        batch, maps, carry = unpack_inputs(flat, packing)
+        logits, aux, pool = self._logits(params, pool, batch, maps, feed, carry, spec)
+        return (logits, aux), pool
+
+    def _run_sample(self, logits, flat, feed, *, packing, num_logprobs, prompt):
+        """The sampling program of a step whose token bitmask comes late -> (packed outputs, next feed)."""
+        self.compiled_masked.append(("sampling", logits.shape[0], packing, num_logprobs, prompt))
+        return self._sampled(logits, unpack_inputs(flat, packing), feed, num_logprobs, prompt)
+
+    def _logits(self, params, pool, batch, maps, feed, carry, spec):
+        """Traced: the model forward -> (float32 logits of the step's logits rows, aux or None, pool)."""
         if feed is not None:   # async scheduling: carried input ids from the previous step's tokens
             taken = feed[jnp.maximum(carry, 0)]
             batch = batch._replace(input_ids=jnp.where(carry >= 0, taken, batch.input_ids))
@@ -324,13 +372,17 @@ class JaxRunner:
         else:
             logits, pool = model.forward(params, pool, batch, maps, config=self.config, layout=self.pool_layout,
                                          spec=spec)
-        logits = logits.astype(jnp.float32)
-        num_sampled = _num_logits(spec)
+        return logits.astype(jnp.float32), aux, pool
+
+    @staticmethod
+    def _sampled(logits, sampling, feed, num_logprobs, prompt):
+        """Traced: the sampling of a step's logits -> (packed outputs, next feed or None)."""
+        num_sampled = sampling["temperature"].shape[0]
         out = sample_logits(logits[:num_sampled], sampling, num_logprobs)
         if prompt is not None:   # the prompt-logprob rows follow the sampled ones
             out.update(prompt_logprobs(logits[num_sampled:], sampling["prompt_targets"], prompt[1]))
         next_feed = None if feed is None else jnp.zeros_like(feed).at[:out["tokens"].shape[0]].set(out["tokens"])
-        return (pack_outputs(out, num_logprobs, prompt), aux, next_feed), pool
+        return pack_outputs(out, num_logprobs, prompt), next_feed
 
     def _layout(self, step: Step):
         """The step, already padded and planned (``m3_engine.step_inputs``), as the jitted step takes it:

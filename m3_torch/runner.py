@@ -23,8 +23,10 @@ their kernel variants then (into the persistent cache of
 :attr:`TorchRunner.cold_programs` lists the keys of later steps that the
 warm-up did not run (empty when the set is whole).
 
-:meth:`TorchRunner.submit` queues a step and the copy of its sampled outputs
-into pinned host memory, and records an event after them;
+:meth:`TorchRunner.submit` queues a step's forward, then fills its late token
+bitmask on the host while the device runs it (``m3_engine.runner``), then queues
+its sampling (the mask copied from pinned memory) and the copy of its sampled
+outputs into pinned host memory, and records an event after them;
 :meth:`TorchRunner.result` waits for that event. A step scheduled while the one
 before it runs (async scheduling, one rank) takes its carried input ids from
 that step's sampled tokens on the device (``m3_torch.rank.carry_tokens``).
@@ -140,9 +142,9 @@ class TorchRunner:
 
     def submit(self, step: Step, sampling: SamplingBatch, previous: Optional["SubmittedStep"] = None) \
             -> "SubmittedStep":
-        """Queue ``step`` and its sampling, and the copy of the sampled outputs to the host; returns
-        without waiting. ``previous``: the step submitted before it, when ``step.carry_from`` takes
-        its tokens."""
+        """Queue ``step``'s forward, then (its late token bitmask filled on the host meanwhile) its sampling
+        and the copy of the sampled outputs to the host; returns without waiting for the device.
+        ``previous``: the step submitted before it, when ``step.carry_from`` takes its tokens."""
         carried = None
         if step.carry_from is not None:
             if previous is None:
@@ -152,7 +154,8 @@ class TorchRunner:
         if self.warm_programs is not None:
             self.cold_programs += [k for k in program_keys(step, self.graphs is not None)
                                    if k not in self.warm_programs]
-        return SubmittedStep.start(sample_on_device(self.step_logits(step, carried), sampling))
+        logits = self.step_logits(step, carried)   # queued on the stream: the host goes on
+        return SubmittedStep.start(sample_on_device(logits, sampling.with_token_bitmask()))
 
     def result(self, handle: "SubmittedStep") -> SampleResult:
         """Wait for a submitted step -> its sampled outputs (numpy)."""
@@ -308,12 +311,13 @@ class SubmittedStep:
 
 def sample_logits(logits: torch.Tensor, s: SamplingBatch) -> SampleResult:
     """The shared sampling kernel on float32 ``logits [L, V]`` (+ top-N logprobs when asked), on the host."""
-    return SubmittedStep.start(sample_on_device(logits, s)).wait()
+    return SubmittedStep.start(sample_on_device(logits, s.with_token_bitmask())).wait()
 
 
 def sample_on_device(logits: torch.Tensor, s: SamplingBatch) -> dict:
     """The shared sampling kernel on float32 ``logits [L, V]`` (+ top-N logprobs when asked) -> the
-    ``SampleResult`` fields as tensors on the logits' device (None where not asked). With
+    ``SampleResult`` fields as tensors on the logits' device (None where not asked). ``s``: its token
+    bitmask given (``SamplingBatch.with_token_bitmask``). With
     ``s.prompt_targets`` the logits have ``P`` prompt rows after the ``L`` sampled ones
     (``Step.forward_logits_indices``): the ``prompt_*`` fields come from them (:func:`prompt_logprobs`)."""
     device = logits.device
@@ -325,7 +329,11 @@ def sample_on_device(logits: torch.Tensor, s: SamplingBatch) -> dict:
         return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
     penalties = {k: dev(v) for k, v in s.penalties().items()}
-    token_bitmask = dev(s.token_bitmask)
+    token_bitmask = None
+    if s.token_bitmask is not None:   # through pinned memory: the copy does not wait for the forward queued
+        token_bitmask = torch.from_numpy(s.token_bitmask)
+        if logits.is_cuda:
+            token_bitmask = token_bitmask.pin_memory().to(device, non_blocking=True)
     tokens, logprobs, lse = sample(logits, dev(s.temperature), dev(s.top_k), dev(s.top_p), dev(s.min_p),
                                    dev(s.seeds), dev(s.counters), token_bitmask=token_bitmask, **penalties)
     top_ids = top_logprobs = ranks = None

@@ -205,10 +205,12 @@ def test_engine_core_runs_steps_ahead_with_the_same_tokens():
 
 
 class MaskingRunner(FakeRunner):
-    """:class:`FakeRunner` whose rows never take a token the step's bitmask forbids (the next allowed id)."""
+    """:class:`FakeRunner` whose rows never take a token the step's bitmask forbids (the next allowed id).
+    The bitmask is asked for after the step's "forward" ran, as a runner does (``m3_engine.runner``)."""
 
     def submit(self, step, sampling, previous=None):
         tokens = self.model.run(step, previous)
+        sampling = sampling.with_token_bitmask()
         if sampling.token_bitmask is not None:
             bits = np.unpackbits(sampling.token_bitmask.view(np.uint8), axis=1, bitorder="little")[:, :VOCAB]
             for row, allowed in enumerate(bits):
@@ -218,34 +220,82 @@ class MaskingRunner(FakeRunner):
 
 
 def run_masked(params: SamplingParams, *, overlap: bool, tokenizer=None) -> tuple:
-    """One request of ``params`` beside a plain one -> (its tokens, steps run ahead)."""
+    """One request of ``params`` beside a plain one -> (its tokens and finish reason, steps run ahead)."""
     s = scheduler()
     core = EngineCore(MaskingRunner(s.config.num_slots), s, tokenizer=tokenizer, async_scheduling=overlap)
     core.add_request("plain", prompt(5, 8), SamplingParams(max_tokens=8, ignore_eos=True))
     core.add_request("r", prompt(6, 9), params)
-    out = {}
+    out, reason = {}, None
     while core.has_unfinished_requests():
         for o in core.execute_step():
             out[o.request_id] = out.get(o.request_id, []) + o.new_token_ids
-    return out["r"], core.stats["steps_ahead"]
+            reason = o.finish_reason if o.request_id == "r" else reason
+    assert s.num_free_slots == s.config.num_slots and not s.has_unfinished()
+    return (out["r"], reason), core.stats["steps_ahead"]
 
 
-def test_min_tokens_and_bad_words_wait_for_their_tokens(tmp_path):
-    """min_tokens masks the stop ids until the output has exactly that many tokens, and a bad word of
-    several tokens is matched against the whole output: their steps do not run ahead (stale tokens)."""
-    plain, _ = run_masked(SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=4, stop_token_ids=[VOCAB - 2]),
-                          overlap=False)
-    stop = plain[4]   # the first token min_tokens=4 lets through: a stale count would mask it
-    params = SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=4, stop_token_ids=[stop])
-    sync, _ = run_masked(params, overlap=False)
-    ahead, steps_ahead = run_masked(params, overlap=True)
-    assert sync == plain[:5] and ahead == sync and steps_ahead > 0   # the plain request ran ahead
+def test_masked_requests_run_ahead_with_the_same_tokens(tmp_path):
+    """Structured outputs (a JSON schema, a regex, a choice whose grammar ends the request under
+    ignore_eos), min_tokens (the stop ids masked until the output has exactly that many tokens) and a
+    bad word of several tokens (matched against the whole output): every step after the first runs
+    ahead, its bitmask filled once the step before it is applied, with the tokens of synchronous steps."""
+    from m3_engine.structured_outputs import StructuredOutputsParams as Constraint
+
+    pytest.importorskip("xgrammar")
     tokenizer = load_tokenizer(write_tiny_checkpoint(tmp_path, seed=0))
+    (plain, _), _ = run_masked(SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=4,
+                                              stop_token_ids=[VOCAB - 2]), overlap=False)
+    stop = plain[4]   # the first token min_tokens=4 lets through: a stale count would mask it
     word = next(w for w in ("quick brown", "the lazy dog") if len(tokenizer.encode(w, add_special_tokens=False)) > 1)
-    _, steps_ahead = run_masked(SamplingParams(max_tokens=3, ignore_eos=True, bad_words=[word]), overlap=True,
-                                tokenizer=tokenizer)
-    _, plain_ahead = run_masked(SamplingParams(max_tokens=3, ignore_eos=True), overlap=True)
-    assert steps_ahead < plain_ahead
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    cases = {"min_tokens": SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=4, stop_token_ids=[stop]),
+             "bad_words": SamplingParams(max_tokens=8, ignore_eos=True, bad_words=[word]),
+             "json": SamplingParams(max_tokens=12, structured_outputs=Constraint(json=schema)),
+             "regex": SamplingParams(max_tokens=12, structured_outputs=Constraint(regex=r"[a-z]{3,8}-\d{2}")),
+             "choice": SamplingParams(max_tokens=12, ignore_eos=True,
+                                      structured_outputs=Constraint(choice=["yes", "no way"]))}
+    for name, params in cases.items():
+        sync, _ = run_masked(params, overlap=False, tokenizer=tokenizer)
+        ahead, steps_ahead = run_masked(params, overlap=True, tokenizer=tokenizer)
+        assert ahead == sync, name
+        assert steps_ahead >= max(len(sync[0]), 8) - 1, name   # every step but the first ran ahead
+    assert run_masked(cases["min_tokens"], overlap=False)[0] == (plain[:5], "stop")
+    choice, reason = run_masked(cases["choice"], overlap=True, tokenizer=tokenizer)[0]
+    assert reason == "stop" and tokenizer.decode(choice[:-1]) in ("yes", "no way")   # the grammar ended it
+
+
+class FailingRunner(MaskingRunner):
+    """:class:`MaskingRunner` whose ``fail_at``-th submission fails after asking for its late bitmask
+    (a sampling launch that fails once the step before it was applied)."""
+
+    def __init__(self, num_slots: int, fail_at: int):
+        super().__init__(num_slots)
+        self.fail_at, self.submitted = fail_at, 0
+
+    def submit(self, step, sampling, previous=None):
+        self.submitted += 1
+        if self.submitted == self.fail_at:
+            self.model.run(step, previous)
+            sampling.with_token_bitmask()
+            raise RuntimeError("injected sampling failure")
+        return super().submit(step, sampling, previous)
+
+
+def test_a_failure_after_the_previous_step_was_applied_comes_one_call_later():
+    """The step before the failed one has its outputs handed out (its request saw its tokens); the failure
+    is raised by the next call, with nothing scheduled left behind."""
+    s = scheduler()
+    core = EngineCore(FailingRunner(s.config.num_slots, fail_at=3), s, tokenizer=None, async_scheduling=True)
+    core.add_request("r", prompt(6, 9), SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=6,
+                                                       stop_token_ids=[VOCAB - 2]))
+    assert [len(o.new_token_ids) for o in core.execute_step()] == [1]
+    assert [len(o.new_token_ids) for o in core.execute_step()] == [1]   # submission 3 failed after applying 2
+    with pytest.raises(RuntimeError, match="injected sampling failure"):
+        core.execute_step()
+    assert core.unfinished_request_ids() == ["r"]
+    core.finish_request("r")
+    assert s.num_free_slots == s.config.num_slots and not s.has_unfinished()
 
 
 # -- engines: the tiny model, both frameworks ---------------------------------------------------------
@@ -262,12 +312,20 @@ def run_engine(llm, stop_token, *, overlap: bool) -> dict:
     def greedy(n, **kw):
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
+    from m3_engine.structured_outputs import StructuredOutputsParams as Constraint
+
     engine = llm.engine
     engine.core.async_scheduling = overlap
     stops = [] if stop_token is None else [stop_token]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     requests = [("long", list(range(3, 23)), greedy(3)), ("short", [5, 6, 7], greedy(1)),
                 ("seeded", [9, 10, 11], SamplingParams(temperature=0.8, seed=7, max_tokens=3, ignore_eos=True)),
-                ("stop", [13, 14, 15], greedy(4, stop_token_ids=stops))]
+                ("stop", [13, 14, 15], greedy(4, stop_token_ids=stops)),
+                ("json", [40, 41], greedy(4, structured_outputs=Constraint(json=schema))),
+                ("regex", [42, 43], greedy(4, structured_outputs=Constraint(regex=r"[a-z]{2,5}-\d"))),
+                ("choice", [44, 45], greedy(6, structured_outputs=Constraint(choice=["yes", "no"]))),
+                ("min_tokens", [46, 47], greedy(3, min_tokens=2, stop_token_ids=[50, 51])),
+                ("bad_words", [48, 49], greedy(3, bad_words=["quick brown"]))]
     late = [("late", [20, 21], greedy(2)), ("aborted", [30, 31], greedy(4))]
     for request_id, ids, params in requests:
         engine.add_request(request_id, ids, params)
@@ -285,11 +343,12 @@ def run_engine(llm, stop_token, *, overlap: bool) -> dict:
     return out
 
 
-@pytest.mark.long   # ~25 s a framework on the CPU interpreter: `pytest -m long tests/test_async_scheduling.py`
+@pytest.mark.long   # ~60 s a framework on the CPU interpreter: `pytest -m long tests/test_async_scheduling.py`
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_engine_same_tokens_async_on_and_off(model_dir, framework):
     """The synchronous run (no stop token) is the reference; the run with steps ahead ends "stop" at its
-    second token, found one step late."""
+    second token, found one step late. Constrained requests (a JSON schema, a regex, a choice its grammar
+    ends), min_tokens and bad words run ahead with their late token bitmasks, to the same tokens."""
     llm_class = pytest.importorskip(f"m3_{framework}").LLM
     with llm_class(model_dir, device="cpu", max_num_seqs=4, max_model_len=64, graph_batch_sizes=[4],
                    max_num_batched_tokens=16, prefill_chunk=12, async_scheduling=True) as llm:
@@ -304,7 +363,8 @@ def test_engine_same_tokens_async_on_and_off(model_dir, framework):
     assert overlapped.pop("stop") == (sync.pop("stop")[0][:2], "stop")
     assert overlapped == sync
     assert len(sync["long"][0]) == 3 and sync["short"] == (sync["short"][0], "length")
-    assert sync["aborted"][1] == "abort" and len(sync) == 5
+    assert sync["aborted"][1] == "abort" and len(sync) == 10
+    assert sync["choice"][1] == "stop"   # the grammar ended it (ignore_eos)
 
 
 def test_async_scheduling_option_is_checked(model_dir):

@@ -1,0 +1,235 @@
+"""Structured outputs' cost at decode: ``python3 -m benchmarks.structured [--frameworks torch,jax] [--batch 64] [--tiny]``.
+
+The model is the real-shape one of ``benchmarks/async_scheduling.py`` (MiniMax-M3's per-layer dimensions and
+its vocabulary of 200064, ``--layers`` layers, bf16, random weights drawn on the GPU), with a tokenizer
+structured outputs can compile against: no real M3 tokenizer is at hand, so :func:`write_tokenizer` writes a
+synthetic byte-level one of the model's vocabulary (the byte alphabet, the tiny model's special tokens, then
+random strings of letters, digits, punctuation and spaces, half of them with a leading space). ``--batch``
+requests of ``--prompt-len`` random tokens are prefilled (not measured), then their decode-only steps to
+``--new-tokens`` tokens each are timed one by one (``llm.engine.step()`` wall time), after a warm-up pass of
+the same workload (the engine is built with ``precompile=False``: the warm-up compiles and captures), for:
+
+* (a) ``plain``: every row unconstrained (greedy, ``ignore_eos``);
+* (b) ``masked``: every row constrained by the JSON schema :data:`SCHEMA`, an array of at least 1000 strings:
+  random weights never complete it within ``--new-tokens`` tokens, so every row stays constrained to the
+  end (inside and between strings);
+
+each with ``async_scheduling`` off and on (one engine per framework, built with it on; the core's switch
+turned off for the synchronous runs). Reported per framework and setting: the median step of (a) and of
+(b), the cost ``(b - a) / a`` against the target (<= 5% at batch 64 on the H200, the mask filled while the
+GPU runs the forward), and the host's fill time per step and per row (``m3_engine.structured_outputs.fill_bitmask``,
+xgrammar's batched fill on ``FILL_THREADS`` threads). Torch also reports the sampling kernel alone on
+``[batch, vocab]`` float32 logits, unmasked and masked (CUDA events, median of 50).
+
+Writes ``<date>-h200-structured.{json,md}`` to ``--out`` (default benchmarks/results/), the device's copy
+bandwidth measured first. ``--tiny``: the tiny model on the CPU (checks the script, measures nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.e2e import in_fresh_process
+from benchmarks.model_step import M3_DIMS, text_config, write_config
+from benchmarks.run import save_results
+
+SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
+CONSTRAINT = "JSON schema " + json.dumps(SCHEMA, separators=(",", ":")) + " (never complete within the run)"
+TARGET_PCT = 5.0
+
+
+def write_tokenizer(model_dir: Path, vocab_size: int, seed: int = 0) -> None:
+    """A synthetic byte-level ``tokenizer.json`` (+ ``tokenizer_config.json``) of ``vocab_size`` tokens: the
+    tiny model's special tokens at its ids (pad, bos, eos), the byte alphabet, then random strings."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from m3_engine.tiny_model import BOS_ID, EOS_ID, PAD_ID
+
+    specials = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID}
+    vocab = dict(specials)
+    for c in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[c] = len(vocab)
+    rng = np.random.default_rng(seed)
+    chars = np.array(list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;\"'{}[]()-_Ġ"))
+    while len(vocab) < vocab_size:
+        word = "".join(rng.choice(chars, int(rng.integers(2, 9))))
+        vocab.setdefault("Ġ" + word if rng.random() < 0.5 else word, len(vocab))
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(specials))
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
+
+
+def decode_pass(llm, prompts: list, params, fills: list) -> dict:
+    """Prefill every request (unmeasured), then time each decode step to the end -> the median step
+    (seconds), the steps timed, the fill time in them, the rows that ended before max_tokens. ``fills``: the fill calls' seconds,
+    appended by the timing wrapper around ``fill_bitmask``."""
+    engine = llm.engine
+    base = engine.stats["generation_tokens"]
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    outputs = {}
+
+    def step():
+        for o in engine.step():
+            outputs[o.request_id] = o.outputs[0].token_ids
+
+    while engine.stats["generation_tokens"] - base < len(prompts):   # every request has its first token
+        step()
+    times, fills[:] = [], []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return dict(step_s=statistics.median(times), steps=len(times), fill_s=sum(fills),
+                finished_early=sum(len(outputs[i]) < params.max_tokens for i in ids))
+
+
+def sampling_kernel_us(batch: int, vocab: int) -> dict:
+    """Torch on a GPU: the sampling kernel on ``[batch, vocab]`` float32 logits, unmasked and with a token
+    bitmask (half the tokens allowed), median of 50 (CUDA events)."""
+    import torch
+
+    from m3_torch.sampling import sample
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(batch, vocab, device="cuda", generator=g)
+    rows = dict(temperature=torch.zeros(batch, device="cuda"), top_k=torch.zeros(batch, dtype=torch.int32, device="cuda"),
+                top_p=torch.ones(batch, device="cuda"), min_p=torch.zeros(batch, device="cuda"),
+                seeds=torch.zeros(batch, dtype=torch.int64, device="cuda"),
+                counters=torch.zeros(batch, dtype=torch.int32, device="cuda"))
+    bitmask = torch.full((batch, -(-vocab // 32)), 0x55555555, dtype=torch.int32, device="cuda")
+    out = {}
+    for name, mask in (("unmasked", None), ("masked", bitmask)):
+        times = []
+        for _ in range(55):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            sample(logits, *rows.values(), token_bitmask=mask)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        out[f"sampling_{name}_us"] = statistics.median(times[5:])
+    return out
+
+
+def run_framework(framework: str, model_dir: str, args: dict) -> dict:
+    """Plain and masked decode, async scheduling off and on, for one framework (run in a fresh process)."""
+    import importlib
+
+    from m3_engine import SamplingParams, engine_core
+    from m3_engine.structured_outputs import FILL_THREADS, StructuredOutputsParams
+
+    fills = []
+    fill_bitmask = engine_core.fill_bitmask
+
+    def timed_fill(*a, **kw):
+        start = time.perf_counter()
+        try:
+            return fill_bitmask(*a, **kw)
+        finally:
+            fills.append(time.perf_counter() - start)
+
+    engine_core.fill_bitmask = timed_fill
+    LLM = importlib.import_module(f"m3_{framework}").LLM
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, args["vocab"], args["prompt_len"]).tolist() for _ in range(args["batch"])]
+    plain = SamplingParams(max_tokens=args["new_tokens"], ignore_eos=True, temperature=0.0)
+    masked = SamplingParams(max_tokens=args["new_tokens"], ignore_eos=True, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    rows = []
+    with LLM(model_dir, dtype=args["dtype"], device=args["device"], max_num_seqs=args["batch"],
+             max_model_len=args["prompt_len"] + args["new_tokens"] + 16, load_format="dummy", seed=0,
+             async_scheduling=True, precompile=False) as llm:
+        for on in (False, True):
+            llm.engine.core.async_scheduling = on
+            runs = {}
+            for name, params in (("plain", plain), ("masked", masked)):
+                decode_pass(llm, prompts, params, fills)                  # warm-up: compiles, graph captures
+                runs[name] = decode_pass(llm, prompts, params, fills)
+            a, b = runs["plain"], runs["masked"]
+            row = dict(framework=framework, async_scheduling=on, plain_step_ms=1e3 * a["step_s"],
+                       masked_step_ms=1e3 * b["step_s"], cost_pct=100 * (b["step_s"] - a["step_s"]) / a["step_s"],
+                       fill_ms_per_step=1e3 * b["fill_s"] / b["steps"],
+                       fill_us_per_row=1e6 * b["fill_s"] / (b["steps"] * args["batch"]),
+                       steps=b["steps"], finished_early=b["finished_early"], fill_threads=FILL_THREADS)
+            row["within_target"] = row["cost_pct"] <= TARGET_PCT
+            rows.append(row)
+            print(row, flush=True)
+    out = dict(rows=rows)
+    if framework == "torch" and args["device"] == "cuda":
+        out.update(sampling_kernel_us(args["batch"], args["vocab_size"]))
+    return out
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# Structured outputs at decode on {r['name']} ({r['date']})", "",
+             f"Command: `{r['command']}`. Copy bandwidth (same run): {r['copy_bandwidth'] / 1e12:.2f} TB/s. "
+             f"Model: {r['model']}, random weights, a synthetic byte-level tokenizer of the model's vocabulary. "
+             f"{r['batch']} random prompts of {r['prompt_len']} tokens prefilled, then {r['new_tokens']} greedy "
+             f"tokens each; the median decode step (`llm.engine.step()`, after a warm-up pass) of (a) unconstrained "
+             f"rows and (b) every row under the {r['constraint']}. Cost = (b - a) / a, target <= {TARGET_PCT:g}%.", "",
+             "| framework | async_scheduling | (a) plain step ms | (b) masked step ms | cost | within target | "
+             "fill ms / step | fill us / row | fill threads | rows finished early |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for fw, res in r["results"].items():
+        for row in res["rows"]:
+            lines.append(f"| {fw} | {row['async_scheduling']} | {row['plain_step_ms']:.2f} | "
+                         f"{row['masked_step_ms']:.2f} | {row['cost_pct']:+.1f}% | {row['within_target']} | "
+                         f"{row['fill_ms_per_step']:.2f} | {row['fill_us_per_row']:.1f} | {row['fill_threads']} | "
+                         f"{row['finished_early']} |")
+        if "sampling_masked_us" in res:
+            lines += ["", f"{fw}: the sampling kernel alone on [{r['batch']}, vocab] float32 logits: "
+                          f"{res['sampling_unmasked_us']:.1f} us unmasked, {res['sampling_masked_us']:.1f} us masked."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--frameworks", default="torch,jax")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tiny", action="store_true", help="the tiny CPU model (checks the script)")
+    a = parser.parse_args(argv)
+    from benchmarks.model_step import device_info
+    device = "cpu" if a.tiny else "cuda"
+    info = device_info(device)   # the copy bandwidth first
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.tiny:
+            from m3_engine.tiny_model import tiny_text_config
+            text = tiny_text_config()
+        else:
+            text = text_config(M3_DIMS, a.layers, a.prompt_len + a.new_tokens + 16)
+        model_dir = write_config(Path(tmp) / "model", text)
+        write_tokenizer(model_dir, text["vocab_size"])
+        args = dict(batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, vocab=min(text["vocab_size"], 1000),
+                    vocab_size=text["vocab_size"], dtype="float32" if a.tiny else "bfloat16", device=device)
+        result = dict(command="python3 -m benchmarks.structured " + " ".join(argv if argv is not None else sys.argv[1:]),
+                      date=datetime.date.today().isoformat(), **info, layers=a.layers, batch=a.batch,
+                      prompt_len=a.prompt_len, new_tokens=a.new_tokens, constraint=CONSTRAINT,
+                      target_pct=TARGET_PCT, vocab_size=text["vocab_size"],
+                      model="the tiny test model (float32)" if a.tiny else
+                      f"M3 layer shapes, {a.layers} layers, vocabulary {text['vocab_size']}, bf16", results={})
+        name = f"{result['date']}-{'cpu-tiny' if a.tiny else 'h200'}-structured"
+        for fw in a.frameworks.split(","):   # saved after each framework
+            result["results"][fw] = in_fresh_process(run_framework, fw, str(model_dir), args)
+            save_results(a.out, name, result, markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
