@@ -14,7 +14,10 @@ interpreter. Every op is inference-only and graph-capturable (no host sync).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
+from concurrent.futures import Executor
 from typing import Optional
 
 import torch
@@ -28,6 +31,8 @@ _device_maps: dict = {}
 _arenas: dict = {}
 _ones: dict = {}
 _pdl: dict = {}
+# inside compile_only: run compiles the launches' kernel variants and launches nothing
+_compile_only = contextvars.ContextVar("m3_compile_only", default=None)
 
 
 def operand(t: torch.Tensor) -> Operand:
@@ -72,11 +77,15 @@ def run(launch: launches.Launch, outputs: Optional[dict] = None) -> dict:
     workspace; a given scratch tensor is a flat float32 buffer, viewed to the launch's shape), or a new
     tensor. An unused output gets any tensor: the given one, else the first given output, else the
     launch's first. Everything runs on the device of the first given output, else of the first tensor
-    argument.
+    argument. Inside :func:`compile_only` (a GPU) the kernels are compiled, not launched.
     """
     outputs = outputs or {}
     device = next(t for t in (*outputs.values(), *launch.args) if isinstance(t, torch.Tensor)).device
     interpret = device.type != "cuda"
+    compiling = _compile_only.get() is not None
+    if compiling and interpret:
+        raise ValueError(f"compile_only: the kernels run in Triton's interpreter on {device}; there is nothing "
+                         f"to compile")
     pdl = _grid_dependency(device)
     results, done = {}, []   # done: each earlier launch's output tensors, for Prev
     while launch is not None:
@@ -85,12 +94,37 @@ def run(launch: launches.Launch, outputs: Optional[dict] = None) -> dict:
         if not launch.empty:
             module, fn = launch.kernel.split(".")
             kernel = getattr(kernel_module(module, interpret), fn)
-            kernel[launch.grid](*args, *outs, num_warps=launch.num_warps, num_stages=launch.num_stages,
-                                launch_pdl=pdl["PDL"], **launch.constexprs, **pdl)
+            options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=pdl["PDL"],
+                           **launch.constexprs, **pdl)
+            if compiling:   # the variant a launch with these arguments runs, compiled on the executor
+                kernel.warmup(*args, *outs, grid=launch.grid, **options)
+            else:
+                kernel[launch.grid](*args, *outs, **options)
         results.update((o.name, t) for o, t in zip(launch.outputs, outs) if not o.unused)
         done.append(outs)
         launch = launch.then
     return results
+
+
+@contextlib.contextmanager
+def compile_only(executor: Executor):
+    """Inside the ``with`` block (this thread, CUDA tensors), :func:`run` launches nothing: it hands the
+    compilation of each launch's kernel variant (Triton's specialisation of these very arguments: their
+    constexprs, warps, stages, integer values 1 and multiples of 16, pointer alignment) to ``executor``
+    (``triton.AsyncCompileMode``; one compilation per variant). On leaving, every compilation has
+    finished and each kernel's in-memory cache holds its variants, so the launches of the same step
+    afterwards compile nothing. Yields the mode: ``mode.raw_futures``, one future per compilation.
+    Outputs of the kernels stay unwritten: a step run inside computes garbage (on purpose: nothing
+    depends on it)."""
+    import triton
+
+    mode = triton.AsyncCompileMode(executor)
+    token = _compile_only.set(mode)
+    try:
+        with mode:
+            yield mode
+    finally:
+        _compile_only.reset(token)
 
 
 def _grid_dependency(device) -> dict:

@@ -173,6 +173,36 @@ class RankRunner:
             carry_tokens(tensors.input_ids, step.carry_from, carried)
         return self.model.forward(tensors, step.plan, self.caches, self.aux_layers)
 
+    def compile_kernels(self, steps: list, threads: int, progress: bool = False) -> int:
+        """Compile (Triton) every kernel variant the launches of ``steps`` need, in ``threads`` threads,
+        launching none -> how many compilations ran (one per variant not yet in memory; a variant in
+        Triton's on-disk cache is read back, not compiled again). Each step runs through the model
+        inside ``ops.compile_only`` on the tensors its real run gets: a pure decode step that a CUDA
+        graph replays on the graph's static inputs (a pointer's alignment picks the variant too),
+        any other step on fresh ones. Triton compiles in threads: its LLVM and PTX passes release
+        the GIL and ptxas is a process of its own (its MLIR passes hold the GIL). A GPU only."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        from tqdm.auto import tqdm
+
+        from .ops import compile_only
+
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="m3-compile") as executor, \
+                compile_only(executor) as mode:
+            for step in steps:
+                plan = step.plan
+                if self.graphs is not None and plan.cuda_graph:
+                    tensors = self.graphs.static_inputs(plan.generation.num_rows, plan.generation.decode_query_len)
+                else:
+                    tensors = self.step_tensors(step)
+                self.model.forward(tensors, plan, self.caches, self.aux_layers)
+            futures = list(mode.raw_futures)
+            for future in tqdm(as_completed(futures), total=len(futures), disable=not progress, unit="kernel",
+                               desc="Compiling kernel variants (torch)"):
+                future.result()
+        torch.cuda.synchronize(self.device)
+        return len(futures)
+
     def step_tensors(self, step: Step, logits_rows: Optional[np.ndarray] = None) -> StepTensors:
         """A step's numpy metadata on this rank's device."""
         def dev(a):
@@ -218,6 +248,10 @@ class _DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle()
         self.inputs: dict = {}   # (batch, n) -> (pinned host buffer, its views, device buffer, StepTensors, copy event)
         self.graphs: dict = {}   # (batch, n, block bound) -> (CUDAGraph, logits or hidden states)
+
+    def static_inputs(self, batch: int, n: int) -> StepTensors:
+        """The device tensors the graphs of ``batch`` rows of ``n`` tokens read (made on first use)."""
+        return self._static(batch, n)[3]
 
     def _static(self, batch: int, n: int):
         if (batch, n) not in self.inputs:

@@ -13,13 +13,15 @@ EAGLE-3 draft (one rank) each step also returns the target's aux hidden
 states, and :meth:`TorchRunner.propose` runs the draft on them, eagerly
 (``m3_torch.eagle3.Eagle3Proposer``).
 
-:meth:`TorchRunner.warm_up` (``precompile``) runs, before the engine is
-ready, a step of every program key (:func:`program_keys`) a step can have:
-every CUDA graph (padded decode batch x tokens per row x block bound), and
-for the eager steps every context span (block bound x row-tile class) and
-generation span (rows x tokens per row x block bound), so that Triton compiles
-their kernel variants then (into the persistent cache of
-``m3_engine.compile_cache``), not on the request path.
+:meth:`TorchRunner.warm_up` (``precompile``) makes, before the engine is
+ready, every program key (:func:`program_keys`) a step can have: every CUDA
+graph (padded decode batch x tokens per row x block bound), and for the eager
+steps every context span (block bound x row-tile class) and generation span
+(rows x tokens per row x block bound). On a GPU it first compiles the Triton
+kernel variants of all those steps at once, in parallel threads, without
+running them (``RankRunner.compile_kernels``; into the persistent cache of
+``m3_engine.compile_cache``), then captures the graphs; the eager steps need
+nothing more, so none of them runs.
 :attr:`TorchRunner.cold_programs` lists the keys of later steps that the
 warm-up did not run (empty when the set is whole).
 
@@ -35,6 +37,7 @@ that step's sampled tokens on the device (``m3_torch.rank.carry_tokens``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Callable, Optional
 
@@ -169,26 +172,39 @@ class TorchRunner:
         return self.device.type == "cuda"
 
     def warm_up(self, builder: StepBuilder) -> dict:
-        """Run a step of every program key of ``warm_up_shapes`` (on every rank): graphs are captured,
-        eager steps compile their Triton kernel variants. The steps read slot 0 and write nothing."""
+        """Make every program of ``warm_up_shapes`` (on every rank). On a GPU, first every Triton kernel
+        variant of every shape is compiled, in parallel threads, without running a step
+        (``RankRunner.compile_kernels``: ``compile``), then each CUDA graph is captured (its eager
+        run and its capture: ``capture``); eager steps of the other shapes need nothing more. On the
+        CPU (Triton's interpreter: nothing to compile) each shape's step runs once (``compile``). The
+        steps read slot 0 and write nothing."""
         from tqdm.auto import tqdm
 
         graphs = self.graphs is not None
-        times = dict(graph=0.0, eager=0.0)
-        self.warm_programs = set()
-        work = warm_up_shapes(self.buckets, self.rank0.max_blocks, graphs,
-                              index_heads=builder.planner.config.num_kv_heads)
-        for shape, kv_len in tqdm(work, desc="Compiling step programs (torch)", unit="step"):
-            step = builder.dummy(shape, kv_len)
-            keys = program_keys(step, graphs)
+        steps = [builder.dummy(shape, kv_len) for shape, kv_len in
+                 warm_up_shapes(self.buckets, self.rank0.max_blocks, graphs,
+                                index_heads=builder.planner.config.num_kv_heads)]
+        keys = [program_keys(step, graphs) for step in steps]
+        times = dict(compile=0.0, capture=0.0)
+        start = time.perf_counter()
+        if self.on_gpu:
+            threads = max(1, (os.cpu_count() or 1) // self.tp.size)
+            self.collective_rpc(compile_kernels_on_rank, [tp.portable(step) for step in steps], threads)
+            torch.cuda.synchronize(self.device)
+            times["compile"] = time.perf_counter() - start
+            captured = [step for step, k in zip(steps, keys) if k[0][0] == "graph"]
             start = time.perf_counter()
-            self.step_logits(step)
-            if self.on_gpu:
-                torch.cuda.synchronize(self.device)
-            times["graph" if keys[0][0] == "graph" else "eager"] += time.perf_counter() - start
-            self.warm_programs.update(keys)
+            for step in tqdm(captured, desc="Capturing CUDA graphs (torch)", unit="graph"):
+                self.step_logits(step)
+            torch.cuda.synchronize(self.device)
+            times["capture"] = time.perf_counter() - start
+        else:
+            for step in tqdm(steps, desc="Running step programs (torch)", unit="step"):
+                self.step_logits(step)
+            times["compile"] = time.perf_counter() - start
+        self.warm_programs = {k for step_keys in keys for k in step_keys}
         self._aux = None
-        return dict(programs=len(work), compile=times["eager"], capture=times["graph"])
+        return dict(programs=len(steps), **times)
 
     def propose(self, work: DraftPass) -> np.ndarray:
         """EAGLE-3: the draft after the step just executed (``work.step``) -> drafts ``[n, k]`` int32."""
@@ -230,6 +246,12 @@ class TorchRunner:
         if self._workers is None:
             return [fn(self.rank0, *args)]
         return self._workers.call(fn, args, self.rank0)
+
+
+def compile_kernels_on_rank(rank: RankRunner, steps: list, threads: int) -> int:
+    """``rank.compile_kernels(steps, threads)`` on one rank (``TorchRunner.collective_rpc``); rank 0
+    shows the progress bar."""
+    return rank.compile_kernels(steps, threads, progress=rank.rank == 0)
 
 
 def program_keys(step: Step, graphs: bool) -> tuple:
