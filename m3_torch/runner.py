@@ -216,11 +216,16 @@ class TorchRunner:
         return self.proposer.propose(work, aux)
 
     def close(self) -> None:
-        """End the worker processes (tensor parallelism) and free the graphs. Idempotent."""
+        """End the worker processes (tensor parallelism), free the graphs, and drop the weights, the pool
+        and the caches (their memory goes back to the device: a next engine in this process can take
+        it). Idempotent."""
         if self._workers is not None:
             self._workers.close()   # frees rank 0's graphs first (before_destroy)
         if self.graphs is not None:
             self.graphs.release()
+        self.rank0 = self.model = self.pool = self.caches = self.graphs = self.proposer = self._aux = None
+        if self.on_gpu:
+            torch.cuda.empty_cache()
 
     # -- steps -----------------------------------------------------------------------------------
 

@@ -260,6 +260,21 @@ def test_no_tokenizer_text_prompt_is_an_error(model_dir, tmp_path):
     assert all("tokenizer.json" in e for e in errors)
 
 
+def test_close_frees_the_weights_and_the_pool(model_dir):
+    """close() drops the engine's device state (a next engine in the process can take its memory); the
+    LLM refuses work after it."""
+    import gc
+    import weakref
+
+    llm = LLM_CLASSES["torch"](model_dir, device="cpu", max_num_seqs=1, max_model_len=MAX_CONTEXT)
+    pool, embed = weakref.ref(llm.runner.pool), weakref.ref(llm.runner.model.embed)
+    llm.close()
+    gc.collect()
+    assert pool() is None and embed() is None
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1, 2, 3]], use_tqdm=False)
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_no_tokenizer_token_ids_generate(model_dir, tmp_path, framework):
