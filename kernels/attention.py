@@ -81,7 +81,7 @@ def distinct_blocks(ids_ptr, stride_it, stride_is, ntok, req_blocks, TOPK: tl.co
     return e_block, e_ok, tl.cumsum(e_ok.to(tl.int32), axis=0) - 1
 
 
-@triton.jit(do_not_specialize=["max_blocks"])
+@triton.jit(do_not_specialize=["max_blocks", "stride_si"])
 def paged_attention_kernel(
     q_ptr,            # [T, Hq, D]                        q dtype
     k_ptr,            # [pages, Hk, PAGE_SIZE, D] @ k_off  KV_DTYPE (read through any buffer's pointer)

@@ -33,7 +33,7 @@ from .common import (PAGE_SIZE, fp16_operand, mma, multiple_of_16, pick, release
                      typed, visible_len, wait_for_previous_grid, whole_blocks_end)
 
 
-@triton.jit(do_not_specialize=["max_blocks", "blocks_per_program"])
+@triton.jit(do_not_specialize=["max_blocks", "blocks_per_program", "stride_si"])
 def index_scores_kernel(
     q_ptr,            # [T, Hi, Di]                   q dtype
     k_ptr,            # [pages, PAGE_SIZE, Di] @ k_off  K_DTYPE (one shared head; any buffer's pointer)
@@ -213,7 +213,7 @@ def select_rows(rows, stride_sb, visible_blocks, TOPK: tl.constexpr, TOPK_PAD: t
     return tl.where(ids < BLOCKS_PAD, ids, -1)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "max_blocks"])
+@triton.jit(do_not_specialize=["num_tokens", "max_blocks", "stride_si"])
 def select_blocks_kernel(
     scores_ptr,       # [Hi, T, max_blocks] fp32, any strides
     seq_lens_ptr,     # [R] int32

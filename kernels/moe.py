@@ -51,15 +51,15 @@ def pair_experts(ids_ptr, pairs, num_pairs, NUM_EXPERTS: tl.constexpr, TOP_K: tl
     return tl.where(ok, routed, -1)
 
 
-@triton.jit
-def align_kernel(ids_ptr, num_tokens,
+# the token and block counts change with every step's size: run-time values, one compiled variant for all
+@triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
+def align_kernel(ids_ptr, num_tokens, num_blocks,
                  sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
                  NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
-                 EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-                 CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """One program. ``ids`` [T, k] int32 -> ``sorted_pairs`` [NUM_BLOCKS * BLOCK_M] int32 (the pairs of
+                 EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    """One program. ``ids`` [T, k] int32 -> ``sorted_pairs`` [num_blocks * BLOCK_M] int32 (the pairs of
     expert 0, padding, the pairs of expert 1, ...; padding rows unwritten), ``block_expert`` /
-    ``block_rows`` [NUM_BLOCKS] int32. Experts run 0..E (E: the shared one, when SHARED)."""
+    ``block_rows`` [num_blocks] int32. Experts run 0..E (E: the shared one, when SHARED)."""
     release_next_grid(PDL)
     wait_for_previous_grid(PDL)
     num_pairs = num_tokens * (TOP_K + SHARED)
@@ -82,7 +82,7 @@ def align_kernel(ids_ptr, num_tokens,
         tl.store(sorted_pairs_ptr + row, offs, mask=offs < num_pairs)
         seen += tl.sum(hit, axis=0)
     used = tl.sum(padded, axis=0)
-    for b0 in range(0, NUM_BLOCKS, CHUNK):
+    for b0 in range(0, num_blocks, CHUNK):
         block = b0 + tl.arange(0, CHUNK)
         first = block * BLOCK_M
         # the block's expert: the first whose padded group ends after the block's first row
@@ -90,9 +90,9 @@ def align_kernel(ids_ptr, num_tokens,
         mine = experts[None, :] == expert[:, None]
         end = tl.sum(tl.where(mine, (starts + counts)[None, :], 0), axis=1)   # the expert's last pair + 1
         active = first < used
-        tl.store(block_expert_ptr + block, tl.where(active, expert, -1), mask=block < NUM_BLOCKS)
+        tl.store(block_expert_ptr + block, tl.where(active, expert, -1), mask=block < num_blocks)
         tl.store(block_rows_ptr + block, tl.where(active, tl.minimum(end - first, BLOCK_M), 0),
-                 mask=block < NUM_BLOCKS)
+                 mask=block < num_blocks)
 
 
 @triton.jit

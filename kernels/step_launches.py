@@ -179,12 +179,12 @@ class MoEBlocks:
 def moe_align(blocks: MoEBlocks, topk_ids: Operand) -> Launch:
     """``moe.align_kernel`` -> ``sorted_pairs``, ``block_expert``, ``block_rows`` (int32)."""
     cfg = blocks.cfg
-    return Launch("moe.align_kernel", (1,), (topk_ids.ref, blocks.tokens),
+    return Launch("moe.align_kernel", (1,), (topk_ids.ref, blocks.tokens, blocks.num_blocks),
                   (dense("sorted_pairs", (blocks.num_rows,), "int32"),
                    dense("block_expert", (blocks.num_blocks,), "int32"),
                    dense("block_rows", (blocks.num_blocks,), "int32")),
                   dict(blocks.shape, EXPERTS_POW2=next_pow2(blocks.experts + blocks.shared), BLOCK_M=cfg.block_m,
-                       NUM_BLOCKS=blocks.num_blocks, CHUNK=cfg.align_chunk),
+                       CHUNK=cfg.align_chunk),
                   tuning.MOE_ALIGN_NUM_WARPS, 1)
 
 

@@ -44,7 +44,7 @@ def _scorer(backend, idx_q, index_k_cache, skip_blocks: int = 0):
     name = backends.check_indexer_backend(
         backend, num_heads=int(idx_q.shape[1]), head_dim=int(idx_q.shape[2]), dtype=validate.dtype_name(idx_q),
         cache_dtype=validate.dtype_name(index_k_cache), device=device.type,
-        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+        capability=ops.device_capability(device))
     return functools.partial(ops.index_scores, skip_blocks=skip_blocks) if name == "triton" else cute_ops.index_scores
 
 
@@ -111,7 +111,7 @@ def _decode_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens,
     n = int(decode_query_len)
     tile = maps.decode_tile(call.group, n, block_ids is not None, max_blocks=call.max_blocks,
                             topk=0 if block_ids is None else block_ids.shape[2], num_requests=call.num_requests,
-                            num_kv_heads=call.num_kv_heads, interpret=device.type != "cuda")
+                            num_kv_heads=call.num_kv_heads, interpret=not ops.compiled(device))
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
     return out, tile_map, tile.tokens_per_tile, call.sm_scale, ops.kv_scales(k_cache, k_scale, v_scale, device)
 
@@ -169,7 +169,7 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
     tile = maps.decode_tile(call.group, n, True, max_blocks=call.max_blocks, topk=topk,
                             num_requests=call.num_requests, num_kv_heads=call.num_kv_heads,
-                            interpret=device.type != "cuda")
+                            interpret=not ops.compiled(device))
     tile_map, _ = ops.decode_maps(device, call.num_requests, n, tile.tokens_per_tile)
     # selection and sparse attention: selecting inside the attention kernel or before it (launches.Selection)
     ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None,
@@ -344,7 +344,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             index_maps = (tile, *ops.decode_maps(device, span.num_rows, n, tile.tokens_per_tile))
             tile = maps.decode_tile(cfg.group, n, sparse, max_blocks=span.max_blocks, topk=cfg.topk,
                                     num_requests=span.num_rows, num_kv_heads=cfg.num_kv_heads,
-                                    interpret=device.type != "cuda")
+                                    interpret=not ops.compiled(device))
             attention_maps = (tile, *ops.decode_maps(device, span.num_rows, n, tile.tokens_per_tile))
         selection = ()
         if sparse:

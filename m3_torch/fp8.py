@@ -19,7 +19,7 @@ from m3_kernels.fp8_linear import AMAX_FLOOR
 from m3_kernels.maps import FP8_BLOCK, MX_BLOCK, cdiv
 
 from . import guards
-from .ops import operand, run
+from .ops import compiled, operand, run
 
 
 __all__ = ["quantize_weight", "dequantize_mxfp8", "quantize_activation", "fp8_linear", "fused_moe_fp8"]
@@ -60,7 +60,7 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``[T, ceil(K / 128)]`` float32): per token and 128 channels, ``scale = max(amax, 1e-12) / 448`` (NaN left
     out of amax), ``codes = saturate(x / scale)`` rounded to nearest even (``m3_kernels.fp8_linear``)."""
     validate.check_quantize_call(x)
-    found = run(step_launches.quantize_activation(x=operand(x.contiguous()), interpret=x.device.type != "cuda"))
+    found = run(step_launches.quantize_activation(x=operand(x.contiguous()), interpret=not compiled(x.device)))
     return found["xq"], found["x_scale"]
 
 
@@ -80,7 +80,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if tokens == 0:
         return out
     launch = step_launches.fp8_linear(x=operand(x.contiguous()), weight=operand(weight),
-                                      weight_scale=weight_scale.contiguous(), interpret=device.type != "cuda")
+                                      weight_scale=weight_scale.contiguous(), interpret=not compiled(device))
     run(launch, {"out": out})
     return out
 
@@ -119,6 +119,6 @@ def fused_moe_fp8(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids,
     launch = step_launches.fused_moe_fp8(
         x=operand(x.contiguous()), **codes, **scales, topk_ids=operand(topk_ids.contiguous()),
         topk_weights=topk_weights.contiguous(), swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-        routed_scaling_factor=routed_scaling_factor, interpret=device.type != "cuda")
+        routed_scaling_factor=routed_scaling_factor, interpret=not compiled(device))
     run(launch, {"out": out})
     return out

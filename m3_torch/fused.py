@@ -15,7 +15,7 @@ from m3_kernels.launches import Operand
 
 from . import guards, ops
 from .cache import storage_bytes
-from .ops import operand, run
+from .ops import compiled, operand, run
 
 __all__ = ["add_rms_norm", "rms_norm", "moe_route", "qk_norm_rope"]
 
@@ -50,7 +50,7 @@ def _launch_norm(x, residual_in, weight, eps):
         return residual_out, normed
     outputs = {"normed": normed} if residual_in is None else {"normed": normed, "residual_out": residual_out}
     run(step_launches.rms_norm(x=operand(x), residual=None if residual_in is None else operand(residual_in),
-                               weight=weight.contiguous(), eps=eps, interpret=x.device.type != "cuda"),
+                               weight=weight.contiguous(), eps=eps, interpret=not compiled(x.device)),
         outputs)
     return residual_out, normed
 
@@ -75,7 +75,7 @@ def moe_route(x, router_weight, bias, top_k):
     if tokens == 0:
         return ids, weights
     run(step_launches.moe_route(x=operand(x), router_weight=operand(router_weight), bias=bias.contiguous(),
-                                top_k=top_k, interpret=device.type != "cuda"),
+                                top_k=top_k, interpret=not compiled(device)),
         {"ids": ids, "weights": weights})
     return ids, weights
 
@@ -135,7 +135,7 @@ def qk_norm_rope(qkv, positions, inv_freq, q_norm, k_norm, k_cache, v_cache, slo
         index_q_norm=None if index_q_norm is None else index_q_norm.contiguous(),
         index_k_norm=None if index_k_norm is None else index_k_norm.contiguous(),
         slot_mapping=slot_mapping.contiguous(), k_cache=view(k_cache), v_cache=view(v_cache),
-        index_k_cache=view(index_k_cache), pool=operand(pool), interpret=device.type != "cuda", k_scale=k_scale,
+        index_k_cache=view(index_k_cache), pool=operand(pool), interpret=not compiled(device), k_scale=k_scale,
         v_scale=v_scale)
     run(launch, {"q": q} if idx_q is None else {"q": q, "idx_q": idx_q})
     return q, idx_q

@@ -62,6 +62,7 @@ from .api import msa_attention_step
 from .cache import LayerCaches, allocate_pool, layer_caches, write_cache
 from .fp8 import fp8_linear, fused_moe_fp8
 from .moe import fused_moe
+from .ops import compiled
 
 __all__ = ["M3Model", "StepTensors", "Fp8Weight", "linear", "rms_norm", "apply_rope", "rope_cos_sin", "swiglu_oai",
            "take_weight", "take_linear", "local_experts"]
@@ -342,12 +343,12 @@ class M3Model:
     def _norm(self, x, weight):
         """RMSNorm: one kernel on a GPU, torch ops on the CPU (see the module docstring)."""
         eps = self.config.rms_norm_eps
-        return fused.rms_norm(x, weight, eps) if x.is_cuda else rms_norm(x, weight, eps)
+        return fused.rms_norm(x, weight, eps) if compiled(x.device) else rms_norm(x, weight, eps)
 
     def _add_norm(self, x, residual, weight):
         """-> (residual + x, its RMSNorm): one kernel on a GPU, torch ops on the CPU."""
         eps = self.config.rms_norm_eps
-        if x.is_cuda:
+        if compiled(x.device):
             return fused.add_rms_norm(x, residual, weight, eps)
         residual = residual + x
         return residual, rms_norm(residual, weight, eps)
@@ -388,7 +389,7 @@ class M3Model:
         norms and RoPE, the K/V/index-K rows written to ``cache`` -> (q, idx_q or None)."""
         c = self.config
         qkv = linear(h, layer.qkv)
-        if h.is_cuda:
+        if compiled(h.device):
             return fused.qk_norm_rope(qkv, positions, self.inv_freq, layer.q_norm, layer.k_norm, cache.k_cache,
                                       cache.v_cache, slot_mapping, num_q_heads=c.num_attention_heads,
                                       eps=c.rms_norm_eps, index_q_norm=layer.index_q_norm,
@@ -426,7 +427,7 @@ class M3Model:
         if num_experts != c.num_local_experts:   # expert parallel: this rank's experts only
             chosen, top_w = local_experts(chosen, top_w, self.expert_start, num_experts)
         fp8 = isinstance(layer.experts_gate_up, Fp8Weight)   # FP8 experts: the kernels, also on the CPU
-        if not h.is_cuda and not fp8:
+        if not compiled(h.device) and not fp8:
             return self._experts(layer, h, chosen, top_w) * c.routed_scaling_factor + self._shared_expert(layer, h)
         # the shared expert runs inside fused_moe as one more expert when it has the experts' width (M3's)
         fuse_shared = layer.shared_down.shape[1] == layer.experts_down.shape[2]
@@ -452,7 +453,7 @@ class M3Model:
         """The router (``m3_torch.moe_route``): -> (chosen [T, k] int32 expert ids, top_w [T, k]
         float32 weights summing to 1)."""
         k = self.config.num_experts_per_tok
-        if h.is_cuda:
+        if compiled(h.device):
             return fused.moe_route(h, layer.router, layer.router_bias, k)
         weights = torch.sigmoid(F.linear(h, layer.router).float())                    # [T, E]
         _, chosen = torch.topk(weights + layer.router_bias, k, dim=-1, sorted=False)

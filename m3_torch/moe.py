@@ -11,7 +11,7 @@ import torch
 from m3_kernels import step_launches, validate
 
 from . import guards
-from .ops import operand, run
+from .ops import compiled, operand, run
 
 __all__ = ["fused_moe"]
 
@@ -47,6 +47,6 @@ def fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, *, swiglu_alpha: flo
         x=operand(x.contiguous()), w_gate_up=operand(w_gate_up), w_down=operand(w_down),
         topk_ids=operand(topk_ids.contiguous()), topk_weights=topk_weights.contiguous(), **shared,
         swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, routed_scaling_factor=routed_scaling_factor,
-        interpret=device.type != "cuda")
+        interpret=not compiled(device))
     run(launch, {"out": out})
     return out

@@ -9,7 +9,8 @@ are internal (their signatures may change): each builds its Launch from the
 tensors' shapes and strides and runs it. They take tile/token maps, so the
 decode, prefill and mixed-step paths of ``m3_torch.api`` share them. CUDA
 tensors run the compiled kernels, CPU tensors the same source in Triton's
-interpreter. Every op is inference-only and graph-capturable (no host sync).
+interpreter; inside :func:`record_variants`, meta tensors stand for a GPU's:
+each launch's compiled variant is recorded, none runs. Every op is inference-only and graph-capturable (no host sync).
 """
 
 from __future__ import annotations
@@ -33,6 +34,24 @@ _ones: dict = {}
 _pdl: dict = {}
 # inside compile_only: run compiles the launches' kernel variants and launches nothing
 _compile_only = contextvars.ContextVar("m3_compile_only", default=None)
+# inside record_variants: the Recording that run adds each launch's variant to (meta tensors: a GPU's)
+_recording = contextvars.ContextVar("m3_recording", default=None)
+
+
+def compiled(device) -> bool:
+    """Whether launches on ``device`` take the GPU's kernel variants: a CUDA device, or the meta device
+    inside :func:`record_variants` (recorded, not run). The CPU runs them in Triton's interpreter."""
+    kind = torch.device(device).type
+    return kind == "cuda" or (kind == "meta" and _recording.get() is not None)
+
+
+def device_capability(device) -> Optional[tuple]:
+    """The CUDA compute capability of ``device`` (the recorded one for meta tensors inside
+    :func:`record_variants`), or None for the CPU."""
+    device = torch.device(device)
+    if device.type == "meta" and _recording.get() is not None:
+        return _recording.get().capability
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def operand(t: torch.Tensor) -> Operand:
@@ -81,8 +100,11 @@ def run(launch: launches.Launch, outputs: Optional[dict] = None) -> dict:
     """
     outputs = outputs or {}
     device = next(t for t in (*outputs.values(), *launch.args) if isinstance(t, torch.Tensor)).device
-    interpret = device.type != "cuda"
+    interpret = not compiled(device)
     compiling = _compile_only.get() is not None
+    recording = _recording.get() if device.type == "meta" else None
+    if device.type == "meta" and recording is None:
+        raise ValueError("run: meta tensors launch nothing outside record_variants")
     if compiling and interpret:
         raise ValueError(f"compile_only: the kernels run in Triton's interpreter on {device}; there is nothing "
                          f"to compile")
@@ -96,7 +118,9 @@ def run(launch: launches.Launch, outputs: Optional[dict] = None) -> dict:
             kernel = getattr(kernel_module(module, interpret), fn)
             options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=pdl["PDL"],
                            **launch.constexprs, **pdl)
-            if compiling:   # the variant a launch with these arguments runs, compiled on the executor
+            if recording is not None:
+                recording.add(variant_key(launch, kernel, args, outs, options))
+            elif compiling:   # the variant a launch with these arguments runs, compiled on the executor
                 kernel.warmup(*args, *outs, grid=launch.grid, **options)
             else:
                 kernel[launch.grid](*args, *outs, **options)
@@ -127,13 +151,61 @@ def compile_only(executor: Executor):
         _compile_only.reset(token)
 
 
+class Recording:
+    """What :func:`record_variants` collects: ``variants``, the set of :func:`variant_key` of every
+    launch run inside it, and ``capability``, the GPU the meta tensors stand for."""
+
+    def __init__(self, capability: tuple):
+        self.capability = tuple(capability)
+        self.variants: set = set()
+
+    def add(self, key: tuple) -> None:
+        self.variants.add(key)
+
+
+@contextlib.contextmanager
+def record_variants(capability: tuple = (9, 0)):
+    """Inside the ``with`` block (this thread), meta tensors stand for the tensors of a GPU of compute
+    ``capability``: the model and the ops take their GPU paths and :func:`run` records the Triton
+    variant key (:func:`variant_key`) of each launch instead of running it. No GPU is needed (the
+    CPU suffices); outputs stay meta tensors, so a step recorded runs no data-dependent host code.
+    Yields the :class:`Recording`."""
+    recording = Recording(capability)
+    token = _recording.set(recording)
+    try:
+        yield recording
+    finally:
+        _recording.reset(token)
+
+
+def variant_key(launch: launches.Launch, kernel, args: list, outs: list, options: dict) -> tuple:
+    """What picks the compiled variant of a launch (Triton's specialisation of its arguments): the kernel,
+    its constexprs and compile options (warps, stages, PDL), and per argument its class: an int's
+    (``"1"`` for 1, ``"16"`` for a multiple of 16, ``"int"`` otherwise; one class where the kernel's
+    ``do_not_specialize`` names it), a tensor's dtype and 16-byte alignment, a float's ``"float"``."""
+    fn = kernel   # a JITFunction
+    plain = {fn.arg_names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
+    names = [n for n, p in zip(fn.arg_names, fn.params) if not p.is_constexpr]
+    classes = []
+    for name, a in zip(names, [*args, *outs]):
+        if isinstance(a, torch.Tensor):
+            classes.append((str(a.dtype), a.storage_offset() * a.element_size() % 16 == 0))
+        elif isinstance(a, bool) or not isinstance(a, int):
+            classes.append(type(a).__name__)
+        elif name in plain:
+            classes.append("int")
+        else:
+            classes.append("1" if a == 1 else "16" if a % 16 == 0 else "int")
+    return (launch.kernel, tuple(sorted((k, repr(v)) for k, v in options.items())), tuple(classes))
+
+
 def _grid_dependency(device) -> dict:
     """``launches.grid_dependency`` of ``device``, asked of the driver once per device."""
-    key = str(device)
+    key = (str(device), device_capability(device) if device.type == "meta" else None)
     found = _pdl.get(key)
     if found is None:
-        nvidia = device.type == "cuda" and torch.version.hip is None   # ROCm also reports type "cuda"
-        found = _pdl[key] = launches.grid_dependency(torch.cuda.get_device_capability(device) if nvidia else None)
+        nvidia = compiled(device) and torch.version.hip is None   # ROCm also reports type "cuda"
+        found = _pdl[key] = launches.grid_dependency(device_capability(device) if nvidia else None)
     return found
 
 
@@ -252,11 +324,16 @@ _lib = torch.library.Library("m3", "DEF")
 
 def define(schema: str, fn):
     """Define ``m3::<schema>`` with ``fn`` as its kernel on every device and a fake that returns
-    nothing (every op writes into arguments its schema marks mutated); -> ``torch.ops.m3.<name>``."""
+    nothing (every op writes into arguments its schema marks mutated; inside :func:`record_variants`
+    the fake runs ``fn``, whose launches are recorded); -> ``torch.ops.m3.<name>``."""
     name = schema.split("(", 1)[0]
     _lib.define(schema)
     _lib.impl(name, fn, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"m3::{name}", lambda *args, **kwargs: None, lib=_lib)
+    def fake(*args, **kwargs):
+        if _recording.get() is not None:   # meta tensors inside record_variants: record the launches
+            fn(*args, **kwargs)
+
+    torch.library.register_fake(f"m3::{name}", fake, lib=_lib)
     return getattr(torch.ops.m3, name)
 
 
@@ -266,7 +343,7 @@ def _index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table:
     tile = maps.index_tile(idx_q.shape[1], tokens_per_tile)
     run(launches.index_scores(idx_q=operand(idx_q), index_k=operand(index_k_cache),
                               block_table=operand(block_table), seq_lens=seq_lens, tile_map=tile_map, tile=tile,
-                              out_strides=out.stride(), dtype=str(idx_q.dtype), interpret=out.device.type != "cuda",
+                              out_strides=out.stride(), dtype=str(idx_q.dtype), interpret=not compiled(out.device),
                               skip_blocks=skip_blocks),
         {"scores": out})
 
@@ -275,7 +352,7 @@ def _select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, token_map: torc
                    topk: int, init_blocks: int, local_blocks: int) -> None:
     run(launches.select_blocks(scores=operand(scores), seq_lens=seq_lens, token_map=token_map, topk=topk,
                                init_blocks=init_blocks, local_blocks=local_blocks, out_strides=out.stride(),
-                               interpret=out.device.type != "cuda"),
+                               interpret=not compiled(out.device)),
         {"block_ids": out})
 
 
@@ -300,7 +377,7 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q=operand(q), k=operand(k_cache), v=operand(v_cache),
         block_ids=None if block_ids is None else operand(block_ids), block_table=operand(block_table),
         seq_lens=seq_lens, tile_map=tile_map, tile=tile, sm_scale=sm_scale, out_dtype=str(q.dtype),
-        out_strides=out.stride(), interpret=out.device.type != "cuda", k_scale=k_scale, v_scale=v_scale,
+        out_strides=out.stride(), interpret=not compiled(out.device), k_scale=k_scale, v_scale=v_scale,
         select=selection)
     outputs = {"out": out}
     if selection is not None:
@@ -324,7 +401,7 @@ def _write_cache(k: torch.Tensor, v: torch.Tensor, index_k: Optional[torch.Tenso
                              k_cache=cache(0, k_cache_strides, kv_cache_dtype),
                              v_cache=cache(1, v_cache_strides, kv_cache_dtype),
                              index_k_cache=cache(2, index_k_cache_strides, index_cache_dtype),
-                             interpret=pool.device.type != "cuda", k_scale=k_scale, v_scale=v_scale),
+                             interpret=not compiled(pool.device), k_scale=k_scale, v_scale=v_scale),
         {"pool": pool})
 
 

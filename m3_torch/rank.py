@@ -225,6 +225,23 @@ def carry_tokens(input_ids: torch.Tensor, carry_from: np.ndarray, previous_token
 
 # -- CUDA graphs -----------------------------------------------------------------------------------
 
+# the static inputs of a graph, in the order they lie in its one buffer
+GRAPH_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table")
+
+
+def graph_inputs(batch: int, n: int, width: int, device) -> tuple:
+    """(buffer, StepTensors) of the graphs of ``batch`` rows of ``n`` tokens: one int32 buffer holding
+    ``GRAPH_FIELDS`` in order (``width`` block-table columns), the tensors its slices."""
+    tokens = batch * n
+    sizes = [tokens] * 3 + [batch, batch * width]
+    buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
+    dev = dict(zip(GRAPH_FIELDS, buffer.split(sizes)))
+    tensors = StepTensors(input_ids=dev["input_ids"], positions=dev["positions"], slot_mapping=dev["slot_mapping"],
+                          seq_lens=dev["seq_lens"], block_table=dev["block_table"].view(batch, width),
+                          logits_rows=torch.arange(tokens, dtype=torch.int32, device=device))
+    return buffer, tensors
+
+
 class _DecodeGraphs:
     """Pure decode steps replayed from CUDA graphs, one per (padded batch, query tokens per
     row, block-table bound): plain decode steps have one token a row, speculative verify
@@ -241,8 +258,6 @@ class _DecodeGraphs:
     all-reduces inside its graph.
     """
 
-    FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table")
-
     def __init__(self, runner: RankRunner):
         self.runner = runner
         self.mempool = torch.cuda.graph_pool_handle()
@@ -255,17 +270,10 @@ class _DecodeGraphs:
 
     def _static(self, batch: int, n: int):
         if (batch, n) not in self.inputs:
-            width, device = self.runner.max_blocks, self.runner.device
-            tokens = batch * n
-            sizes = [tokens] * 3 + [batch, batch * width]
-            host = torch.zeros(sum(sizes), dtype=torch.int32, pin_memory=True)
-            buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
-            host_views = dict(zip(self.FIELDS, (t.numpy() for t in host.split(sizes))))
-            dev = dict(zip(self.FIELDS, buffer.split(sizes)))
-            tensors = StepTensors(input_ids=dev["input_ids"], positions=dev["positions"],
-                                  slot_mapping=dev["slot_mapping"], seq_lens=dev["seq_lens"],
-                                  block_table=dev["block_table"].view(batch, width),
-                                  logits_rows=torch.arange(tokens, dtype=torch.int32, device=device))
+            buffer, tensors = graph_inputs(batch, n, self.runner.max_blocks, self.runner.device)
+            host = torch.zeros(buffer.shape, dtype=torch.int32, pin_memory=True)
+            sizes = [len(getattr(tensors, name).view(-1)) for name in GRAPH_FIELDS]
+            host_views = dict(zip(GRAPH_FIELDS, (t.numpy() for t in host.split(sizes))))
             self.inputs[batch, n] = (host, host_views, buffer, tensors, torch.cuda.Event())
         return self.inputs[batch, n]
 
@@ -282,7 +290,7 @@ class _DecodeGraphs:
         device = self.runner.device
         host, views, buffer, static, copied = self._static(batch, n)
         copied.synchronize()   # the previous step's upload from these host buffers is done
-        for name in self.FIELDS:
+        for name in GRAPH_FIELDS:
             views[name][:] = getattr(step, name).reshape(-1)
         buffer.copy_(host, non_blocking=True)
         copied.record()

@@ -190,6 +190,7 @@ class TorchRunner:
         if self.on_gpu:
             threads = max(1, (os.cpu_count() or 1) // self.tp.size)
             self.collective_rpc(compile_kernels_on_rank, [tp.portable(step) for step in steps], threads)
+            self.compile_sampling(threads)
             torch.cuda.synchronize(self.device)
             times["compile"] = time.perf_counter() - start
             captured = [step for step, k in zip(steps, keys) if k[0][0] == "graph"]
@@ -205,6 +206,19 @@ class TorchRunner:
         self.warm_programs = {k for step_keys in keys for k in step_keys}
         self._aux = None
         return dict(programs=len(steps), **times)
+
+    def compile_sampling(self, threads: int) -> None:
+        """Compile every variant of the sampling kernel (:func:`sampling_variants`) in ``threads`` threads,
+        launching none (rank 0 samples). A GPU only."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .ops import compile_only
+
+        logits = torch.zeros((1, self.model.config.vocab_size), dtype=torch.float32, device=self.device)
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="m3-compile") as executor, \
+                compile_only(executor):
+            for batch in sampling_variants(logits.shape[1]):
+                sample_on_device(logits, batch)
 
     def propose(self, work: DraftPass) -> np.ndarray:
         """EAGLE-3: the draft after the step just executed (``work.step``) -> drafts ``[n, k]`` int32."""
@@ -277,24 +291,34 @@ def program_keys(step: Step, graphs: bool) -> tuple:
     return keys
 
 
+def sampling_variants(vocab: int) -> list:
+    """One-row ``SamplingBatch`` es that launch, between them, every variant of the sampling kernel over
+    ``vocab`` logits (its constexprs: with or without penalties, with or without a token bitmask; the
+    row count and the logits' stride are run-time values)."""
+    greedy = SamplingBatch.greedy(1)
+    ids = np.zeros((1, 1), np.int32)
+    penalties = dict(repetition_penalty=np.ones(1, np.float32), presence_penalty=np.zeros(1, np.float32),
+                     frequency_penalty=np.zeros(1, np.float32), prompt_ids=ids, output_ids=ids)
+    mask = dict(token_bitmask=np.full((1, -(-vocab // 32)), -1, np.int32))
+    return [greedy, dataclasses.replace(greedy, **penalties), dataclasses.replace(greedy, **mask),
+            dataclasses.replace(greedy, **penalties, **mask)]
+
+
 def warm_up_shapes(buckets: StepBuckets, max_blocks: int, graphs: bool, *, index_heads: int) -> list:
     """``(StepShape, kv_len)`` of the warm-up's steps: for every block bound (``kv_len`` = its
     tokens), each CUDA graph (``graphs``: the padded pure generation shapes), a context row of each
-    row-tile class (1, 2, 4, ... query tokens until the indexer's tile is full), and each
+    power of two of query tokens up to the prefill chunk (row-tile classes, attention split counts,
+    the norm, router and MoE tunings by token count), and each
     generation part (rows, tokens per row) of the policy beside a one-token context row (where it
     fits; else alone) that no graph holds."""
-    from m3_kernels.maps import index_tile
-
     longest = min(buckets.prefill_chunk, buckets.max_num_tokens)
     work = []
     for bound in block_bounds(max_blocks):
         kv_len = bound * PAGE_SIZE
-        tokens, previous = 1, None
-        while tokens <= min(longest, kv_len):   # the context row-tile classes
-            tile = index_tile(index_heads, tokens).tokens_per_tile
-            if tile != previous:
-                work.append((StepShape(1, tokens, 0, 0), kv_len))
-            previous, tokens = tile, tokens * 2
+        tokens = 1
+        while tokens <= min(longest, kv_len):   # the context rows: row-tile classes, split counts, MoE sizes
+            work.append((StepShape(1, tokens, 0, 0), kv_len))
+            tokens *= 2
         for rows, n in buckets.generation_parts():
             if not rows:
                 continue
@@ -361,6 +385,8 @@ def sample_on_device(logits: torch.Tensor, s: SamplingBatch) -> dict:
         token_bitmask = torch.from_numpy(s.token_bitmask)
         if logits.is_cuda:
             token_bitmask = token_bitmask.pin_memory().to(device, non_blocking=True)
+        else:   # the CPU, or meta tensors standing for a GPU's (ops.record_variants)
+            token_bitmask = token_bitmask.to(device)
     tokens, logprobs, lse = sample(logits, dev(s.temperature), dev(s.top_k), dev(s.top_p), dev(s.min_p),
                                    dev(s.seeds), dev(s.counters), token_bitmask=token_bitmask, **penalties)
     top_ids = top_logprobs = ranks = None

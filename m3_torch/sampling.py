@@ -11,7 +11,7 @@ import torch
 from m3_kernels import step_launches, validate
 
 from . import guards
-from .ops import operand, run
+from .ops import compiled, operand, run
 
 __all__ = ["sample", "apply_token_bitmask"]
 
@@ -62,7 +62,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *, repetit
         penalties=tuple(p.contiguous() for p in penalties.values()) if has_penalties else None,
         seen=operand(seen_tokens(prompt_ids, output_ids, vocab)) if has_penalties else None,
         token_bitmask=None if token_bitmask is None else token_bitmask.contiguous(),
-        interpret=device.type != "cuda")
+        interpret=not compiled(device))
     run(launch, {"tokens": tokens, "logprobs": logprobs, "lse": lse})
     return tokens, logprobs, lse
 

@@ -144,7 +144,7 @@ def test_block_structure(shared):
     sorted_pairs = torch.full((num_rows,), -7, dtype=torch.int32)
     block_expert = torch.full((num_blocks,), -7, dtype=torch.int32)
     block_rows = torch.full((num_blocks,), -7, dtype=torch.int32)
-    kernel_module("moe", True).align_kernel[align.grid](ids, tokens, sorted_pairs, block_expert, block_rows,
+    kernel_module("moe", True).align_kernel[align.grid](ids, tokens, num_blocks, sorted_pairs, block_expert, block_rows,
                                                         **align.constexprs)
     flat = torch.cat([ids, torch.full((tokens, 1), experts, dtype=torch.int32)], 1) if shared else ids
     flat, seen, bm = flat.reshape(-1).tolist(), [], align.constexprs["BLOCK_M"]
