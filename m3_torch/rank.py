@@ -227,18 +227,30 @@ def carry_tokens(input_ids: torch.Tensor, carry_from: np.ndarray, previous_token
 
 # the static inputs of a graph, in the order they lie in its one buffer
 GRAPH_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table")
+GRAPH_FIELD_ALIGN = 4   # int32 elements: 16 bytes
+
+
+def graph_field_slices(batch: int, n: int, width: int) -> list:
+    """``[(name, slice)]``: where each of ``GRAPH_FIELDS`` lies in the graphs' int32 input buffer."""
+    tokens = batch * n
+    out, start = [], 0
+    for name, size in zip(GRAPH_FIELDS, (tokens, tokens, tokens, batch, batch * width)):
+        out.append((name, slice(start, start + size)))
+        start += -(-size // GRAPH_FIELD_ALIGN) * GRAPH_FIELD_ALIGN
+    return out
 
 
 def graph_inputs(batch: int, n: int, width: int, device) -> tuple:
     """(buffer, StepTensors) of the graphs of ``batch`` rows of ``n`` tokens: one int32 buffer holding
-    ``GRAPH_FIELDS`` in order (``width`` block-table columns), the tensors its slices."""
-    tokens = batch * n
-    sizes = [tokens] * 3 + [batch, batch * width]
-    buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
-    dev = dict(zip(GRAPH_FIELDS, buffer.split(sizes)))
+    ``GRAPH_FIELDS`` in order (``width`` block-table columns), the tensors its slices, each starting
+    16-byte aligned like a tensor of its own (Triton specialises kernels on pointer alignment: an eager
+    step of the same shape then runs the graph's kernel variants)."""
+    fields = graph_field_slices(batch, n, width)
+    buffer = torch.zeros(fields[-1][1].stop, dtype=torch.int32, device=device)
+    dev = {name: buffer[span] for name, span in fields}
     tensors = StepTensors(input_ids=dev["input_ids"], positions=dev["positions"], slot_mapping=dev["slot_mapping"],
                           seq_lens=dev["seq_lens"], block_table=dev["block_table"].view(batch, width),
-                          logits_rows=torch.arange(tokens, dtype=torch.int32, device=device))
+                          logits_rows=torch.arange(batch * n, dtype=torch.int32, device=device))
     return buffer, tensors
 
 
@@ -272,8 +284,8 @@ class _DecodeGraphs:
         if (batch, n) not in self.inputs:
             buffer, tensors = graph_inputs(batch, n, self.runner.max_blocks, self.runner.device)
             host = torch.zeros(buffer.shape, dtype=torch.int32, pin_memory=True)
-            sizes = [len(getattr(tensors, name).view(-1)) for name in GRAPH_FIELDS]
-            host_views = dict(zip(GRAPH_FIELDS, (t.numpy() for t in host.split(sizes))))
+            host_views = {name: host[span].numpy()
+                          for name, span in graph_field_slices(batch, n, self.runner.max_blocks)}
             self.inputs[batch, n] = (host, host_views, buffer, tensors, torch.cuda.Event())
         return self.inputs[batch, n]
 

@@ -36,11 +36,12 @@ def scheduled_steps(engine, prompt_lengths, new_tokens):
 
 def test_request_path_compiles_nothing():
     """The warm_start benchmark's workload (64 rows, 2048 tokens of context, 96 prompts of 1024 tokens:
-    chunked prefill, mixed and decode steps): no variant beyond the warm-up's."""
+    chunked prefill, mixed and decode steps) and prompts of other lengths (one token, just past a
+    page, long ones): no variant beyond the warm-up's."""
     engine = MetaEngine(M3TextConfig.from_dict(tiny_text_config(dtype="bfloat16", **M3_SHAPES)),
                         max_num_seqs=64, max_model_len=2048)
     warm = engine.warm_up_variants()
-    steps = scheduled_steps(engine, [1024] * 96, 8)
+    steps = scheduled_steps(engine, [1024] * 96 + [1, 130, 700, 1500, 2000], 8)
     cold = engine.record(steps) - warm
     assert not cold, f"{len(cold)} kernel variants compile on the request path: " \
                      f"{sorted({key[0] for key in cold})}, e.g. {sorted(cold, key=str)[0]}"
