@@ -125,7 +125,7 @@ def gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_pt
                    PDL: tl.constexpr = False):
     """``act[row, n] = swiglu_oai(x[token] . gate_up[e, n], x[token] . gate_up[e, I + n])`` for a block's rows.
     x [T, HIDDEN] contiguous; w [E, 2 * INTER, HIDDEN] and shared_w [2 * INTER, HIDDEN] (expert E)
-    contiguous; act [NUM_BLOCKS * BLOCK_M, INTER]."""
+    contiguous; act [num_blocks * BLOCK_M, INTER]."""
     release_next_grid(PDL)
     block, tile = tl.program_id(0), tl.program_id(1)
     wait_for_previous_grid(PDL)
@@ -163,7 +163,7 @@ def down_kernel(act_ptr, w_ptr, shared_w_ptr, sorted_pairs_ptr, block_expert_ptr
                 SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 PDL: tl.constexpr = False):
     """``weighted[pair, n] = w[pair] * (act[row] . down[e, n])`` (the dot rounded to the model dtype first).
-    act [NUM_BLOCKS * BLOCK_M, INTER]; w [E, HIDDEN, INTER], shared_w [HIDDEN, INTER] contiguous;
+    act [num_blocks * BLOCK_M, INTER]; w [E, HIDDEN, INTER], shared_w [HIDDEN, INTER] contiguous;
     weights [T, k] float32 (the shared expert's pairs: 1); weighted [P, HIDDEN] float32."""
     release_next_grid(PDL)
     block, tile = tl.program_id(0), tl.program_id(1)
