@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,6 +64,7 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
 
 def markdown(result: dict) -> str:
     lines = [f"# Time to ready ({result['device']}; precompile {result['precompile']})", "",
+             f"Command: `{result['command']}`.", "",
              f"{result['workload']['prompts']} prompts x {result['workload']['prompt_len']} tokens, "
              f"{result['workload']['new_tokens']} new each; options {result['workload']['options']}", "",
              "| engine | start | load s | compile s | capture s | ready s | programs | first tok/s | steady tok/s "
@@ -101,7 +103,8 @@ def main(argv=None):
                 print(json.dumps(rows[-1]), flush=True)
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu"
-    result = dict(device=device, precompile=args.precompile, workload=workload, rows=rows)
+    command = "python3 -m benchmarks.warm_start " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = dict(device=device, command=command, precompile=args.precompile, workload=workload, rows=rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "warm_start.json").write_text(json.dumps(result, indent=2))
     (args.out / "warm_start.md").write_text(markdown(result))

@@ -1,0 +1,29 @@
+"""``benchmarks/warm_start.py``: its table from a result, and (long) its ``--tiny`` run on the CPU."""
+
+import json
+
+import pytest
+
+from benchmarks import warm_start
+
+ROW = dict(framework="torch", start="first", load_s=1.0, compile_s=30.0, capture_s=5.0, ready_s=36.0, programs=385,
+           first_tok_s=9000.0, steady_tok_s=10000.0, first_vs_steady=0.9)
+
+
+def test_markdown_names_the_command_and_every_start():
+    result = dict(device="NVIDIA H200", command="python3 -m benchmarks.warm_start --frameworks torch",
+                  precompile=True, workload=warm_start.FULL,
+                  rows=[ROW, dict(ROW, start="second", compile_s=10.0, ready_s=12.0, first_vs_steady=1.0)])
+    md = warm_start.markdown(result)
+    assert "`python3 -m benchmarks.warm_start --frameworks torch`" in md
+    assert "| torch | first | 1.0 | 30.0 | 5.0 | 36.0 | 385 | 9000 | 10000 | 0.90 |" in md
+    assert "| torch | second |" in md and "precompile True" in md
+
+
+@pytest.mark.long   # two engine starts in fresh processes
+def test_tiny_run(tmp_path):
+    warm_start.main(["--tiny", "--frameworks", "torch", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "warm_start.json").read_text())
+    assert [r["start"] for r in result["rows"]] == ["first", "second"]
+    assert all(r["ready_s"] > 0 and r["steady_tok_s"] > 0 for r in result["rows"])
+    assert "--tiny" in result["command"]
