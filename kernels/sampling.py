@@ -126,7 +126,7 @@ def sample_kernel(
     work_ptr,          # [L, V] fp32 scratch: x of the rows with a filter on
     HAS_PENALTIES: tl.constexpr,
     BLOCK_R: tl.constexpr,     # rows per program (1 on GPUs; the interpreter's cost is per program)
-    BLOCK_V: tl.constexpr,     # chunk of the first and the last pass
+    BLOCK_V: tl.constexpr,     # chunk of the first and the last pass: a multiple of 32 (whole bitmask words)
     BLOCK_S: tl.constexpr,     # chunk of the search passes ([BLOCK_R, BLOCK_S, PIVOTS] comparisons)
     PIVOTS: tl.constexpr,      # thresholds tried per search pass
     MASKED: tl.constexpr = False,   # read bitmask_ptr: disallowed tokens' logits are -inf
@@ -161,6 +161,7 @@ def sample_kernel(
         frequency = tl.load(frequency_ptr + rows, mask=m_r, other=0.0)[:, None]
         seen_rows = seen_ptr + rows64[:, None] * stride_seen
     if MASKED:
+        tl.static_assert(BLOCK_V % 32 == 0, "BLOCK_V: expected whole bitmask words (a multiple of 32)")
         bitmask_rows = bitmask_ptr + rows64[:, None] * ((vocab + 31) // 32)
 
     # -- pass 1: raw lse, x and its max; the draw of unfiltered rows. Each lane (element of a chunk)
@@ -178,8 +179,12 @@ def sample_kernel(
         # [BLOCK_R, BLOCK_V]
         raw = tl.load(logits_rows + cols[None, :], mask=m_rv, other=float("-inf")).to(tl.float32)
         if MASKED:
-            words = tl.load(bitmask_rows + (cols // 32)[None, :], mask=m_rv, other=0)
-            raw = tl.where(((words >> (cols % 32)[None, :]) & 1) != 0, raw, float("-inf"))
+            # the chunk's BLOCK_V / 32 words in one contiguous load, each spread over its 32 tokens
+            word_ids = start // 32 + tl.arange(0, BLOCK_V // 32)
+            words = tl.load(bitmask_rows + word_ids[None, :],
+                            mask=m_r[:, None] & (word_ids < (vocab + 31) // 32)[None, :], other=0)
+            bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+            raw = tl.where(tl.reshape(bits, [BLOCK_R, BLOCK_V]) != 0, raw, float("-inf"))
         new_max = tl.maximum(raw_max, tl.max(raw, axis=1))
         shift = tl.maximum(new_max, -FLOAT_MAX)   # finite: no NaN from -inf - -inf
         rescale = tl.exp(tl.maximum(raw_max, -FLOAT_MAX) - shift)

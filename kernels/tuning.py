@@ -432,8 +432,9 @@ def sample(*, rows: int, vocab: int, interpret: bool) -> SampleConfig:
     """``sampling.sample_kernel`` for ``rows`` rows of ``vocab`` logits."""
     if interpret:
         # the interpreter's cost is per program and per operation, not per element: many rows and
-        # wide chunks per program, up to ~2^16 elements per [BLOCK_R, BLOCK_V] and 2^20 per search step
-        block_v = max(16, min(next_pow2(vocab), 4096))
+        # wide chunks per program, up to ~2^16 elements per [BLOCK_R, BLOCK_V] and 2^20 per search step;
+        # a chunk is whole bitmask words (a multiple of 32 tokens)
+        block_v = max(32, min(next_pow2(vocab), 4096))
         block_r = max(1, min(next_pow2(max(rows, 1)), (1 << 16) // block_v))
         return SampleConfig(block_r, block_v, max(16, min(block_v, (1 << 20) // (block_r * 16))), 16, 1, 1)
     return SampleConfig(1, 4096, 512, 16, 8, 2)

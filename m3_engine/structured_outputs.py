@@ -192,7 +192,6 @@ def fill_bitmask(rows: Sequence[tuple], vocab_size: int) -> np.ndarray:
             accepted = 0
             for j in range(count):
                 grammar.fill(bitmask, start + j)
-                _check_allows_a_token(bitmask, start + j)
                 if j == len(drafts) or not grammar.try_accept(drafts[j]):
                     break   # past the drafts (padding rows), or a refused draft: the rest are never used
                 accepted += 1
@@ -202,15 +201,12 @@ def fill_bitmask(rows: Sequence[tuple], vocab_size: int) -> np.ndarray:
         start += count
     if batch:
         _batch_matcher().batch_fill_next_token_bitmask(batch, bitmask, batch_rows)
-        for row in batch_rows:
-            _check_allows_a_token(bitmask, row)
-    return bitmask
-
-
-def _check_allows_a_token(bitmask: np.ndarray, row: int) -> None:
-    if not bitmask[row].any():
+    # the rows not filled are all ones, so a row without a set bit is a filled row that allows no token:
+    # one pass over the mask finds it (a row's largest word, as unsigned, is 0 only then)
+    if (bitmask.view(np.uint32).max(axis=1) == 0).any():
         raise RuntimeError("structured outputs: the request's grammar allows no token of the vocabulary "
                            "next (a grammar this tokenizer cannot write)")
+    return bitmask
 
 
 @functools.lru_cache(maxsize=None)

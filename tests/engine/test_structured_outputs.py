@@ -18,8 +18,8 @@ import pytest
 
 from m3_engine import SamplingParams
 from m3_engine.runner import SynchronousRunner
-from m3_engine.structured_outputs import (StructuredOutputsBackend, StructuredOutputsParams, apply_token_bitmask,
-                                          bitmask_width, fill_bitmask)
+from m3_engine.structured_outputs import (Grammar, StructuredOutputsBackend, StructuredOutputsParams,
+                                          apply_token_bitmask, bitmask_width, fill_bitmask)
 from m3_engine.tiny_model import EOS_ID, write_tiny_checkpoint
 from m3_engine.tokenizer import Tokenizer
 
@@ -186,6 +186,18 @@ def test_a_forbidden_token_is_an_error(backend, tokenizer):
     with pytest.raises(RuntimeError, match="must apply SamplingBatch.token_bitmask"):
         grammar.accept(tokenizer.encode("no", add_special_tokens=False)[0])
 
+
+
+def test_a_row_that_allows_no_token_is_an_error(backend):
+    """A grammar the tokenizer cannot write (a stand-in: its rows allow nothing) fails the step's mask."""
+    class Unwritable(Grammar):
+        def fill(self, bitmask, row):
+            bitmask[row] = 0
+
+    matcher = backend.grammar(StructuredOutputsParams(choice=["yes"]), stop_token_ids=[EOS_ID]).matcher
+    assert fill_bitmask([(None, 1, ()), (Grammar(matcher), 2, (EOS_ID,))], VOCAB).any(axis=1).all()
+    with pytest.raises(RuntimeError, match="allows no token of the vocabulary"):
+        fill_bitmask([(None, 1, ()), (Unwritable(matcher), 2, (EOS_ID,))], VOCAB)
 
 # -- speculative decoding: one row per draft, then rolled back -------------------------------------
 
