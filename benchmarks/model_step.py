@@ -255,15 +255,19 @@ def full_model_floor_bytes(c: M3TextConfig, tokens: int, context: int, quantizat
 def full_model_memory(dims: dict, quantization, tp: int, gpu_bytes: float) -> dict:
     """M3's 60 layers (3 dense + 57 MSA + MoE) at these dimensions: weight bytes per GPU split ideally
     ``tp`` ways (tensor parallelism for attention and the dense MLP, the experts spread over the GPUs),
-    and what ``gpu_bytes`` x 0.9 (``gpu_memory_utilization``) leaves for KV, in tokens of context."""
+    and what ``gpu_bytes`` x 0.9 (``gpu_memory_utilization``) leaves for KV, in tokens of context: a
+    GPU holds its share of the KV heads (``min(tp, KV heads)`` ways; ranks beyond share a head) and the
+    whole index-K (one head, on every rank), bf16."""
     text = tiny_text_config(num_hidden_layers=FULL_LAYERS, num_dense_layers=FULL_DENSE_LAYERS, dtype="bfloat16",
                             **dims)
     c = M3TextConfig.from_dict(text)
     per_gpu = weight_bytes(c, quantization) / tp
     free = 0.9 * gpu_bytes - per_gpu
+    kv_per_token = 2 * 2 * c.num_key_value_heads * c.head_dim * c.num_hidden_layers / min(tp, c.num_key_value_heads)
+    index_per_token = 2 * c.index_head_dim * sum(c.sparse_layers)
     return dict(quantization=quantization or "bf16", tp=tp, params_B=weight_bytes(c, None) / 2e9,
                 weights_per_gpu_GB=per_gpu / 1e9, kv_room_per_gpu_GB=free / 1e9,
-                kv_tokens=max(free, 0) * tp / (kv_bytes_per_request(c, PAGE_SIZE) / PAGE_SIZE))
+                kv_tokens=max(free, 0) / (kv_per_token + index_per_token))
 
 
 # -- torch -----------------------------------------------------------------------------------------
@@ -798,7 +802,8 @@ def markdown(r: dict) -> str:
     if r["full_model_memory"]:
         lines += ["", "M3's 60 layers at these dimensions (3 dense + 57 MSA/MoE; ARITHMETIC, not measured): weights "
                   "per GPU split ideally over the GPUs, and the KV room that 90% of this GPU's memory leaves "
-                  "(tokens of context over all GPUs, K/V/index-K of every layer in bf16):", "",
+                  "(tokens of context it holds: each GPU its share of the 4 KV heads and all of index-K, bf16):",
+                  "",
                   "| weights | GPUs | parameters | weights / GPU | KV room / GPU | KV tokens |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for m in r["full_model_memory"]:

@@ -108,8 +108,9 @@ def attention(*, tile: RowTile, num_tiles: int, num_kv_heads: int, head_dim: int
     target = t.sparse_target_programs if sparse else t.target_programs
     splits = max(1, min(cdiv(target, work), cdiv(num_entries, 1 if sparse else MIN_BLOCKS_PER_SPLIT)))
     if tile.tokens_per_tile > 1:
-        # a prefill span's tile count follows its token count, any number: a power of two keeps its split
-        # counts (kernel variants, compiled at start) few
+        # tiles of several tokens (prefill spans, whose tile count follows the token count, any number;
+        # speculative verify rows): a power of two keeps the split counts (kernel variants, all compiled
+        # at start) few
         splits = 1 << (splits.bit_length() - 1)
     num_warps = 8 if tile.block_m >= 64 else 4
     if wide(dtype):  # 228 KB of shared memory per SM: K + V tiles of 128 x 128 fp32 take 128 KB a stage

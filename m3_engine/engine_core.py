@@ -240,7 +240,8 @@ class EngineCore:
         self._drain_if_idle()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """Requests still running, or a failure held for the next :meth:`execute_step` (it raises there)."""
+        return bool(self._requests) or self._failure is not None
 
     def unfinished_request_ids(self) -> list:
         return list(self._requests)

@@ -32,9 +32,8 @@ sampling that consumes the mask. The host fills the mask while the device runs
 the forward; under async scheduling the call also waits for ``previous``'s
 tokens and applies them (the engine's scheduler update and grammar advance,
 ``m3_engine.engine_core``) first, so it may call ``result(previous)`` from
-inside ``submit``. Whether a step is masked is known at submission
-(:attr:`SamplingBatch.masked`): a runner picks its programs by it before the
-mask exists.
+inside ``submit``. A runner picks its programs by whether the mask comes late
+(``late_token_bitmask`` is set) before the mask exists.
 
 ``scheduler_config`` is ``args.scheduler`` with ``num_slots`` the pages of the
 KV pool the runner allocated: on a GPU without ``num_gpu_blocks_override``,
@@ -128,11 +127,6 @@ class SamplingBatch:
     def __post_init__(self):
         if self.token_bitmask is not None and self.late_token_bitmask is not None:
             raise ValueError("late_token_bitmask: expected None with a token_bitmask given (one or the other)")
-
-    @property
-    def masked(self) -> bool:
-        """Whether the step's sampling takes a token bitmask (given now or late)."""
-        return self.token_bitmask is not None or self.late_token_bitmask is not None
 
     def with_token_bitmask(self) -> "SamplingBatch":
         """This batch with its late token bitmask filled (``late_token_bitmask()`` called now, once);

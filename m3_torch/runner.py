@@ -22,8 +22,8 @@ kernel variants of all those steps at once, in parallel threads, without
 running them (``RankRunner.compile_kernels``; into the persistent cache of
 ``m3_engine.compile_cache``), then captures the graphs; the eager steps need
 nothing more, so none of them runs.
-:attr:`TorchRunner.cold_programs` lists the keys of later steps that the
-warm-up did not run (empty when the set is whole).
+:attr:`TorchRunner.cold_programs` lists the keys of later steps outside the
+warm-up's set (empty when the set is whole).
 
 :meth:`TorchRunner.submit` queues a step's forward, then fills its late token
 bitmask on the host while the device runs it (``m3_engine.runner``), then queues
@@ -49,6 +49,7 @@ from m3_engine.buckets import StepBuckets, StepShape, block_bounds
 from m3_engine.runner import SampleResult, SamplingBatch
 from m3_engine.scheduler import DraftPass
 from m3_engine.step_inputs import Step, StepBuilder
+from m3_engine.structured_outputs import bitmask_width
 from m3_kernels.maps import PAGE_SIZE
 
 from . import tp
@@ -148,6 +149,8 @@ class TorchRunner:
         """Queue ``step``'s forward, then (its late token bitmask filled on the host meanwhile) its sampling
         and the copy of the sampled outputs to the host; returns without waiting for the device.
         ``previous``: the step submitted before it, when ``step.carry_from`` takes its tokens."""
+        if self.rank0 is None:
+            raise RuntimeError("this LLM is closed (close() was called)")
         carried = None
         if step.carry_from is not None:
             if previous is None:
@@ -182,8 +185,7 @@ class TorchRunner:
 
         graphs = self.graphs is not None
         steps = [builder.dummy(shape, kv_len) for shape, kv_len in
-                 warm_up_shapes(self.buckets, self.rank0.max_blocks, graphs,
-                                index_heads=builder.planner.config.num_kv_heads)]
+                 warm_up_shapes(self.buckets, self.rank0.max_blocks, graphs)]
         keys = [program_keys(step, graphs) for step in steps]
         times = dict(compile=0.0, capture=0.0)
         start = time.perf_counter()
@@ -299,12 +301,12 @@ def sampling_variants(vocab: int) -> list:
     ids = np.zeros((1, 1), np.int32)
     penalties = dict(repetition_penalty=np.ones(1, np.float32), presence_penalty=np.zeros(1, np.float32),
                      frequency_penalty=np.zeros(1, np.float32), prompt_ids=ids, output_ids=ids)
-    mask = dict(token_bitmask=np.full((1, -(-vocab // 32)), -1, np.int32))
+    mask = dict(token_bitmask=np.full((1, bitmask_width(vocab)), -1, np.int32))
     return [greedy, dataclasses.replace(greedy, **penalties), dataclasses.replace(greedy, **mask),
             dataclasses.replace(greedy, **penalties, **mask)]
 
 
-def warm_up_shapes(buckets: StepBuckets, max_blocks: int, graphs: bool, *, index_heads: int) -> list:
+def warm_up_shapes(buckets: StepBuckets, max_blocks: int, graphs: bool) -> list:
     """``(StepShape, kv_len)`` of the warm-up's steps: for every block bound (``kv_len`` = its
     tokens), each CUDA graph (``graphs``: the padded pure generation shapes), a context row of each
     power of two of query tokens up to the prefill chunk (row-tile classes, attention split counts,

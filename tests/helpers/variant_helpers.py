@@ -66,6 +66,5 @@ class MetaEngine:
         """What the engine's warm-up compiles: its steps' forwards and the sampling variants."""
         builder = self.scheduler().builder
         steps = [builder.dummy(shape, kv_len) for shape, kv_len in
-                 warm_up_shapes(self.buckets, self.scheduler_config.max_blocks, True,
-                                index_heads=self.config.num_key_value_heads)]
+                 warm_up_shapes(self.buckets, self.scheduler_config.max_blocks, True)]
         return self.record(steps, [(1, batch) for batch in sampling_variants(self.config.vocab_size)])

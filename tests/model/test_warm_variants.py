@@ -6,11 +6,14 @@ the variants depend on shapes only)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from m3_engine.model_config import M3TextConfig
 from m3_engine.tiny_model import tiny_text_config
 
+from m3_torch.runner import sampling_variants
 from variant_helpers import MetaEngine
 
 # benchmarks.e2e's M3_SHAPES (the warm_start benchmark's model)
@@ -42,6 +45,11 @@ def test_request_path_compiles_nothing():
                         max_num_seqs=64, max_model_len=2048)
     warm = engine.warm_up_variants()
     steps = scheduled_steps(engine, [1024] * 96 + [1, 130, 700, 1500, 2000], 8)
-    cold = engine.record(steps) - warm
+    # each step's sampling at its own row count, in the variants a request can ask for
+    rows = sorted({len(step.logits_indices) for step in steps})
+    sampling = [(n, dataclasses.replace(batch, **{k: np.repeat(v, n, axis=0) for k, v in vars(batch).items()
+                                                  if isinstance(v, np.ndarray)}))
+                for n in rows for batch in sampling_variants(M3_SHAPES["vocab_size"])]
+    cold = engine.record(steps, sampling) - warm
     assert not cold, f"{len(cold)} kernel variants compile on the request path: " \
                      f"{sorted({key[0] for key in cold})}, e.g. {sorted(cold, key=str)[0]}"
