@@ -760,9 +760,14 @@ def main(argv=None) -> dict:
 
 
 async def _main(args, argv, longest) -> dict:
+    # the engine cores' step timelines (server.jsonl, offline.jsonl), removed whatever happens
+    with tempfile.TemporaryDirectory(prefix="m3-timeline-") as timelines:
+        return await _run(args, argv, longest, Path(timelines))
+
+
+async def _run(args, argv, longest, timelines: Path) -> dict:
     proc = log = None
     log_path = Path(tempfile.mkstemp(prefix="m3-serve-", suffix=".log")[1])
-    timelines = Path(tempfile.mkdtemp(prefix="m3-timeline-"))   # the engine cores' steps: server.jsonl, offline.jsonl
     if args.url is None:
         proc, log, url = start_server(args, log_path, timelines / "server.jsonl")
     else:
@@ -851,7 +856,6 @@ async def _main(args, argv, longest) -> dict:
         for name in ("server", "offline"):
             if (timelines / f"{name}.jsonl").is_file():
                 shutil.copy(timelines / f"{name}.jsonl", os.path.join(args.out, f"timeline-{name}.jsonl"))
-    shutil.rmtree(timelines, ignore_errors=True)
     print(text)
     if rc not in (None, 0):
         raise SystemExit(f"the server exited with {rc}")
