@@ -12,7 +12,12 @@ EOS. Reported per start:
   pool, the warm-up's eager steps or JAX compilations, the CUDA graph captures, all of it);
 * ``first_tok_s``: generated tokens per second of the first 128 requests (what a server's first
   clients see), ``steady_tok_s`` the same workload again, ``first_vs_steady`` their ratio (1.0:
-  nothing was compiled on the request path).
+  nothing was compiled on the request path);
+* ``late_programs``: what was made after ``LLM()`` returned, in the two passes: torch, the
+  Triton kernel variants its launcher did not hold in memory (compiled, or read back from the
+  disk cache; Triton's ``jit_post_compile_hook``), named in ``late_kernels``; JAX, the step
+  programs compiled (``compiled_steps`` and ``compiled_masked``). 0 is the "ready means ready"
+  target.
 
 Writes warm_start.json and warm_start.md to --out. About 3-4 minutes on an H200 for both engines
 (the JAX cold start compiles ~40 step programs). ``--tiny``: the tiny test model on the CPU (Triton's
@@ -43,7 +48,22 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
     from m3_engine.sampling_params import SamplingParams
 
     llm_class = importlib.import_module(f"m3_{framework}").LLM
+    late = []   # torch: the kernel variants the launcher compiled or read back after LLM() returned
+    if framework == "torch":
+        from triton import knobs
+
+        ready = [False]
+
+        def variant_made(*, fn, repr, **_):
+            if ready[0]:
+                late.append(repr)
+
+        knobs.runtime.jit_post_compile_hook = variant_made
     llm = llm_class(model_dir, precompile=precompile, compile_cache_dir=cache_dir, **workload["options"])
+    if framework == "torch":
+        ready[0] = True
+    else:
+        made_at_ready = len(llm.runner.compiled_steps) + len(llm.runner.compiled_masked)
     rng = np.random.default_rng(0)
     vocab = llm.config.vocab_size
     prompts = [{"prompt_token_ids": rng.integers(3, vocab, workload["prompt_len"]).tolist()}
@@ -56,10 +76,14 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rates.append(tokens / (time.perf_counter() - start))
     times = dict(llm.startup_times)
+    if framework == "torch":
+        late_programs = len(late)
+    else:
+        late_programs = len(llm.runner.compiled_steps) + len(llm.runner.compiled_masked) - made_at_ready
     llm.close()
     return dict(load_s=times["load"], compile_s=times["compile"], capture_s=times["capture"],
                 ready_s=times["total"], programs=times["programs"], first_tok_s=rates[0], steady_tok_s=rates[1],
-                first_vs_steady=rates[0] / rates[1])
+                first_vs_steady=rates[0] / rates[1], late_programs=late_programs, late_kernels=late[:20])
 
 
 def markdown(result: dict) -> str:
@@ -68,11 +92,15 @@ def markdown(result: dict) -> str:
              f"{result['workload']['prompts']} prompts x {result['workload']['prompt_len']} tokens, "
              f"{result['workload']['new_tokens']} new each; options {result['workload']['options']}", "",
              "| engine | start | load s | compile s | capture s | ready s | programs | first tok/s | steady tok/s "
-             "| first/steady |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| first/steady | made after ready |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['framework']} | {row['start']} | {row['load_s']:.1f} | {row['compile_s']:.1f} | "
                      f"{row['capture_s']:.1f} | {row['ready_s']:.1f} | {row['programs']} | {row['first_tok_s']:.0f} | "
-                     f"{row['steady_tok_s']:.0f} | {row['first_vs_steady']:.2f} |")
+                     f"{row['steady_tok_s']:.0f} | {row['first_vs_steady']:.2f} | {row['late_programs']} |")
+    late = [(row, kernel) for row in result["rows"] for kernel in row["late_kernels"]]
+    if late:
+        lines += ["", "Kernel variants made after ready (torch, at most 20 a start):", ""]
+        lines += [f"- {row['framework']} {row['start']}: `{kernel}`" for row, kernel in late]
     return "\n".join(lines) + "\n"
 
 

@@ -7,16 +7,19 @@ import pytest
 from benchmarks import warm_start
 
 ROW = dict(framework="torch", start="first", load_s=1.0, compile_s=30.0, capture_s=5.0, ready_s=36.0, programs=385,
-           first_tok_s=9000.0, steady_tok_s=10000.0, first_vs_steady=0.9)
+           first_tok_s=9000.0, steady_tok_s=10000.0, first_vs_steady=0.9, late_programs=1,
+           late_kernels=["align_kernel[num_warps=4](ids_ptr: *i32)"])
 
 
 def test_markdown_names_the_command_and_every_start():
     result = dict(device="NVIDIA H200", command="python3 -m benchmarks.warm_start --frameworks torch",
                   precompile=True, workload=warm_start.FULL,
-                  rows=[ROW, dict(ROW, start="second", compile_s=10.0, ready_s=12.0, first_vs_steady=1.0)])
+                  rows=[ROW, dict(ROW, start="second", compile_s=10.0, ready_s=12.0, first_vs_steady=1.0,
+                                  late_programs=0, late_kernels=[])])
     md = warm_start.markdown(result)
     assert "`python3 -m benchmarks.warm_start --frameworks torch`" in md
-    assert "| torch | first | 1.0 | 30.0 | 5.0 | 36.0 | 385 | 9000 | 10000 | 0.90 |" in md
+    assert "| torch | first | 1.0 | 30.0 | 5.0 | 36.0 | 385 | 9000 | 10000 | 0.90 | 1 |" in md
+    assert "- torch first: `align_kernel[num_warps=4](ids_ptr: *i32)`" in md
     assert "| torch | second |" in md and "precompile True" in md
 
 
@@ -26,4 +29,5 @@ def test_tiny_run(tmp_path):
     result = json.loads((tmp_path / "warm_start.json").read_text())
     assert [r["start"] for r in result["rows"]] == ["first", "second"]
     assert all(r["ready_s"] > 0 and r["steady_tok_s"] > 0 for r in result["rows"])
+    assert all(isinstance(r["late_programs"], int) and r["late_kernels"] == [] for r in result["rows"])
     assert "--tiny" in result["command"]
