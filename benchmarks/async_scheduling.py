@@ -132,10 +132,9 @@ def jax_gpu_intervals(run) -> list:
             if e.get("ph") == "X" and e.get("pid") in gpu_pids and float(e.get("dur", 0)) > 0]
 
 
-def decode_run(llm, prompts, params, profile=None) -> tuple:
-    """Prefill every request (unmeasured), then step to the end -> (outputs, decode seconds, decode
-    tokens, what ``profile`` returned or None, decode steps). ``profile``: a function of the decode
-    steps' ``run`` (``torch_gpu_intervals``, ...) that calls it once."""
+def prefill(llm, prompts, params) -> tuple:
+    """Add ``prompts`` and step until every request has its first token (the prefill, not measured)
+    -> (their request ids, ``{id: token ids so far}``, ``step``: one engine step that updates it)."""
     engine = llm.engine
     base = engine.stats["generation_tokens"]
     ids = [engine.add_request(None, p, params) for p in prompts]
@@ -145,8 +144,17 @@ def decode_run(llm, prompts, params, profile=None) -> tuple:
         for o in engine.step():
             outputs[o.request_id] = o.outputs[0].token_ids
 
-    while engine.stats["generation_tokens"] - base < len(prompts):   # every request has its first token
+    while engine.stats["generation_tokens"] - base < len(prompts):
         step()
+    return ids, outputs, step
+
+
+def decode_run(llm, prompts, params, profile=None) -> tuple:
+    """Prefill every request (unmeasured), then step to the end -> (outputs, decode seconds, decode
+    tokens, what ``profile`` returned or None, decode steps). ``profile``: a function of the decode
+    steps' ``run`` (``torch_gpu_intervals``, ...) that calls it once."""
+    engine = llm.engine
+    ids, outputs, step = prefill(llm, prompts, params)
     first, steps = engine.stats["generation_tokens"], engine.stats["steps"]
 
     def decode():
@@ -230,27 +238,40 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def decode_parser(description: str) -> argparse.ArgumentParser:
+    """The options of a decode-step benchmark (this one, ``benchmarks.structured``)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--frameworks", default="torch,jax")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tiny", action="store_true", help="the tiny CPU model (checks the script)")
+    return parser
+
+
+def write_model(folder: Path, a) -> tuple:
+    """The benchmark's model folder (config.json only: ``load_format="dummy"``): the tiny test model with
+    ``--tiny``, else ``--layers`` of M3's shapes -> (its config dict, the folder)."""
+    if a.tiny:
+        from m3_engine.tiny_model import tiny_text_config
+        text = tiny_text_config()
+    else:
+        text = text_config(M3_DIMS, a.layers, a.prompt_len + a.new_tokens + 16)
+    return text, write_config(folder / "model", text)
+
+
+def main(argv=None) -> dict:
+    parser = decode_parser(__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=3)
     a = parser.parse_args(argv)
     from benchmarks.model_step import device_info
     device = "cpu" if a.tiny else "cuda"
     info = device_info(device)
     with tempfile.TemporaryDirectory() as tmp:
-        if a.tiny:
-            from m3_engine.tiny_model import tiny_text_config
-            text = tiny_text_config()
-        else:
-            text = text_config(M3_DIMS, a.layers, a.prompt_len + a.new_tokens + 16)
-        model_dir = str(write_config(Path(tmp) / "model", text))
+        text, model_dir = write_model(Path(tmp), a)
+        model_dir = str(model_dir)
         args = dict(batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, reps=a.reps,
                     vocab=min(text["vocab_size"], 1000),
                     dtype="float32" if a.tiny else "bfloat16", device=device)

@@ -28,7 +28,6 @@ bandwidth measured first. ``--tiny``: the tiny model on the CPU (checks the scri
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import statistics
@@ -39,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.async_scheduling import decode_parser, prefill, write_model
 from benchmarks.e2e import in_fresh_process
-from benchmarks.model_step import M3_DIMS, text_config, write_config
 from benchmarks.run import save_results
 
 SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
@@ -139,16 +138,7 @@ def decode_pass(llm, prompts: list, params, fills: list) -> dict:
     (seconds), the steps timed, the fill time in them, the rows that ended before max_tokens. ``fills``: the fill calls' seconds,
     appended by the timing wrapper around ``fill_bitmask``."""
     engine = llm.engine
-    base = engine.stats["generation_tokens"]
-    ids = [engine.add_request(None, p, params) for p in prompts]
-    outputs = {}
-
-    def step():
-        for o in engine.step():
-            outputs[o.request_id] = o.outputs[0].token_ids
-
-    while engine.stats["generation_tokens"] - base < len(prompts):   # every request has its first token
-        step()
+    ids, outputs, step = prefill(llm, prompts, params)
     times, fills[:] = [], []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
@@ -258,25 +248,12 @@ def markdown(r: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--frameworks", default="torch,jax")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--tiny", action="store_true", help="the tiny CPU model (checks the script)")
-    a = parser.parse_args(argv)
+    a = decode_parser(__doc__.split("\n")[0]).parse_args(argv)
     from benchmarks.model_step import device_info
     device = "cpu" if a.tiny else "cuda"
     info = device_info(device)   # the copy bandwidth first
     with tempfile.TemporaryDirectory() as tmp:
-        if a.tiny:
-            from m3_engine.tiny_model import tiny_text_config
-            text = tiny_text_config()
-        else:
-            text = text_config(M3_DIMS, a.layers, a.prompt_len + a.new_tokens + 16)
-        model_dir = write_config(Path(tmp) / "model", text)
+        text, model_dir = write_model(Path(tmp), a)
         write_tokenizer(model_dir, text["vocab_size"])
         args = dict(batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, vocab=min(text["vocab_size"], 1000),
                     vocab_size=text["vocab_size"], dtype="float32" if a.tiny else "bfloat16", device=device)
