@@ -28,8 +28,13 @@ case "${1:-tests}" in
     # Two OpenMP threads per worker: with torch's default (one per core) in every worker the float64
     # references of the M3 prefill cases ran past 280 s; with two, the whole suite took 442 s on 8 workers
     # (2026-12-02). The outer timeout leaves the log to come back within a device call's 600 s.
-    OMP_NUM_THREADS=2 timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 --timeout 400 \
-      --timeout-method thread --durations=12 2>&1 | tee "$OUT/gpu-tests.log" | tail -25 ;;
+    # Each failure's traceback is written when it happens (M3_FAILURE_LOG, one file per worker), and the
+    # files are packed into one archive: a run cut by the time limit still shows why tests failed.
+    mkdir -p /tmp/m3-failures
+    M3_FAILURE_LOG=/tmp/m3-failures/failures.log OMP_NUM_THREADS=2 timeout 560 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider -n 8 --timeout 300 --timeout-method thread --tb=short -rfE --durations=12 2>&1 \
+      | tee "$OUT/gpu-tests.log" | tail -25
+    tar czf "$OUT/gpu-test-failures.tgz" -C /tmp/m3-failures . ;;
   e2e)
     source benchmarks/device_env.sh
     python3 -m benchmarks.e2e --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;

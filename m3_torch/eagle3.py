@@ -42,6 +42,7 @@ from m3_kernels.pool import PoolLayout
 from .api import msa_attention_step
 from .cache import TORCH_DTYPES, LayerCaches, allocate_pool, layer_caches, write_cache
 from .model import StepTensors, apply_rope, rope_cos_sin, take_weight
+from .rank import to_device
 
 __all__ = ["Eagle3Draft", "Eagle3Proposer", "DraftCache", "allocate_draft_cache", "rms_norm"]
 
@@ -250,7 +251,7 @@ class Eagle3Proposer:
         step = work.step
 
         def dev(a):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.draft.device, non_blocking=True)
+            return to_device(a, self.draft.device)
 
         # the first pass: the step's rows, each taking the token after it, the target's aux states
         first = StepTensors(input_ids=dev(work.input_ids), positions=dev(step.positions),

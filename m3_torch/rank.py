@@ -49,6 +49,16 @@ def use_compile_cache(folder) -> None:
     triton.knobs.cache.dir = str(Path(folder) / "triton")
 
 
+def to_device(a: np.ndarray, device) -> torch.Tensor:
+    """Host metadata ``a`` on ``device``, queued without waiting for the device: on a GPU through pinned
+    memory (torch's caching host allocator keeps the block until the copy has run), as a copy from
+    pageable memory may wait for the work already queued on the stream."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """The device of tensor-parallel rank ``rank`` when rank 0 runs on ``device``."""
     return device if device.type == "cpu" else torch.device("cuda", device.index + rank)
@@ -206,7 +216,7 @@ class RankRunner:
     def step_tensors(self, step: Step, logits_rows: Optional[np.ndarray] = None) -> StepTensors:
         """A step's numpy metadata on this rank's device."""
         def dev(a):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+            return to_device(a, self.device)
 
         return StepTensors(input_ids=dev(step.input_ids), positions=dev(step.positions),
                            slot_mapping=dev(step.slot_mapping), block_table=dev(step.block_table),
@@ -218,8 +228,8 @@ def carry_tokens(input_ids: torch.Tensor, carry_from: np.ndarray, previous_token
     """In place, on the device: ``input_ids[t] = previous_tokens[carry_from[t]]`` where ``carry_from[t] >= 0``
     (async scheduling: the tokens the previous step sampled, which the host has not seen)."""
     into = np.flatnonzero(carry_from >= 0)
-    into_dev = torch.from_numpy(into).to(input_ids.device, non_blocking=True)
-    from_dev = torch.from_numpy(carry_from[into].astype(np.int64)).to(input_ids.device, non_blocking=True)
+    into_dev = to_device(into, input_ids.device)
+    from_dev = to_device(carry_from[into].astype(np.int64), input_ids.device)
     input_ids.index_copy_(0, into_dev, previous_tokens.index_select(0, from_dev))
 
 
@@ -308,7 +318,7 @@ class _DecodeGraphs:
         copied.record()
         if carried is not None:
             carry_tokens(static.input_ids, step.carry_from, carried)
-        rows = torch.from_numpy(step.logits_indices.astype(np.int64)).to(device, non_blocking=True)
+        rows = to_device(step.logits_indices.astype(np.int64), device)
         key = (batch, n, bound)
         if key not in self.graphs:
             out = self._forward(static, step.plan)   # eager warm-up: a real step
@@ -330,7 +340,11 @@ class _DecodeGraphs:
     def release(self):
         """Free the captured graphs. Under tensor parallelism every rank must do this BEFORE the
         process group is destroyed: a graph holding NCCL kernels keeps its communicator alive, and
-        NCCL's destroy then waits forever (pytorch/pytorch#115388)."""
+        NCCL's destroy then waits forever (pytorch/pytorch#115388). Also drops the static inputs and the
+        link back to the runner: runner and graphs refer to each other, and the cycle would keep the
+        runner's weights and pool alive until Python's cycle collector runs."""
         for graph, _ in self.graphs.values():
             graph.reset()
         self.graphs.clear()
+        self.inputs.clear()
+        self.runner = None

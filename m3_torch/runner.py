@@ -55,7 +55,7 @@ from m3_kernels.maps import PAGE_SIZE
 from . import tp
 from .eagle3 import Eagle3Draft, Eagle3Proposer
 from .model import StepTensors
-from .rank import DTYPES, RankRunner
+from .rank import DTYPES, RankRunner, to_device
 from .sampling import apply_token_bitmask, sample
 
 __all__ = ["TorchRunner"]
@@ -379,16 +379,10 @@ def sample_on_device(logits: torch.Tensor, s: SamplingBatch) -> dict:
     logits = logits[:num_sampled]
 
     def dev(a):
-        return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+        return None if a is None else to_device(a, device)
 
     penalties = {k: dev(v) for k, v in s.penalties().items()}
-    token_bitmask = None
-    if s.token_bitmask is not None:   # through pinned memory: the copy does not wait for the forward queued
-        token_bitmask = torch.from_numpy(s.token_bitmask)
-        if logits.is_cuda:
-            token_bitmask = token_bitmask.pin_memory().to(device, non_blocking=True)
-        else:   # the CPU, or meta tensors standing for a GPU's (ops.record_variants)
-            token_bitmask = token_bitmask.to(device)
+    token_bitmask = None if s.token_bitmask is None else to_device(s.token_bitmask, device)
     tokens, logprobs, lse = sample(logits, dev(s.temperature), dev(s.top_k), dev(s.top_p), dev(s.min_p),
                                    dev(s.seeds), dev(s.counters), token_bitmask=token_bitmask, **penalties)
     top_ids = top_logprobs = ranks = None
@@ -408,7 +402,7 @@ def prompt_logprobs(logits: torch.Tensor, s: SamplingBatch) -> dict:
     """The ``SampleResult.prompt_*`` fields (tensors on the logits' device) from float32 ``logits [P, V]``
     of the step's prompt rows: each target's raw logprob (``logit - logsumexp``) and rank, and the top
     ``s.num_prompt_logprobs``."""
-    targets = torch.from_numpy(np.ascontiguousarray(s.prompt_targets)).to(logits.device, non_blocking=True).long()
+    targets = to_device(s.prompt_targets, logits.device).long()
     lse = torch.logsumexp(logits, dim=1)
     chosen = logits.gather(1, targets[:, None])
     out = dict(prompt_logprobs=chosen[:, 0] - lse, prompt_ranks=((logits > chosen).sum(dim=1) + 1).int())

@@ -34,3 +34,30 @@ def pytest_runtest_logreport(report):
         path = f"{path}.{worker}" if worker else path
         with open(path, "a") as f:
             f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
+# The GPU suite runs in several pytest-xdist workers on ONE GPU. An engine's defaults are a server's
+# (the KV pool from gpu_memory_utilization=0.9 of the GPU, every step shape compiled at start): one
+# worker's first engine would take the memory every other worker needs, and each engine would spend
+# minutes compiling. A test's engine takes a worker's share and compiles on first use unless the
+# test passes these options itself (tests/engine/test_warm_start.py does, for precompile).
+GPU_TEST_ENGINE_DEFAULTS = dict(gpu_memory_utilization=0.05, precompile=False)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_test_engine_defaults(monkeypatch):
+    if not torch.cuda.is_available():
+        yield
+        return
+    from m3_engine.args import EngineArgs
+
+    init = EngineArgs.__init__
+
+    def shared_gpu_init(self, *args, **options):
+        for name, value in GPU_TEST_ENGINE_DEFAULTS.items():
+            options.setdefault(name, value)
+        torch.cuda.empty_cache()   # the pool is sized from this process's reserved memory
+        init(self, *args, **options)
+
+    monkeypatch.setattr(EngineArgs, "__init__", shared_gpu_init)
+    yield

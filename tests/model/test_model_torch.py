@@ -304,10 +304,10 @@ def test_gpu_cuda_graph_decode_equals_eager(gpu_tiny_dir):
     graphs, compared = llm.runner.graphs, []
     replay = graphs.run
 
-    def run(step):
+    def run(step, carried=None):
         gen = step.plan.generation
         captured = (gen.num_rows, gen.decode_query_len, gen.max_blocks) in graphs.graphs
-        logits = replay(step)
+        logits = replay(step, carried)
         if captured:  # a replay: run the same step eagerly (rewrites the same K/V rows) and compare
             eager = llm.runner.model.forward(llm.runner.step_tensors(step), step.plan, llm.runner.caches)
             compared.append((logits.float().clone(), eager.float()))
