@@ -88,10 +88,12 @@ import tempfile
 import time
 import urllib.parse
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
-from m3_engine.step_timeline import ENV_VAR as STEP_TIMELINE, read as read_timeline
+from m3_engine.step_timeline import ENV_VAR as STEP_TIMELINE, PROFILE_ENV_VAR as STEP_PROFILE
+from m3_engine.step_timeline import read as read_timeline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -329,10 +331,12 @@ def server_argv(args) -> list:
 
 
 def start_server(args, log_path: Path, timeline: Path):
-    """Start ``m3-serve`` (its output to ``log_path``, its engine core's step timeline to ``timeline``)
+    """Start ``m3-serve`` (its output to ``log_path``, its engine core's step timeline to ``timeline``,
+    with ``--profile-steps`` its steps' profile to ``timeline``'s folder, ``server.pstats``)
     -> (process, log file, its URL)."""
     cmd = [sys.executable, "-m", "m3_engine.server", *server_argv(args)]
-    env = dict(os.environ, **ENGINE_ENV, **{STEP_TIMELINE: str(timeline)},
+    profile = {STEP_PROFILE: str(timeline.parent / "server.pstats")} if args.profile_steps else {}
+    env = dict(os.environ, **ENGINE_ENV, **{STEP_TIMELINE: str(timeline)}, **profile,
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     log = open(log_path, "w")
     print("server:", " ".join(cmd), f"(log: {log_path})", flush=True)
@@ -441,14 +445,15 @@ def offline_pass(llm, prompts: list, output_lens: list, concurrency: int, temper
 
 
 def run_offline(llm_class: str, model: str, options: dict, workloads: list, temperature: float,
-                timeline: str) -> list:
+                timeline: str, profile: Optional[str] = None) -> list:
     """``llm_class(model, **options)`` (``"m3_torch:LLM"``: the server's engine class, built with the
     server's options and environment, :data:`ENGINE_ENV`, set here first: run it in a process of its
     own), its engine core writing its step timeline to the file ``timeline``; then per workload
     ``(concurrency, prompts, output lengths)`` a warm-up pass of the same lengths (other token ids: the
     same step shapes compiled, no prefix-cache hits for what follows) and the measured pass. -> the
-    measured passes (:func:`offline_pass`)."""
-    os.environ.update(ENGINE_ENV, **{STEP_TIMELINE: timeline})
+    measured passes (:func:`offline_pass`). ``profile``: a file for the steps' profile
+    (``m3_engine.step_timeline.StepProfile``)."""
+    os.environ.update(ENGINE_ENV, **{STEP_TIMELINE: timeline}, **({STEP_PROFILE: profile} if profile else {}))
     from m3_engine import load_class
 
     rng = np.random.default_rng(0)
@@ -461,14 +466,16 @@ def run_offline(llm_class: str, model: str, options: dict, workloads: list, temp
     return results
 
 
-def offline(llm_class: str, model: str, options: dict, workloads: list, temperature: float, timeline: str) -> list:
+def offline(llm_class: str, model: str, options: dict, workloads: list, temperature: float, timeline: str,
+            profile: Optional[str] = None) -> list:
     """:func:`run_offline` in a spawned process: its GPU memory is gone when it returns (run it when
     no server holds the GPU)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run_offline, llm_class, model, options, workloads, temperature, timeline).result()
+        return pool.submit(run_offline, llm_class, model, options, workloads, temperature, timeline,
+                           profile).result()
 
 
 # targets of the server against the offline engine, for rows at request rate inf: output tok/s at least
@@ -501,6 +508,43 @@ def versus_offline(rows: list, offline_rows: list, max_num_seqs: int) -> list:
             tpot_step_ratio_max=(TPOT_STEP_RATIO_MAX_ONE if c == 1 else TPOT_STEP_RATIO_MAX_FULL
                                  if c >= max_num_seqs else None) if saturated else None))
     return out
+
+
+# -- the step profile: the host time of the steps' functions, server and offline ----------------------------
+
+def profile_markdown(profiles: dict, top: int = 20) -> list:
+    """The "Step profile" section from ``{name: (pstats file, steps it holds)}`` (``--profile-steps``; the
+    steps are its engine's timeline lines, warm-up passes included): per function, its calls and its own
+    time (cProfile's tottime) per call in microseconds, for the functions with the most own time in any
+    of them. The engines ran different step mixes (the offline one warms up every row), so their time
+    per step is not comparable; the time per call of the same function is."""
+    import pstats
+
+    found = {}
+    for name, (path, steps) in profiles.items():
+        if Path(path).is_file() and steps:
+            found[name] = (steps, {f"{Path(f).name}:{line} {fn}": (v[1], v[2])
+                                   for (f, line, fn), v in pstats.Stats(str(path)).stats.items()})
+    if not found:
+        return []
+    names = list(found)
+    keys = sorted({k for _, funcs in found.values() for k in funcs},
+                  key=lambda k: -max(funcs.get(k, (0, 0.0))[1] for _, funcs in found.values()))[:top]
+    lines = ["## Step profile", "", "cProfile over the engine cores' step calls (M3_STEP_PROFILE), warm-up "
+             "passes included; its overhead included. Per function: calls per step, own time (tottime) per "
+             "call in us.", "",
+             "| function | " + " | ".join(f"{n}: calls / step | {n}: us / call" for n in names) + " |",
+             "|---|" + "---|---|" * len(names),
+             "| all (s, steps) | " + " | ".join(f"{found[n][0]} steps | {sum(t for _, t in found[n][1].values()):.2f} s"
+                                             for n in names) + " |"]
+    for k in keys:
+        cells = []
+        for n in names:
+            steps, funcs = found[n]
+            calls, seconds = funcs.get(k, (0, 0.0))
+            cells.append(f"{calls / steps:.2f} | {seconds / calls * 1e6:.2f}" if calls else "0 | -")
+        lines.append(f"| `{k}` | " + " | ".join(cells) + " |")
+    return lines
 
 
 # -- the step timeline: where the time goes, server and offline --------------------------------------------
@@ -707,6 +751,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--offline", action="store_true", help="after the server stopped: the same requests through "
                     "the engine alone (m3_<framework>.LLM with the server's engine options, in a process of its own) "
                     "and a server-vs-offline table")
+    ap.add_argument("--profile-steps", action="store_true", help="the engine cores' steps under cProfile "
+                    "(M3_STEP_PROFILE): the functions with the most host time per step, server and offline side by "
+                    "side (steps-*.pstats with --out)")
     ap.add_argument("--out", default=None, help="write serve.json and serve.md here")
     return ap
 
@@ -824,7 +871,8 @@ async def _run(args, argv, longest, timelines: Path) -> dict:
         print(f"offline: {llm_class} with the server's engine options, concurrency "
               f"{', '.join(str(c) for c, *_ in workloads)} ...", flush=True)
         offline_rows = offline(llm_class, str(args.model), options, workloads, args.temperature,
-                               str(timelines / "offline.jsonl"))
+                               str(timelines / "offline.jsonl"),
+                               str(timelines / "offline.pstats") if args.profile_steps else None)
         versus = versus_offline(rows, offline_rows, options["max_num_seqs"])
         offline_setup = (f"`{llm_class}` with the server's engine options, in a process of its own after the "
                          "server stopped; per concurrency a warm-up pass (the same lengths, other token ids), then "
@@ -847,6 +895,10 @@ async def _run(args, argv, longest, timelines: Path) -> dict:
         range_ratio=args.range_ratio, temperature=args.temperature, server_exit_status=rc, gpu=args.gpu,
         copy_tbps=args.copy_tbps, offline=offline_setup), rows=rows, offline=offline_rows, versus_offline=versus)
     text = markdown(result)
+    if args.profile_steps:
+        text += "\n" + "\n".join(profile_markdown({
+            name: (timelines / f"{name}.pstats", len(read_timeline(timelines / f"{name}.jsonl")))
+            for name in ("server", "offline")}))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "serve.json"), "w") as f:
@@ -856,6 +908,8 @@ async def _run(args, argv, longest, timelines: Path) -> dict:
         for name in ("server", "offline"):
             if (timelines / f"{name}.jsonl").is_file():
                 shutil.copy(timelines / f"{name}.jsonl", os.path.join(args.out, f"timeline-{name}.jsonl"))
+            if (timelines / f"{name}.pstats").is_file():
+                shutil.copy(timelines / f"{name}.pstats", os.path.join(args.out, f"steps-{name}.pstats"))
     print(text)
     if rc not in (None, 0):
         raise SystemExit(f"the server exited with {rc}")

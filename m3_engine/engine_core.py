@@ -72,7 +72,7 @@ from .runner import Runner, SampleResult, SamplingBatch
 from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Scheduler
 from .step_inputs import Step
-from .step_timeline import StepTimeline
+from .step_timeline import StepProfile, StepTimeline
 from .structured_outputs import Grammar, StructuredOutputsBackend, fill_bitmask, forbid_tokens
 from .tokenizer import Tokenizer
 
@@ -181,6 +181,7 @@ class EngineCore:
         self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0,
                         "steps_ahead": 0}
         self.timeline = StepTimeline.from_environ()   # a line per step with $M3_STEP_TIMELINE (benchmarks)
+        self.profile = StepProfile.from_environ()     # cProfile of the steps with $M3_STEP_PROFILE (benchmarks)
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -267,6 +268,12 @@ class EngineCore:
         With async scheduling the step whose tokens come back is the one the previous call submitted,
         and the next one is submitted first (the module docstring). With an EAGLE-3 draft model,
         :meth:`propose_drafts` must follow before the next step."""
+        if self.profile is None:
+            return self._execute_step()
+        with self.profile:
+            return self._execute_step()
+
+    def _execute_step(self) -> list:
         if self._draft_work is not None:
             raise RuntimeError("execute_step: the last step's draft pass has not run (call propose_drafts() first)")
         if self._failure is not None:

@@ -18,18 +18,25 @@ With async scheduling a line is the call that hands out a step's tokens: its row
 ``device_wait`` the wait for them (the next step was submitted before it). :func:`read` reads a file
 back. A line costs some tens of microseconds of host time a step (the file is opened and closed
 for each line).
+
+With ``M3_STEP_PROFILE=FILE``, the same calls also run under ``cProfile`` (:class:`StepProfile`) and
+the statistics of all of them are written to ``FILE`` (``pstats`` format) when the process exits:
+where a step's host time goes, in the server's engine process as offline.
 """
 
 from __future__ import annotations
 
+import atexit
+import cProfile
 import json
 import os
 import time
 from typing import Optional
 
-__all__ = ["ENV_VAR", "StepTimeline", "read"]
+__all__ = ["ENV_VAR", "PROFILE_ENV_VAR", "StepTimeline", "StepProfile", "read"]
 
 ENV_VAR = "M3_STEP_TIMELINE"
+PROFILE_ENV_VAR = "M3_STEP_PROFILE"
 
 
 class StepTimeline:
@@ -70,6 +77,32 @@ class StepTimeline:
     def forget(self, request_ids) -> None:
         """Requests ended outside a step (aborted, stopped by the front end)."""
         self._started.difference_update(request_ids)
+
+
+class StepProfile:
+    """``cProfile`` over the engine core's step calls (``with profile: ...`` around each), written to
+    ``path`` when the process exits (see the module docstring)."""
+
+    def __init__(self, path: str):
+        self.path, self.profile = path, cProfile.Profile()
+        atexit.register(self.close)
+
+    @classmethod
+    def from_environ(cls, environ=None) -> Optional["StepProfile"]:
+        """A profile written to ``$M3_STEP_PROFILE``; None when it is unset or empty."""
+        path = (os.environ if environ is None else environ).get(PROFILE_ENV_VAR)
+        return cls(path) if path else None
+
+    def __enter__(self):
+        self.profile.enable()
+
+    def __exit__(self, *exc):
+        self.profile.disable()
+
+    def close(self) -> None:
+        """Write the statistics (at exit, or sooner: then not again)."""
+        atexit.unregister(self.close)
+        self.profile.dump_stats(self.path)
 
 
 def read(path) -> list:

@@ -11,7 +11,7 @@ from m3_engine.engine_core import EngineCore
 from m3_engine.model_config import M3TextConfig
 from m3_engine.runner import SampleResult
 from m3_engine.scheduler import Scheduler, SchedulerConfig
-from m3_engine.step_timeline import ENV_VAR, read
+from m3_engine.step_timeline import ENV_VAR, PROFILE_ENV_VAR, read
 
 VOCAB = 1000
 WAIT_S = 0.002
@@ -82,4 +82,32 @@ def test_a_line_per_step(tmp_path, monkeypatch, overlap):
 
 def test_off_without_the_variable(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert core().timeline is None
+    monkeypatch.delenv(PROFILE_ENV_VAR, raising=False)
+    c = core()
+    assert c.timeline is None and c.profile is None
+
+
+def test_step_profile(tmp_path, monkeypatch):
+    """``M3_STEP_PROFILE``: the steps run under cProfile, written as pstats (what ``benchmarks.serve
+    --profile-steps`` tabulates): the runner's result, called inside each step, is in it once a step."""
+    import pstats
+
+    from benchmarks.serve import profile_markdown
+
+    path = tmp_path / "steps.pstats"
+    monkeypatch.setenv(PROFILE_ENV_VAR, str(path))
+    c = core()
+    c.add_request("a", [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    steps = 0
+    while c.has_unfinished_requests():
+        c.execute_step()
+        steps += 1
+    c.add_request("b", [6], SamplingParams(max_tokens=1))   # added outside a step: not profiled
+    c.profile.close()
+    stats = {fn: v for (_, _, fn), v in pstats.Stats(str(path)).stats.items()}
+    assert stats["result"][1] == steps == 4
+    assert stats["<built-in method time.sleep>"][2] >= steps * WAIT_S   # tottime: the runner's device wait
+    assert "add_request" not in stats
+    table = profile_markdown({"core": (path, steps)})
+    row = next(line for line in table if "<built-in method time.sleep>" in line)
+    assert row.split("|")[2].strip() == "1.00"   # calls per step

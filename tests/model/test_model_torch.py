@@ -319,6 +319,7 @@ def test_gpu_cuda_graph_decode_equals_eager(gpu_tiny_dir):
     assert len(graphs.graphs) >= 2 and len(compared) >= 10, (sorted(graphs.graphs), len(compared))
     for graph_logits, eager_logits in compared:
         torch.testing.assert_close(graph_logits, eager_logits, rtol=2e-2, atol=2e-2)
+    llm.close()   # its pool took this process's share of the GPU (gpu_memory_utilization)
     eager_llm = m3_torch.LLM(gpu_tiny_dir, dtype="bfloat16", device="cuda", max_num_seqs=8, max_model_len=1024,
                              enforce_eager=True)
     assert eager_llm.runner.graphs is None
