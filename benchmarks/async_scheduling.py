@@ -42,9 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.e2e import in_fresh_process
+from benchmarks.e2e import run_frameworks
 from benchmarks.model_step import M3_DIMS, text_config, write_config
-from benchmarks.run import save_results
 
 IDLE_TARGET = 0.10   # GPU idle between decode steps at batch 64, as a share of the decode span
 
@@ -282,10 +281,7 @@ def main(argv=None) -> dict:
                       model="the tiny test model (float32)" if a.tiny else f"M3 layer shapes, {a.layers} layers, bf16",
                       results={})
         name = f"{result['date']}-{'cpu-tiny' if a.tiny else 'h200'}-async-scheduling"
-        for fw in a.frameworks.split(","):   # saved after each framework
-            result["results"][fw] = in_fresh_process(run_framework, fw, model_dir, args)
-            save_results(a.out, name, result, markdown(result))
-    return result
+        return run_frameworks(a.frameworks, run_framework, model_dir, args, result, a.out, name, markdown)
 
 
 if __name__ == "__main__":

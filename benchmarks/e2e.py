@@ -206,6 +206,17 @@ def in_fresh_process(fn, *args):
         return pool.apply(fn, args)
 
 
+def run_frameworks(frameworks: str, fn, model_dir: str, args: dict, result: dict, out, name: str, markdown) -> dict:
+    """For each of the comma-separated ``frameworks``: ``result["results"][framework] = fn(framework,
+    model_dir, args)`` in a fresh process (:func:`in_fresh_process`), then ``result`` saved as ``out/name``
+    with its ``markdown(result)`` (``benchmarks.run.save_results``): a run cut short keeps what it measured.
+    -> ``result``."""
+    for framework in frameworks.split(","):
+        result["results"][framework] = in_fresh_process(fn, framework, model_dir, args)
+        save_results(out, name, result, markdown(result))
+    return result
+
+
 # -- tensor parallelism (--tp) ---------------------------------------------------------------------
 
 def run_torch_tp(model_dir, tp: int, context: int, batches, reps: int, device) -> dict:

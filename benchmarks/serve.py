@@ -878,8 +878,9 @@ async def _run(args, argv, longest, timelines: Path) -> dict:
                          "server stopped; per concurrency a warm-up pass (the same lengths, other token ids), then "
                          "the row's requests (the same prompt token ids and output lengths, ignore_eos) through "
                          "LLM.generate's loop with at most that many in flight")
+    steps = {}   # the engine cores' timeline lines, by side
     for found, name in ((rows, "server"), (offline_rows or [], "offline")):
-        lines = read_timeline(timelines / f"{name}.jsonl")   # none from a server that runs elsewhere (--url)
+        lines = steps[name] = read_timeline(timelines / f"{name}.jsonl")   # none from a server elsewhere (--url)
         for r in found:
             timing = r.pop("timing")
             r["timeline"] = timeline_summary(lines, timing) if lines else None
@@ -897,7 +898,7 @@ async def _run(args, argv, longest, timelines: Path) -> dict:
     text = markdown(result)
     if args.profile_steps:
         text += "\n" + "\n".join(profile_markdown({
-            name: (timelines / f"{name}.pstats", len(read_timeline(timelines / f"{name}.jsonl")))
+            name: (timelines / f"{name}.pstats", len(steps[name]))
             for name in ("server", "offline")}))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -55,9 +55,8 @@ import numpy as np
 from m3_engine import SamplingParams
 from m3_engine.speculative import ngram_draft
 
-from benchmarks.e2e import in_fresh_process
+from benchmarks.e2e import run_frameworks
 from benchmarks.model_step import M3_DIMS, text_config, write_config
-from benchmarks.run import save_results
 
 MODES = ("off", "oracle", "forced", "wrong", "ngram")
 
@@ -211,10 +210,7 @@ def main(argv=None) -> dict:
                       new_tokens=a.new_tokens, prompt_len=a.prompt_len, reps=a.reps, acceptance=a.acceptance,
                       results={})
         name = f"{result['date']}-{'cpu-tiny' if a.tiny else 'h200'}-speculative"
-        for fw in a.frameworks.split(","):   # saved after each framework
-            result["results"][fw] = in_fresh_process(run_framework, fw, model_dir, args)
-            save_results(a.out, name, result, markdown(result))
-    return result
+        return run_frameworks(a.frameworks, run_framework, model_dir, args, result, a.out, name, markdown)
 
 
 def markdown(r: dict) -> str:

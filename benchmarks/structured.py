@@ -39,8 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.async_scheduling import decode_parser, prefill, write_model
-from benchmarks.e2e import in_fresh_process
-from benchmarks.run import save_results
+from benchmarks.e2e import run_frameworks
 
 SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
 CONSTRAINT = "JSON schema " + json.dumps(SCHEMA, separators=(",", ":")) + " (never complete within the run)"
@@ -264,10 +263,7 @@ def main(argv=None) -> dict:
                       model="the tiny test model (float32)" if a.tiny else
                       f"M3 layer shapes, {a.layers} layers, vocabulary {text['vocab_size']}, bf16", results={})
         name = f"{result['date']}-{'cpu-tiny' if a.tiny else 'h200'}-structured"
-        for fw in a.frameworks.split(","):   # saved after each framework
-            result["results"][fw] = in_fresh_process(run_framework, fw, str(model_dir), args)
-            save_results(a.out, name, result, markdown(result))
-    return result
+        return run_frameworks(a.frameworks, run_framework, str(model_dir), args, result, a.out, name, markdown)
 
 
 if __name__ == "__main__":
