@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from concurrent.futures import Executor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -131,24 +131,25 @@ def run(launch: launches.Launch, outputs: Optional[dict] = None) -> dict:
 
 
 @contextlib.contextmanager
-def compile_only(executor: Executor):
+def compile_only(threads: int):
     """Inside the ``with`` block (this thread, CUDA tensors), :func:`run` launches nothing: it hands the
     compilation of each launch's kernel variant (Triton's specialisation of these very arguments: their
-    constexprs, warps, stages, integer values 1 and multiples of 16, pointer alignment) to ``executor``
-    (``triton.AsyncCompileMode``; one compilation per variant). On leaving, every compilation has
-    finished and each kernel's in-memory cache holds its variants, so the launches of the same step
-    afterwards compile nothing. Yields the mode: ``mode.raw_futures``, one future per compilation.
-    Outputs of the kernels stay unwritten: a step run inside computes garbage (on purpose: nothing
-    depends on it)."""
+    constexprs, warps, stages, integer values 1 and multiples of 16, pointer alignment) to a pool of
+    ``threads`` threads (``triton.AsyncCompileMode``; one compilation per variant). On leaving, every
+    compilation has finished and each kernel's in-memory cache holds its variants, so the launches of
+    the same step afterwards compile nothing. Yields the mode: ``mode.raw_futures``, one future per
+    compilation. Outputs of the kernels stay unwritten: a step run inside computes garbage (on purpose:
+    nothing depends on it)."""
     import triton
 
-    mode = triton.AsyncCompileMode(executor)
-    token = _compile_only.set(mode)
-    try:
-        with mode:
-            yield mode
-    finally:
-        _compile_only.reset(token)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="m3-compile") as executor:
+        mode = triton.AsyncCompileMode(executor)
+        token = _compile_only.set(mode)
+        try:
+            with mode:
+                yield mode
+        finally:
+            _compile_only.reset(token)
 
 
 class Recording:

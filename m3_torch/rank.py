@@ -191,14 +191,13 @@ class RankRunner:
         graph replays on the graph's static inputs (a pointer's alignment picks the variant too),
         any other step on fresh ones. Triton compiles in threads: its LLVM and PTX passes release
         the GIL and ptxas is a process of its own (its MLIR passes hold the GIL). A GPU only."""
-        from concurrent.futures import ThreadPoolExecutor, as_completed
+        from concurrent.futures import as_completed
 
         from tqdm.auto import tqdm
 
         from .ops import compile_only
 
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="m3-compile") as executor, \
-                compile_only(executor) as mode:
+        with compile_only(threads) as mode:
             for step in steps:
                 plan = step.plan
                 if self.graphs is not None and plan.cuda_graph:

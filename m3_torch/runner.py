@@ -212,13 +212,10 @@ class TorchRunner:
     def compile_sampling(self, threads: int) -> None:
         """Compile every variant of the sampling kernel (:func:`sampling_variants`) in ``threads`` threads,
         launching none (rank 0 samples). A GPU only."""
-        from concurrent.futures import ThreadPoolExecutor
-
         from .ops import compile_only
 
         logits = torch.zeros((1, self.model.config.vocab_size), dtype=torch.float32, device=self.device)
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="m3-compile") as executor, \
-                compile_only(executor):
+        with compile_only(threads):
             for batch in sampling_variants(logits.shape[1]):
                 sample_on_device(logits, batch)
 
