@@ -74,9 +74,9 @@ def upload(arrays: Sequence[Optional[np.ndarray]], device) -> list:
             buffer = host[:total].to(device, non_blocking=True)
             copied.record(torch.cuda.current_stream(device))
     else:
-        host_bytes = np.empty(total, np.uint8)
-        pack(host_bytes, arrays, offsets)
-        buffer = torch.from_numpy(host_bytes).to(device)   # the CPU: this very buffer
+        host = torch.empty(total, dtype=torch.uint8)
+        pack(host.numpy(), arrays, offsets)
+        buffer = host.to(device)   # the CPU: this very buffer
     return [None if a is None else buffer[o:o + a.nbytes].view(TORCH_DTYPES[a.dtype]).view(a.shape)
             for a, o in zip(arrays, offsets)]
 

@@ -35,6 +35,13 @@ def test_upload_round_trips_aligned_views():
     assert (out[0] >= 0).all()
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_upload_of_nothing(device):
+    empty, none = upload([np.zeros((2, 0), np.float32), None], device)
+    assert none is None and tuple(empty.shape) == (2, 0) and empty.dtype == torch.float32
+    assert upload([], device) == []
+
+
 def test_upload_on_meta_keeps_offsets():
     """``m3_torch.ops.record_variants`` stages on the meta device: the same views, 16-byte aligned."""
     arrays = mixed_arrays()
