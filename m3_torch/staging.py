@@ -77,8 +77,7 @@ def upload(arrays: Sequence[Optional[np.ndarray]], device) -> list:
         host = torch.empty(total, dtype=torch.uint8)
         pack(host.numpy(), arrays, offsets)
         buffer = host.to(device)   # the CPU: this very buffer
-    return [None if a is None else buffer[o:o + a.nbytes].view(TORCH_DTYPES[a.dtype]).view(a.shape)
-            for a, o in zip(arrays, offsets)]
+    return views(buffer, arrays, offsets)
 
 
 def pack(host_bytes: np.ndarray, arrays: Sequence[Optional[np.ndarray]], offsets: list) -> None:
@@ -86,6 +85,23 @@ def pack(host_bytes: np.ndarray, arrays: Sequence[Optional[np.ndarray]], offsets
     for a, o in zip(arrays, offsets):
         if a is not None and a.size:
             host_bytes[o:o + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+
+
+def views(buffer: torch.Tensor, arrays: Sequence[Optional[np.ndarray]], offsets: list) -> list:
+    """Each array's view of the uint8 ``buffer`` it was packed into (None for None): the buffer seen as
+    the array's dtype (its size is a multiple of ``ALIGN``), sliced at the offset, shaped."""
+    typed, out = {}, []
+    for a, o in zip(arrays, offsets):
+        if a is None:
+            out.append(None)
+            continue
+        dtype = TORCH_DTYPES[a.dtype]
+        if dtype not in typed:
+            typed[dtype] = buffer.view(dtype)
+        start = o // a.itemsize
+        t = typed[dtype][start:start + a.size]
+        out.append(t if a.ndim == 1 else t.view(a.shape))
+    return out
 
 
 class HostRing:
