@@ -14,6 +14,7 @@ frameworks accept and refuse the same things with the same messages.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Iterator, Optional, Sequence, Union
@@ -87,6 +88,10 @@ class LLM:
         warm = dict(programs=0, compile=0.0, capture=0.0)
         if args.precompile_on(self.runner.on_gpu):
             warm = self.runner.warm_up(builder)
+        # the start-up's objects (weights' wrappers, compiled kernels and traced programs, their metadata) move
+        # to the collector's permanent generation: its full collections during steps do not walk them
+        gc.collect()
+        gc.freeze()
         self.startup_times = dict(load=load, compile=warm["compile"], capture=warm["capture"],
                                   total=time.perf_counter() - start, programs=warm["programs"])
         logger.info("%s engine ready in %.1f s: load %.1f s, compile %.1f s, capture %.1f s (%d step programs "

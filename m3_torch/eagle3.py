@@ -42,7 +42,7 @@ from m3_kernels.pool import PoolLayout
 from .api import msa_attention_step
 from .cache import TORCH_DTYPES, LayerCaches, allocate_pool, layer_caches, write_cache
 from .model import StepTensors, apply_rope, rope_cos_sin, take_weight
-from .rank import to_device
+from .staging import upload
 
 __all__ = ["Eagle3Draft", "Eagle3Proposer", "DraftCache", "allocate_draft_cache", "rms_norm"]
 
@@ -249,14 +249,15 @@ class Eagle3Proposer:
         """Run ``work`` after its target step, whose aux hidden states are ``aux [T, 3 * target_hidden]``
         -> the drafts ``[n, k]`` int32 (target ids) of ``work.request_ids``."""
         step = work.step
-
-        def dev(a):
-            return to_device(a, self.draft.device)
-
-        # the first pass: the step's rows, each taking the token after it, the target's aux states
-        first = StepTensors(input_ids=dev(work.input_ids), positions=dev(step.positions),
-                            slot_mapping=dev(step.slot_mapping), block_table=dev(step.block_table),
-                            seq_lens=dev(step.seq_lens), logits_rows=dev(work.rows))
+        # every pass's metadata in one copy: the first pass's fields (the step's rows, each taking the token
+        # after it), the chained passes' block table, then per chained pass its positions, slot mapping and
+        # lengths
+        chained = [a for i in range(self.k - 1) for a in (work.positions[i], work.slot_mapping[i], work.seq_lens[i])]
+        uploaded = upload([work.input_ids, step.positions, step.slot_mapping, step.block_table, step.seq_lens,
+                           work.rows, work.block_table, *chained], self.draft.device)
+        # the first pass: the target's aux states
+        first = StepTensors(*uploaded[:6])
+        table, chained = uploaded[6], uploaded[7:]
         plan = self.planner.plan(step.seq_lens, cu_seqlens_q=step.cu_seqlens_q, num_context=step.num_context)
         h = self.draft.forward(first, plan, self.cache.caches, aux)
         n = work.num_requests
@@ -266,11 +267,10 @@ class Eagle3Proposer:
         h = h.index_select(0, first.logits_rows)
         rows = torch.arange(n, device=self.draft.device)
         drafts = [self.draft.draft_tokens(h, rows)]
-        table = dev(work.block_table)
         for i in range(self.k - 1):
-            chain = StepTensors(input_ids=drafts[-1], positions=dev(work.positions[i]),
-                                slot_mapping=dev(work.slot_mapping[i]), block_table=table,
-                                seq_lens=dev(work.seq_lens[i]), logits_rows=rows)
+            positions, slot_mapping, seq_lens = chained[3 * i:3 * i + 3]
+            chain = StepTensors(input_ids=drafts[-1], positions=positions, slot_mapping=slot_mapping,
+                                block_table=table, seq_lens=seq_lens, logits_rows=rows)
             plan = self.planner.plan(work.seq_lens[i], q_lens=[1] * n, num_context=0)
             h = self.draft.forward(chain, plan, self.cache.caches, h)
             drafts.append(self.draft.draft_tokens(h, rows))

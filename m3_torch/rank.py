@@ -35,8 +35,10 @@ from . import fp8
 from .cache import allocate_pool, layer_caches
 from .dummy_weights import iter_dummy_weights
 from .model import M3Model, StepTensors
+from .staging import upload
 
-__all__ = ["RankRunner", "rank_device", "carry_tokens", "use_compile_cache", "DTYPES"]
+__all__ = ["RankRunner", "rank_device", "step_arrays", "carry_indices", "carry_tokens", "use_compile_cache",
+           "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,16 +49,6 @@ def use_compile_cache(folder) -> None:
     import triton
 
     triton.knobs.cache.dir = str(Path(folder) / "triton")
-
-
-def to_device(a: np.ndarray, device) -> torch.Tensor:
-    """Host metadata ``a`` on ``device``, queued without waiting for the device: on a GPU through pinned
-    memory (torch's caching host allocator keeps the block until the copy has run), as a copy from
-    pageable memory may wait for the work already queued on the stream."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if torch.device(device).type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -178,9 +170,11 @@ class RankRunner:
         ``carried``: the previous step's sampled tokens on this device, for ``step.carry_from``."""
         if self.graphs is not None and step.plan.cuda_graph:
             return self.graphs.run(step, carried)
-        tensors = self.step_tensors(step)
+        carry = carry_indices(step.carry_from) if carried is not None else (None, None)
+        *fields, into, source = upload([*step_arrays(step), *carry], self.device)   # one copy
+        tensors = StepTensors(*fields)
         if carried is not None:
-            carry_tokens(tensors.input_ids, step.carry_from, carried)
+            carry_tokens(tensors.input_ids, into, source, carried)
         return self.model.forward(tensors, step.plan, self.caches, self.aux_layers)
 
     def compile_kernels(self, steps: list, threads: int, progress: bool = False) -> int:
@@ -213,37 +207,49 @@ class RankRunner:
         return len(futures)
 
     def step_tensors(self, step: Step, logits_rows: Optional[np.ndarray] = None) -> StepTensors:
-        """A step's numpy metadata on this rank's device."""
-        def dev(a):
-            return to_device(a, self.device)
-
-        return StepTensors(input_ids=dev(step.input_ids), positions=dev(step.positions),
-                           slot_mapping=dev(step.slot_mapping), block_table=dev(step.block_table),
-                           seq_lens=dev(step.seq_lens),
-                           logits_rows=dev(step.forward_logits_indices if logits_rows is None else logits_rows))
+        """A step's numpy metadata on this rank's device (one copy: ``m3_torch.staging.upload``)."""
+        return StepTensors(*upload(step_arrays(step, logits_rows), self.device))
 
 
-def carry_tokens(input_ids: torch.Tensor, carry_from: np.ndarray, previous_tokens: torch.Tensor) -> None:
-    """In place, on the device: ``input_ids[t] = previous_tokens[carry_from[t]]`` where ``carry_from[t] >= 0``
-    (async scheduling: the tokens the previous step sampled, which the host has not seen)."""
+def step_arrays(step: Step, logits_rows: Optional[np.ndarray] = None) -> list:
+    """The numpy arrays of ``step``'s :class:`StepTensors`, in field order (``logits_rows``: instead of
+    ``step.forward_logits_indices``)."""
+    return [step.input_ids, step.positions, step.slot_mapping, step.block_table, step.seq_lens,
+            step.forward_logits_indices if logits_rows is None else logits_rows]
+
+
+def carry_indices(carry_from: np.ndarray) -> tuple:
+    """``(into, source)`` int64: the token rows ``t`` with ``carry_from[t] >= 0`` and those ``carry_from[t]``
+    (:func:`carry_tokens`' indices, on the host)."""
     into = np.flatnonzero(carry_from >= 0)
-    into_dev = to_device(into, input_ids.device)
-    from_dev = to_device(carry_from[into].astype(np.int64), input_ids.device)
-    input_ids.index_copy_(0, into_dev, previous_tokens.index_select(0, from_dev))
+    return into, carry_from[into].astype(np.int64)
+
+
+def carry_tokens(input_ids: torch.Tensor, into: torch.Tensor, source: torch.Tensor,
+                 previous_tokens: torch.Tensor) -> None:
+    """In place, on the device: ``input_ids[into[i]] = previous_tokens[source[i]]`` (async scheduling: the
+    tokens the previous step sampled, which the host has not seen; ``into``, ``source``: int64
+    :func:`carry_indices` of the step's ``carry_from`` on the device)."""
+    input_ids.index_copy_(0, into, previous_tokens.index_select(0, source))
 
 
 # -- CUDA graphs -----------------------------------------------------------------------------------
 
 # the static inputs of a graph, in the order they lie in its one buffer
 GRAPH_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table")
+# after them in the buffer, each step's int64 indices for the eager ops around the replay, up to one per
+# token row each: the rows of the graph's logits the step returns, carry_tokens' into and source
+GRAPH_INDEX_FIELDS = ("rows", "carry_into", "carry_from")
 GRAPH_FIELD_ALIGN = 4   # int32 elements: 16 bytes
 
 
 def graph_field_slices(batch: int, n: int, width: int) -> list:
-    """``[(name, slice)]``: where each of ``GRAPH_FIELDS`` lies in the graphs' int32 input buffer."""
+    """``[(name, slice)]``: where each of ``GRAPH_FIELDS`` and ``GRAPH_INDEX_FIELDS`` lies in the graphs'
+    int32 input buffer (an index field: two int32 elements per int64)."""
     tokens = batch * n
+    sizes = (tokens, tokens, tokens, batch, batch * width) + (2 * tokens,) * len(GRAPH_INDEX_FIELDS)
     out, start = [], 0
-    for name, size in zip(GRAPH_FIELDS, (tokens, tokens, tokens, batch, batch * width)):
+    for name, size in zip(GRAPH_FIELDS + GRAPH_INDEX_FIELDS, sizes):
         out.append((name, slice(start, start + size)))
         start += -(-size // GRAPH_FIELD_ALIGN) * GRAPH_FIELD_ALIGN
     return out
@@ -251,9 +257,9 @@ def graph_field_slices(batch: int, n: int, width: int) -> list:
 
 def graph_inputs(batch: int, n: int, width: int, device) -> tuple:
     """(buffer, StepTensors) of the graphs of ``batch`` rows of ``n`` tokens: one int32 buffer holding
-    ``GRAPH_FIELDS`` in order (``width`` block-table columns), the tensors its slices, each starting
-    16-byte aligned like a tensor of its own (Triton specialises kernels on pointer alignment: an eager
-    step of the same shape then runs the graph's kernel variants)."""
+    ``GRAPH_FIELDS`` in order (``width`` block-table columns), then ``GRAPH_INDEX_FIELDS``, the tensors
+    its slices, each starting 16-byte aligned like a tensor of its own (Triton specialises kernels on
+    pointer alignment: an eager step of the same shape then runs the graph's kernel variants)."""
     fields = graph_field_slices(batch, n, width)
     buffer = torch.zeros(fields[-1][1].stop, dtype=torch.int32, device=device)
     dev = {name: buffer[span] for name, span in fields}
@@ -269,7 +275,8 @@ class _DecodeGraphs:
     steps ``k + 1`` (every token's logits are returned).
 
     Each (batch, tokens per row) has static inputs: one device int32 buffer holding the
-    step's metadata, filled by ONE copy from a pinned host buffer per step. With an
+    step's metadata and the indices of the eager ops around the replay (``GRAPH_INDEX_FIELDS``),
+    filled by ONE copy from a pinned host buffer per step. With an
     EAGLE-3 draft the graphs also output the aux hidden states of every token row.
     The first step of each key runs eagerly on the static inputs (its result is
     used; it also compiles the kernels and creates the persistent maps and
@@ -282,7 +289,9 @@ class _DecodeGraphs:
     def __init__(self, runner: RankRunner):
         self.runner = runner
         self.mempool = torch.cuda.graph_pool_handle()
-        self.inputs: dict = {}   # (batch, n) -> (pinned host buffer, its views, device buffer, StepTensors, copy event)
+        # (batch, n) -> (pinned host buffer, its numpy views, device buffer, StepTensors, the device views
+        # of GRAPH_INDEX_FIELDS, copy event)
+        self.inputs: dict = {}
         self.graphs: dict = {}   # (batch, n, block bound) -> (CUDAGraph, logits or hidden states)
 
     def static_inputs(self, batch: int, n: int) -> StepTensors:
@@ -293,9 +302,11 @@ class _DecodeGraphs:
         if (batch, n) not in self.inputs:
             buffer, tensors = graph_inputs(batch, n, self.runner.max_blocks, self.runner.device)
             host = torch.zeros(buffer.shape, dtype=torch.int32, pin_memory=True)
-            host_views = {name: host[span].numpy()
-                          for name, span in graph_field_slices(batch, n, self.runner.max_blocks)}
-            self.inputs[batch, n] = (host, host_views, buffer, tensors, torch.cuda.Event())
+            fields = graph_field_slices(batch, n, self.runner.max_blocks)
+            host_views = {name: host[span].view(torch.int64 if name in GRAPH_INDEX_FIELDS else torch.int32).numpy()
+                          for name, span in fields}
+            indices = {name: buffer[span].view(torch.int64) for name, span in fields if name in GRAPH_INDEX_FIELDS}
+            self.inputs[batch, n] = (host, host_views, buffer, tensors, indices, torch.cuda.Event())
         return self.inputs[batch, n]
 
     def _forward(self, tensors: StepTensors, plan):
@@ -309,15 +320,22 @@ class _DecodeGraphs:
         gen = step.plan.generation
         batch, n, bound = gen.num_rows, gen.decode_query_len, gen.max_blocks
         device = self.runner.device
-        host, views, buffer, static, copied = self._static(batch, n)
+        host, views, buffer, static, indices, copied = self._static(batch, n)
         copied.synchronize()   # the previous step's upload from these host buffers is done
         for name in GRAPH_FIELDS:
             views[name][:] = getattr(step, name).reshape(-1)
-        buffer.copy_(host, non_blocking=True)
+        num_rows = len(step.logits_indices)
+        views["rows"][:num_rows] = step.logits_indices
+        if carried is not None:
+            into, source = carry_indices(step.carry_from)
+            views["carry_into"][:len(into)] = into
+            views["carry_from"][:len(into)] = source
+        buffer.copy_(host, non_blocking=True)   # the inputs and the indices: one copy
         copied.record()
         if carried is not None:
-            carry_tokens(static.input_ids, step.carry_from, carried)
-        rows = to_device(step.logits_indices.astype(np.int64), device)
+            carry_tokens(static.input_ids, indices["carry_into"][:len(into)], indices["carry_from"][:len(into)],
+                         carried)
+        rows = indices["rows"][:num_rows]
         key = (batch, n, bound)
         if key not in self.graphs:
             out = self._forward(static, step.plan)   # eager warm-up: a real step

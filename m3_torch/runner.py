@@ -27,8 +27,9 @@ warm-up's set (empty when the set is whole).
 
 :meth:`TorchRunner.submit` queues a step's forward, then fills its late token
 bitmask on the host while the device runs it (``m3_engine.runner``), then queues
-its sampling (the mask copied from pinned memory) and the copy of its sampled
-outputs into pinned host memory, and records an event after them;
+its sampling (its parameters and the mask in one copy from pinned memory:
+``m3_torch.staging``) and the copy of its sampled outputs into pinned host
+memory, and records an event after them;
 :meth:`TorchRunner.result` waits for that event. A step scheduled while the one
 before it runs (async scheduling, one rank) takes its carried input ids from
 that step's sampled tokens on the device (``m3_torch.rank.carry_tokens``).
@@ -55,8 +56,9 @@ from m3_kernels.maps import PAGE_SIZE
 from . import tp
 from .eagle3 import Eagle3Draft, Eagle3Proposer
 from .model import StepTensors
-from .rank import DTYPES, RankRunner, to_device
+from .rank import DTYPES, RankRunner
 from .sampling import apply_token_bitmask, sample
+from .staging import upload
 
 __all__ = ["TorchRunner"]
 
@@ -370,18 +372,16 @@ def sample_on_device(logits: torch.Tensor, s: SamplingBatch) -> dict:
     bitmask given (``SamplingBatch.with_token_bitmask``). With
     ``s.prompt_targets`` the logits have ``P`` prompt rows after the ``L`` sampled ones
     (``Step.forward_logits_indices``): the ``prompt_*`` fields come from them (:func:`prompt_logprobs`)."""
-    device = logits.device
     num_sampled = len(s.temperature)
-    prompt = {} if s.prompt_targets is None else prompt_logprobs(logits[num_sampled:], s)
+    penalties = s.penalties()
+    # the parameters, bitmask, prompt targets and penalties: one copy
+    (temperature, top_k, top_p, min_p, seeds, counters, token_bitmask, targets, *penalty_values) = upload(
+        [s.temperature, s.top_k, s.top_p, s.min_p, s.seeds, s.counters, s.token_bitmask, s.prompt_targets,
+         *penalties.values()], logits.device)
+    prompt = {} if targets is None else prompt_logprobs(logits[num_sampled:], targets, s.num_prompt_logprobs)
     logits = logits[:num_sampled]
-
-    def dev(a):
-        return None if a is None else to_device(a, device)
-
-    penalties = {k: dev(v) for k, v in s.penalties().items()}
-    token_bitmask = None if s.token_bitmask is None else to_device(s.token_bitmask, device)
-    tokens, logprobs, lse = sample(logits, dev(s.temperature), dev(s.top_k), dev(s.top_p), dev(s.min_p),
-                                   dev(s.seeds), dev(s.counters), token_bitmask=token_bitmask, **penalties)
+    tokens, logprobs, lse = sample(logits, temperature, top_k, top_p, min_p, seeds, counters,
+                                   token_bitmask=token_bitmask, **dict(zip(penalties, penalty_values)))
     top_ids = top_logprobs = ranks = None
     if s.num_logprobs is not None:
         if token_bitmask is not None:   # logprobs and ranks over the masked logits, as the sampled token's
@@ -395,16 +395,16 @@ def sample_on_device(logits: torch.Tensor, s: SamplingBatch) -> dict:
                 **prompt)
 
 
-def prompt_logprobs(logits: torch.Tensor, s: SamplingBatch) -> dict:
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_prompt_logprobs: int) -> dict:
     """The ``SampleResult.prompt_*`` fields (tensors on the logits' device) from float32 ``logits [P, V]``
-    of the step's prompt rows: each target's raw logprob (``logit - logsumexp``) and rank, and the top
-    ``s.num_prompt_logprobs``."""
-    targets = to_device(s.prompt_targets, logits.device).long()
+    of the step's prompt rows and their ``targets [P]`` (``SamplingBatch.prompt_targets`` on the device):
+    each target's raw logprob (``logit - logsumexp``) and rank, and the top ``num_prompt_logprobs``."""
+    targets = targets.long()
     lse = torch.logsumexp(logits, dim=1)
     chosen = logits.gather(1, targets[:, None])
     out = dict(prompt_logprobs=chosen[:, 0] - lse, prompt_ranks=((logits > chosen).sum(dim=1) + 1).int())
-    if s.num_prompt_logprobs > 0:
-        values, ids = _top(logits, s.num_prompt_logprobs)
+    if num_prompt_logprobs > 0:
+        values, ids = _top(logits, num_prompt_logprobs)
         out.update(prompt_top_ids=ids.int(), prompt_top_logprobs=values - lse[:, None])
     return out
 

@@ -5,6 +5,7 @@ start in a new process reads what the first wrote. CPU, the tiny checkpoint, few
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -86,8 +87,10 @@ def test_torch_runs_nothing_cold_after_precompile(model_dir, one_program_per_til
     assert runner.cold_programs == []
     llm.close()
     assert llm.startup_times["capture"] == 0.0   # a CPU: no graphs
+    gc.unfreeze()
     off = m3_torch.LLM(model_dir, **SMALL)   # a CPU: no precompile by default
     assert off.runner.warm_programs is None and off.startup_times["programs"] == 0
+    assert gc.get_freeze_count() > 0   # the start-up's objects are out of the collector's way
     off.close()
 
 

@@ -5,7 +5,6 @@ scheduler produces for a varied workload."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from m3_engine.buckets import StepBuckets
@@ -16,8 +15,9 @@ from m3_kernels.pool import PoolLayout
 from m3_torch.cache import allocate_pool, layer_caches
 from m3_torch.model import M3Model, StepTensors
 from m3_torch.ops import record_variants
-from m3_torch.rank import graph_inputs
+from m3_torch.rank import graph_inputs, step_arrays
 from m3_torch.runner import sample_on_device, sampling_variants, warm_up_shapes
+from m3_torch.staging import upload
 
 META = torch.device("meta")
 
@@ -42,15 +42,14 @@ class MetaEngine:
         return Scheduler(self.scheduler_config, self.config)
 
     def tensors(self, step) -> StepTensors:
-        """The step's inputs as the runner gives them: a graph's static inputs (slices of one buffer: their
-        alignment picks variants too) for a pure decode step, fresh tensors for any other."""
+        """The step's inputs as the runner gives them (slices of one buffer: their alignment picks variants
+        too): a graph's static inputs for a pure decode step, one upload (``m3_torch.staging``) for any
+        other."""
         plan = step.plan
         if plan.cuda_graph:
             rows, n = plan.generation.num_rows, plan.generation.decode_query_len
             return graph_inputs(rows, n, self.scheduler_config.max_blocks, META)[1]
-        return StepTensors(*(torch.from_numpy(np.ascontiguousarray(a)).to(META) for a in (
-            step.input_ids, step.positions, step.slot_mapping, step.block_table, step.seq_lens,
-            step.forward_logits_indices)))
+        return StepTensors(*upload(step_arrays(step), META))
 
     def record(self, steps, sampling=()) -> set:
         """The variant keys of the forwards of ``steps`` and of sampling ``L`` logits rows in each
