@@ -1,6 +1,6 @@
 """Prefill on the GPU: ``dense_prefill`` against torch's SDPA, ``msa_prefill`` and its three launches.
 
-    python3 -m benchmarks.prefill [--lens 8192,32768,131072] [--out DIR]
+    python3 -m benchmarks.prefill [--lens 8192,32768,131072] [--out DIR] [--dense-backend cutedsl]
 
 One request of T prompt tokens (no cached prefix), M3 shapes (64 q heads,
 4 KV heads, D = Di = 128, 4 index heads, topk 16, bf16), eager timing (each
@@ -10,6 +10,9 @@ the bf16 matmul rate measured in the same run.
 * dense: causal ``T (T + 1) / 2`` query-key pairs x 64 heads x 4 D FLOPs,
   against ``scaled_dot_product_attention(is_causal=True)`` on the same tensors
   (K/V repeated to 64 heads, and with ``enable_gqa``; the faster one counts).
+  ``--dense-backend cutedsl`` also times ``dense_prefill(backend="cutedsl")``
+  (the Hopper CuTeDSL kernel) beside them, with its largest difference from
+  the Triton backend's output.
 * msa: the indexer's causal ``q . k`` (2 Di FLOPs per pair and index head)
   plus attention over each token's chosen blocks (their visible positions).
 
@@ -42,7 +45,7 @@ def union_per_tile(ids, tokens):
     return float((distinct.sum(-1) + (x[..., 0] >= 0)).float().mean())
 
 
-def run_length(T, rate, reps):
+def run_length(T, rate, reps, dense_backend="triton"):
     g = torch.Generator(device="cuda").manual_seed(T)
     mk = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
     nb = T // PAGE
@@ -77,6 +80,10 @@ def run_length(T, rate, reps):
             qt, kt.repeat_interleave(HQ // HK, 1), vt.repeat_interleave(HQ // HK, 1), is_causal=True),
     }
     ref = m3_torch.dense_prefill(q, k, v, bt, sl, cu_seqlens_q=cu, plan=plan).float()
+    if dense_backend == "cutedsl":
+        cute = lambda: m3_torch.dense_prefill(q, k, v, bt, sl, cu_seqlens_q=cu, plan=plan, out=out, backend="cutedsl")
+        err = (cute().float() - ref).abs().max().item()
+        row("dense_prefill_cutedsl", time_fn(cute, reps) * 1e3, dense_flops, max_abs_diff_vs_ours=err)
     for name, fn in sdpa.items():
         try:
             err = (fn()[0].permute(1, 0, 2).float() - ref).abs().max().item()
@@ -128,17 +135,20 @@ def main():
     ap.add_argument("--lens", default="8192,32768,131072")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="prefill")
+    ap.add_argument("--dense-backend", choices=("triton", "cutedsl"), default="triton",
+                    help="cutedsl: also time dense_prefill's CuTeDSL backend (Hopper) beside the Triton one and SDPA")
     args = ap.parse_args()
     bw, rate = copy_bandwidth(), matmul_rate()
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
     for T in (int(x) for x in args.lens.split(",")):
-        rows += run_length(T, rate, reps=3 if T > 65536 else 5)
+        rows += run_length(T, rate, reps=3 if T > 65536 else 5, dense_backend=args.dense_backend)
         torch.cuda.empty_cache()
+    command = f"python3 -m benchmarks.prefill --lens {args.lens} --dense-backend {args.dense_backend}"
     md = [f"# Prefill on {gpu}", "",
           f"Copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s (same run). "
-          f"Command: `python3 -m benchmarks.prefill --lens {args.lens}`. Eager medians; floor = FLOPs / matmul rate.",
+          f"Command: `{command}`. Eager medians; floor = FLOPs / matmul rate.",
           "", "| T | op | ms | TFLOP/s | % of floor | notes |", "|---|---|---|---|---|---|"]
     for r in rows:
         notes = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
@@ -146,7 +156,7 @@ def main():
         md.append(f"| {r['context']} | {r['op'].strip()} | {r['us'] / 1e3:.2f} | {r['tflops']:.0f} | "
                   f"{r['pct_floor']:.0f}% | {notes} |")
     save_results(args.out, args.name, dict(gpu=gpu, copy_tbps=bw / 1e12, matmul_tflops=rate / 1e12,
-                                           command=f"python3 -m benchmarks.prefill --lens {args.lens}", rows=rows),
+                                           command=command, rows=rows),
                  "\n".join(md) + "\n")
 
 

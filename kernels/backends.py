@@ -11,6 +11,13 @@ Each public op that scores calls :func:`check_indexer_backend` once, after
 its argument checks (``validate``); it reads shapes, dtypes and a device
 description only (no values, no device sync), and imports ``cutlass`` only
 when the CuTeDSL backend is asked for.
+
+``dense_prefill`` has the same switch:
+``backend="triton"`` (the default) runs ``attention.paged_attention_kernel``,
+``backend="cutedsl"`` the CuTeDSL kernel of ``cute_prefill.py`` (Hopper sm_90a only,
+bf16/fp16 q with K/V caches of its dtype, D in 64/128); the environment
+variable ``M3_DENSE_PREFILL`` sets the default, an argument wins, and the
+errors are the indexer's (:func:`check_dense_prefill_backend`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from .maps import MAX_TILE_ROWS, next_pow2
 
 INDEXER_BACKENDS = ("triton", "cutedsl")
 ENV_VAR = "M3_INDEXER_SCORE"
+DENSE_PREFILL_BACKENDS = INDEXER_BACKENDS
+DENSE_PREFILL_ENV_VAR = "M3_DENSE_PREFILL"
 CUTEDSL_HEAD_DIMS = (64, 128)
 CUTEDSL_DTYPES = ("bfloat16", "float16")   # idx_q (and a 16-bit index-K cache: the same dtype)
 CUTEDSL_FP8 = "float8_e4m3fn"              # an FP8 index-K cache (unscaled), with any of those queries or an e4m3 one
@@ -33,14 +42,23 @@ INSTALL_HINT = (f'install the optional extra: pip install -e ".[cutedsl]" ({CUTE
 
 def indexer_backend(backend: Optional[str] = None) -> str:
     """``backend``, or ``$M3_INDEXER_SCORE``, or "triton" -> a valid backend name (else ValueError)."""
+    return _backend_name(backend, ENV_VAR, INDEXER_BACKENDS)
+
+
+def dense_prefill_backend(backend: Optional[str] = None) -> str:
+    """``backend``, or ``$M3_DENSE_PREFILL``, or "triton" -> a valid backend name (else ValueError)."""
+    return _backend_name(backend, DENSE_PREFILL_ENV_VAR, DENSE_PREFILL_BACKENDS)
+
+
+def _backend_name(backend: Optional[str], env_var: str, names: Tuple[str, ...]) -> str:
     if backend is None:
-        env = os.environ.get(ENV_VAR, "").strip()
-        if env and env.lower() not in INDEXER_BACKENDS:
-            raise ValueError(f"{ENV_VAR}: expected one of {', '.join(INDEXER_BACKENDS)}, got {env!r}")
+        env = os.environ.get(env_var, "").strip()
+        if env and env.lower() not in names:
+            raise ValueError(f"{env_var}: expected one of {', '.join(names)}, got {env!r}")
         return env.lower() or "triton"
-    if not isinstance(backend, str) or backend not in INDEXER_BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(repr(b) for b in INDEXER_BACKENDS)} (or None for "
-                         f"${ENV_VAR}, default 'triton'), got {backend!r}")
+    if not isinstance(backend, str) or backend not in names:
+        raise ValueError(f"backend: expected one of {', '.join(repr(b) for b in names)} (or None for "
+                         f"${env_var}, default 'triton'), got {backend!r}")
     return backend
 
 
@@ -69,6 +87,42 @@ def check_indexer_backend(backend: Optional[str], *, num_heads: int, head_dim: i
                         f"{CUTEDSL_FP8}), got idx_q {dtype} and index_k_cache {cache_dtype}; use backend='triton'")
     if next_pow2(num_heads) > MAX_TILE_ROWS:
         raise ValueError(f"idx_q: backend='cutedsl' supports up to {MAX_TILE_ROWS} index heads, got Hi={num_heads}")
+    _check_cutedsl_device(device, capability)
+    cutedsl_module()
+    return name
+
+
+def check_dense_prefill_backend(backend: Optional[str], *, group: int, head_dim: int, dtype: str, cache_dtype: str,
+                                device: str, capability: Optional[Tuple[int, int]]) -> str:
+    """Resolve the backend of one ``dense_prefill`` call and check that it can run it -> "triton" or "cutedsl".
+
+    group / head_dim / dtype: Hq // Hk, D and q's dtype name; cache_dtype: of the K/V caches;
+    device, capability: as in :func:`check_indexer_backend`. Errors as there: unknown name ValueError;
+    D or a group the kernel lacks ValueError; a dtype pair it lacks (FP8 caches included) TypeError;
+    not an sm_90+ NVIDIA GPU RuntimeError; the package missing ImportError (with the install hint).
+    """
+    name = dense_prefill_backend(backend)
+    if name == "triton":
+        return name
+    if head_dim not in CUTEDSL_HEAD_DIMS:
+        raise ValueError(f"q: backend='cutedsl' supports head dims D in {CUTEDSL_HEAD_DIMS}, got D={head_dim}; "
+                         f"use backend='triton'")
+    if dtype not in CUTEDSL_DTYPES or cache_dtype != dtype:
+        raise TypeError(f"q/k_cache: backend='cutedsl' supports {' and '.join(CUTEDSL_DTYPES)} q with K/V caches of "
+                        f"its dtype, got q {dtype} and k_cache {cache_dtype}; use backend='triton'")
+    if next_pow2(group) > MAX_TILE_ROWS:
+        raise ValueError(f"q: backend='cutedsl' supports up to {MAX_TILE_ROWS} query heads per KV head, got "
+                         f"Hq // Hk = {group}")
+    _check_cutedsl_device(device, capability)
+    if capability[0] != 9:
+        raise RuntimeError(f"backend='cutedsl' for dense_prefill uses Hopper's warpgroup MMA (wgmma, sm_90a), which "
+                           f"this GPU (compute capability {'.'.join(map(str, capability))}) lacks; "
+                           f"use backend='triton'")
+    cutedsl_prefill_module()
+    return name
+
+
+def _check_cutedsl_device(device: str, capability: Optional[Tuple[int, int]]) -> None:
     if device != "cuda":
         raise RuntimeError(f"backend='cutedsl' runs on NVIDIA GPUs of compute capability "
                            f"{'.'.join(map(str, CUTEDSL_MIN_CAPABILITY))}+ (Hopper sm_90 or newer), but this call "
@@ -78,8 +132,6 @@ def check_indexer_backend(backend: Optional[str], *, num_heads: int, head_dim: i
                            f"{'.'.join(map(str, CUTEDSL_MIN_CAPABILITY))}+ (Hopper sm_90 or newer), this GPU has "
                            f"{'unknown' if capability is None else '.'.join(map(str, capability))}; "
                            f"use backend='triton'")
-    cutedsl_module()
-    return name
 
 
 def cutedsl_dtypes_supported(dtype: str, cache_dtype: str) -> bool:
@@ -99,3 +151,13 @@ def cutedsl_module():
                           f"{INSTALL_HINT}") from e
     return cute_index
 
+
+
+def cutedsl_prefill_module():
+    """``m3_kernels.cute_prefill`` (imports ``cutlass``), or ImportError with the install hint."""
+    try:
+        from . import cute_prefill
+    except ImportError as e:
+        raise ImportError(f"backend='cutedsl' needs the CuTeDSL package, which is not importable here ({e}); "
+                          f"{INSTALL_HINT}") from e
+    return cute_prefill

@@ -249,11 +249,26 @@ def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_
 
 
 def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None, out=None,
-                  k_scale=None, v_scale=None):
-    """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
+                  k_scale=None, v_scale=None, backend=None):
+    """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``.
+
+    ``backend``: "triton" (``attention.paged_attention_kernel``), "cutedsl" (``cute_prefill``,
+    Hopper sm_90a, bf16/fp16 caches) or None for ``$M3_DENSE_PREFILL`` (default "triton");
+    a backend that cannot run this call is an error (``m3_kernels.backends``).
+    """
+    plan = prefill_plan(cu_seqlens_q, plan)
     out, tile_map, tokens_per_tile, scale, kv_scales = _prefill_attention(
         "dense_prefill", q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out,
         k_scale, v_scale)
+    group = int(q.shape[1]) // int(k_cache.shape[1])
+    name = backends.check_dense_prefill_backend(
+        backend, group=group, head_dim=int(q.shape[2]), dtype=validate.dtype_name(q),
+        cache_dtype=validate.dtype_name(k_cache), device=q.device.type, capability=ops.device_capability(q.device))
+    if name == "cutedsl":
+        # the kernel's tiles fill its 128 MMA rows: the indexer's (as many tokens as 128 rows hold)
+        _, tile_map, _ = ops.prefill_maps(plan, q.device, group, "index")
+        cute_ops.dense_prefill(q, k_cache, v_cache, block_table, seq_lens, tile_map, out, scale)
+        return out
     ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None, tokens_per_tile,
                         scale, *kv_scales)
     return out

@@ -1,4 +1,7 @@
-"""The torch side of the CuTeDSL indexer (``backend="cutedsl"``): compile once per shape class, launch.
+"""The torch side of the CuTeDSL kernels (``backend="cutedsl"``): compile once per shape class, launch.
+
+The indexer scorer (``cute_index``) and the dense prefill attention (``cute_prefill``, below the
+scorer's code), each behind its op's backend switch (``m3_kernels.backends``).
 
 ``torch.ops.m3.index_scores_cutedsl`` takes the arguments of
 ``torch.ops.m3.index_scores`` (internal; the public ops choose between them,
@@ -133,3 +136,102 @@ def _index_scores(idx_q: torch.Tensor, index_k_cache: torch.Tensor, block_table:
 index_scores = ops.define(
     "index_scores_cutedsl(Tensor idx_q, Tensor index_k_cache, Tensor block_table, Tensor seq_lens, "
     "Tensor tile_map, Tensor(a!) out, int tokens_per_tile) -> ()", _index_scores)
+
+
+# -- dense prefill attention (m3_kernels.cute_prefill) ----------------------------------------
+
+# Fake addresses for compiling, as above: q/out at their element size, the caches' pages 16 B aligned.
+_PREFILL_ALIGN = dict(q=2, k=16, v=16, table=4, lens=4, tile_map=4, out=2)
+
+
+def prefill_shape_class(dtype: str, group: int, head_dim: int) -> tuple:
+    """What one compiled dense prefill kernel is specialized on: (dtype, group, heads_pad, D, stages)."""
+    tile = maps.index_tile(group, maps.MAX_TILE_ROWS)
+    return (dtype, group, tile.heads_pad, head_dim, tuning.CUTEDSL_PREFILL_STAGES[head_dim])
+
+
+def compile_dense_prefill(key: tuple, arch: str | None = None):
+    """Compile ``cute_prefill.dense_prefill_launch`` for shape class ``key`` (:func:`prefill_shape_class`).
+
+    arch: e.g. "sm_90a" to compile without a GPU (tests); None: the current GPU's.
+    """
+    cp = backends.cutedsl_prefill_module()
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    dtype, group, heads_pad, head_dim, stages = key
+    gmem = cute.AddressSpace.gmem
+    elem = cp.dtype_of(dtype)
+    types = dict(q=elem, k=elem, v=elem, table=cutlass.Int32, lens=cutlass.Int32, tile_map=cutlass.Int32, out=elem)
+    ptrs = [make_ptr(types[n], 1 << 16, gmem, assumed_align=a) for n, a in _PREFILL_ALIGN.items()]
+    sizes = [1] * 6                    # num_tokens .. num_kv_heads (runtime values)
+    strides = [1] * 15
+    kwargs = {} if arch is None else dict(options=f"--gpu-arch {arch}")
+    return cute.compile(cp.dense_prefill_launch, *ptrs, *sizes, cutlass.Float32(1.0), *strides, cuda.CUstream(0),
+                        group=group, heads_pad=heads_pad, head_dim=head_dim, stages=stages, **kwargs)
+
+
+def _check_kv_cache(name: str, cache: torch.Tensor):
+    """TMA reads whole 128 x D pages of one head: rows contiguous, page/head/token strides multiples
+    of 16 bytes, a 16-byte aligned start."""
+    elem = cache.element_size()
+    if (cache.stride(-1) != 1 or cache.data_ptr() % 16
+            or any(s * elem % 16 for s in cache.stride()[:-1])):
+        raise ValueError(f"{name}: backend='cutedsl' needs contiguous rows (last stride 1), page/head/token strides "
+                         f"that are multiples of 16 bytes and a 16-byte aligned start, got strides "
+                         f"{tuple(cache.stride())} at address {cache.data_ptr():#x}; use backend='triton'")
+
+
+def _dense_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor, sm_scale: float) -> None:
+    """``out [T, Hq, D]`` (any strides) of ``tile_map``'s row tiles (``maps.index_tile`` of the group:
+    up to 128 rows of tokens x heads) with the CuTeDSL kernel; k_cache/v_cache ``[pages, Hk, 128, D]``."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    num_requests, max_blocks = block_table.shape
+    num_tiles = tile_map.shape[0]
+    if num_tokens == 0 or num_tiles == 0:
+        return
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_kv_cache(name, cache)
+    key = prefill_shape_class(str(q.dtype).removeprefix("torch."), num_heads // num_kv_heads, head_dim)
+    device = out.device
+    fn = _compiled_for_prefill(key, device)
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    elem = backends.cutedsl_prefill_module().dtype_of(key[0])
+    gmem = cute.AddressSpace.gmem
+    types = dict(q=elem, k=elem, v=elem, table=cutlass.Int32, lens=cutlass.Int32, tile_map=cutlass.Int32, out=elem)
+    tensors = dict(q=q, k=k_cache, v=v_cache, table=block_table, lens=seq_lens, tile_map=tile_map, out=out)
+    ptrs = [make_ptr(types[n], tensors[n].data_ptr(), gmem, assumed_align=a) for n, a in _PREFILL_ALIGN.items()]
+    with torch.cuda.device(device):
+        stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+        fn(*ptrs, num_tokens, num_requests, max_blocks, k_cache.shape[0], num_tiles, num_kv_heads,
+           cutlass.Float32(sm_scale), *q.stride(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+           v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *block_table.stride(), seq_lens.stride(0),
+           *out.stride(), stream)
+
+
+def _compiled_for_prefill(key: tuple, device: torch.device):
+    full = ("dense_prefill", str(device), *key)
+    fn = _compiled.get(full)
+    if fn is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("backend='cutedsl': the CuTeDSL dense prefill kernel for this shape class "
+                               f"{key} is compiled and loaded on its first call, which cannot happen inside a "
+                               "CUDA-graph capture; make one eager call with the same shapes before capturing")
+        with _lock:
+            fn = _compiled.get(full)
+            if fn is None:
+                fn = _compiled[full] = compile_dense_prefill(key)
+    return fn
+
+
+dense_prefill = ops.define(
+    "dense_prefill_cutedsl(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+    "Tensor tile_map, Tensor(a!) out, float sm_scale) -> ()", _dense_prefill)

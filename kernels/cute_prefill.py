@@ -1,0 +1,399 @@
+"""Dense causal GQA prefill attention in CuTeDSL (``backend="cutedsl"`` of ``dense_prefill``, Hopper sm_90a).
+
+Imports ``cutlass`` (nvidia-cutlass-dsl) and nothing of torch or jax: the
+framework glue (``m3_torch.cute_ops``) imports this module lazily, only when a
+caller asks for the CuTeDSL backend. Same contract as the Triton kernel's
+dense mode (SPEC.md, ``dense_prefill``)::
+
+    out[t, h] = softmax_p(sm_scale * q[t, h] . k[p]) . v[p]   over positions p <= pos_t
+
+for the KV head ``h // group`` of the paged caches ``[pages, Hk, 128, D]``,
+float32 accumulation, the output in q's dtype; a row that sees no position is
+zeros, and cache rows past ``seq_len`` (which may hold NaN/Inf) never reach it.
+
+Work split. A CTA owns one row tile of ``tile_map`` for one KV head (grid
+``(num_tiles, Hk)``). The 128 rows of the tile are (tokens x the ``group``
+query heads of that KV head, padded to ``heads_pad``): 8 tokens x 16 heads at
+M3's 64/4 heads, 64 tokens x 2 heads at 8/2. That keeps the MMA's M dimension
+at 128 whatever the group, and reads each K/V page once per tile for all the
+heads that share it (the alternative, 128 tokens of one head, reads every page
+once per query head, 16x the K/V traffic at group 16, with the same MMA work).
+The tiles are the indexer's (``maps.index_tile``: as many tokens as 128 rows
+hold, one request per tile), so a tile holds consecutive positions and the
+causal mask touches at most its last two blocks.
+
+FA3's design, warp specialized (384 threads, 3 warpgroups):
+
+* **producer** (warpgroup 0, its first warp; its registers given back with
+  ``setmaxnreg``): per visible block, the K and V pages as one TMA box each,
+  ``[128, D]`` at (0, 0, kv head, page id) of the caches viewed as (token,
+  dim, head, page), the page id read from ``block_table`` (only the ids of
+  blocks the tile sees: the rest may be garbage), both into one stage of a
+  ``stages``-deep ring of 128B-swizzled smem buffers guarded by one mbarrier
+  per stage (``PipelineTmaAsync``).
+* **consumers** (warpgroups 1 and 2, 64 rows each): the query tile is
+  loaded once into swizzled smem (element by element, any q strides; zeros
+  on padding rows); per block ``S = Q K^T`` by ``wgmma`` (both operands from
+  smem), the causal mask by position (a select, only on blocks that reach
+  past the tile's first position), the online softmax in registers (exp2 with
+  ``sm_scale * log2(e)`` folded in, running max and sum per row, the row max
+  across the 4 lanes of a quad by shuffles), ``P`` converted to q's dtype in
+  registers and ``O += P V`` by ``wgmma`` with A from registers and V read
+  transposed from the same smem stage. Stale rows past ``seq_len`` in the
+  sequence's last page: their scores are masked (a select, so NaN/Inf never
+  enter the sum) and their V rows are zeroed in smem before ``P V`` (a zero
+  probability times NaN would be NaN). Epilogue: ``O / l`` (0 where ``l`` is
+  0: rows that see nothing), stored element by element through arbitrary
+  output strides.
+
+Compiled once per shape class (dtype, D, group, heads_pad, stages): lengths,
+head counts, tables, tiles, strides and pointers are runtime values, so nothing recompiles
+as lengths change and a captured CUDA graph replays.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+PAGE_SIZE = 128          # tokens per block and per K/V page (maps.PAGE_SIZE)
+TILE_M = 128             # rows of a tile: tokens x heads_pad
+NUM_MMA_WARPGROUPS = 2   # 64 rows each
+NUM_THREADS = 128 * (1 + NUM_MMA_WARPGROUPS)   # warpgroup 0 produces
+NUM_MMA_THREADS = 128 * NUM_MMA_WARPGROUPS
+PRODUCER_REGS = 24       # setmaxnreg: 24 x 128 + 240 x 256 <= 64k registers
+MMA_REGS = 240
+MMA_BARRIER_ID = 1       # the consumers' named barrier (0 is __syncthreads)
+LOG2_E = math.log2(math.e)
+
+
+def dtype_of(name: str):
+    """A dtype name ("bfloat16", "float16") -> the cutlass type."""
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+def _smem_layout(dtype, rows: int, head_dim: int, stages: int | None = None):
+    """``[rows, head_dim]`` (x stages), head_dim contiguous, in the swizzled atoms wgmma reads
+    (128-byte rows at D = 64 and 128) and the TMA writes."""
+    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, head_dim),
+                                           dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, head_dim), (0, 1))
+    return cute.tile_to_shape(atom, (rows, head_dim, stages), (0, 1, 2))
+
+
+def _transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """A (rows, cols, stages) smem tensor viewed as (cols, rows, stages)."""
+    return cute.composition(t, cute.make_ordered_layout((t.shape[1], t.shape[0], t.shape[2]), order=(1, 0, 2)))
+
+
+def _acc_mn(acc: cute.Tensor) -> cute.Tensor:
+    """A wgmma accumulator ``((2, 2, N/8), MMA_M, MMA_N)`` viewed as (rows, cols) of this thread:
+    rows ``(2, MMA_M)``, cols ``(2, N/8, MMA_N)``."""
+    c = cute.make_layout(acc.layout.shape)
+    mn = cute.make_layout(((c.shape[0][1], c.shape[1]), (c.shape[0][0], c.shape[0][2], c.shape[2])),
+                          stride=((c.stride[0][1], c.stride[1]), (c.stride[0][0], c.stride[0][2], c.stride[2])))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+def _acc_as_a(acc: cute.Tensor) -> cute.Tensor:
+    """The S accumulator ``((2, 2, N/8), MMA_M, MMA_N)`` viewed as the A fragment of the P V
+    wgmma ``((2, 2, 2), MMA_M, (N/16, MMA_N))``: the k = 16 slices of A are pairs of n8 column
+    groups of S, held by the same threads in the same order (both are the m64nNk16 layouts)."""
+    l = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    a = cute.make_layout(((l.shape[0][0], l.shape[0][1], l.shape[0][2][0]), l.shape[1], (l.shape[0][2][1], l.shape[2])),
+                         stride=((l.stride[0][0], l.stride[0][1], l.stride[0][2][0]), l.stride[1],
+                                 (l.stride[0][2][1], l.stride[2])))
+    return cute.make_tensor(acc.iterator, a)
+
+
+def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate: bool):
+    """``acc (+)= a b`` over the k blocks of the fragments with wgmma; waits for the result."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+    for k in range(cute.size(a.shape[2])):
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+@cute.jit
+def dense_prefill_launch(
+    q_ptr: cute.Pointer,          # q           [T, Hq, D]             bf16/fp16, any strides
+    k_ptr: cute.Pointer,          # k_cache     [pages, Hk, 128, D]    q's dtype, rows contiguous, 16 B aligned
+    v_ptr: cute.Pointer,          # v_cache     [pages, Hk, 128, D]    as k_cache
+    table_ptr: cute.Pointer,      # block_table [R, max_blocks]        int32
+    lens_ptr: cute.Pointer,       # seq_lens    [R]                    int32
+    tile_map_ptr: cute.Pointer,   # tile_map    [num_tiles, 4]         int32, contiguous
+    out_ptr: cute.Pointer,        # out         [T, Hq, D]             q's dtype, any strides
+    num_tokens: Int32,
+    num_requests: Int32,
+    max_blocks: Int32,
+    num_pages: Int32,
+    num_tiles: Int32,
+    num_kv_heads: Int32,
+    sm_scale: Float32,
+    stride_qt: Int64, stride_qh: Int64, stride_qd: Int64,
+    stride_kp: Int64, stride_kh: Int64, stride_kn: Int64,
+    stride_vp: Int64, stride_vh: Int64, stride_vn: Int64,
+    stride_br: Int64, stride_bb: Int64,
+    stride_l: Int64,
+    stride_ot: Int64, stride_oh: Int64, stride_od: Int64,
+    stream: cuda.CUstream,
+    group: cutlass.Constexpr,
+    heads_pad: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+    stages: cutlass.Constexpr,
+):
+    """Host side: views, the TMA descriptors, the MMAs, the grid; launches ``dense_prefill_kernel``."""
+    dtype = q_ptr.value_type
+    num_heads = num_kv_heads * group
+    mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens, num_heads, head_dim),
+                                                  stride=(stride_qt, stride_qh, stride_qd)))
+    mO = cute.make_tensor(out_ptr, cute.make_layout((num_tokens, num_heads, head_dim),
+                                                    stride=(stride_ot, stride_oh, stride_od)))
+    # (token, dim, kv head, page): a page of one head is one TMA box at (0, 0, head, page id)
+    mK = cute.make_tensor(k_ptr, cute.make_layout((PAGE_SIZE, head_dim, num_kv_heads, num_pages),
+                                                  stride=(stride_kn, 1, stride_kh, stride_kp)))
+    mV = cute.make_tensor(v_ptr, cute.make_layout((PAGE_SIZE, head_dim, num_kv_heads, num_pages),
+                                                  stride=(stride_vn, 1, stride_vh, stride_vp)))
+    mTable = cute.make_tensor(table_ptr, cute.make_layout((num_requests, max_blocks), stride=(stride_br, stride_bb)))
+    mLens = cute.make_tensor(lens_ptr, cute.make_layout((num_requests,), stride=(stride_l,)))
+    mTileMap = cute.make_tensor(tile_map_ptr, cute.make_layout((num_tiles, 4), stride=(4, 1)))
+
+    sQ_layout = _smem_layout(dtype, TILE_M, head_dim)
+    sKV_layout = _smem_layout(dtype, PAGE_SIZE, head_dim, stages)
+    page_layout = cute.slice_(sKV_layout, (None, None, 0))
+    tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mK, page_layout,
+                                                    (PAGE_SIZE, head_dim))
+    tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mV, page_layout,
+                                                    (PAGE_SIZE, head_dim))
+    page_bytes = cute.size_in_bytes(dtype, page_layout)
+
+    # S = Q K^T: (128 rows, 128 tokens, D), both K-major in smem; O = P V: (128 rows, D, 128 tokens),
+    # P from registers, V MN-major (its smem stage read transposed). One warpgroup per 64 rows.
+    mma_qk = sm90_utils.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K,
+                                               cute.nvgpu.OperandMajorMode.K, Float32,
+                                               atom_layout_mnk=(NUM_MMA_WARPGROUPS, 1, 1), tiler_mn=(64, PAGE_SIZE))
+    mma_pv = sm90_utils.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K,
+                                               cute.nvgpu.OperandMajorMode.MN, Float32,
+                                               atom_layout_mnk=(NUM_MMA_WARPGROUPS, 1, 1), tiler_mn=(64, head_dim),
+                                               a_source=warpgroup.OperandSource.RMEM)
+
+    @cute.struct
+    class SharedStorage:
+        mbar: cute.struct.MemRange[Int64, stages * 2]
+        sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+        sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+
+    dense_prefill_kernel(tma_atom_k, tma_k, tma_atom_v, tma_v, mQ, mO, mTable, mLens, mTileMap, max_blocks,
+                         sm_scale * LOG2_E, sQ_layout, sKV_layout, mma_qk, mma_pv, SharedStorage, page_bytes,
+                         group, heads_pad, head_dim, stages).launch(
+        grid=[num_tiles, num_kv_heads, 1], block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
+        stream=stream)
+
+
+@cute.kernel
+def dense_prefill_kernel(
+    tma_atom_k: cute.CopyAtom,
+    tma_k: cute.Tensor,           # (128, D, Hk, pages) TMA coordinates of k_cache
+    tma_atom_v: cute.CopyAtom,
+    tma_v: cute.Tensor,           # (128, D, Hk, pages) of v_cache
+    mQ: cute.Tensor,              # (T, Hq, D)
+    mO: cute.Tensor,              # (T, Hq, D)
+    mTable: cute.Tensor,          # (R, max_blocks) int32
+    mLens: cute.Tensor,           # (R,) int32
+    mTileMap: cute.Tensor,        # (num_tiles, 4) int32: request, first token, its position - seq_len, tokens
+    max_blocks: Int32,
+    scale_log2: Float32,          # sm_scale * log2(e)
+    sQ_layout: cute.ComposedLayout,
+    sKV_layout: cute.ComposedLayout,
+    mma_qk: cute.TiledMma,
+    mma_pv: cute.TiledMma,
+    SharedStorage: cutlass.Constexpr,
+    page_bytes: cutlass.Constexpr,
+    group: cutlass.Constexpr,
+    heads_pad: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+    stages: cutlass.Constexpr,
+):
+    tidx, _, _ = cute.arch.thread_idx()
+    tile, kv_head, _ = cute.arch.block_idx()
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+    # -- the tile: request, tokens, positions, the blocks its last token sees
+    req = mTileMap[tile, 0]
+    tok0 = mTileMap[tile, 1]
+    pos0_minus_len = mTileMap[tile, 2]
+    ntok = mTileMap[tile, 3]
+    # a length past the table behaves as its width, a negative one as 0 (SPEC.md)
+    seq_len = cutlass.min(cutlass.max(mLens[req], 0), max_blocks * PAGE_SIZE)
+    pos0 = seq_len + pos0_minus_len                      # position of the tile's first token
+    n_blocks = (cutlass.max(pos0 + ntok, 0) + PAGE_SIZE - 1) // PAGE_SIZE
+
+    # -- shared memory, the TMA ring (K and V pages of a block share a stage and its barrier)
+    smem = cutlass.memory.SmemAllocator()
+    storage = smem.allocate(SharedStorage)
+    sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)     # (128, D)
+    sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)   # (128, D, stages)
+    sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)   # (128, D, stages)
+    sVt = _transpose_view(sV)                                                # (D, 128, stages)
+
+    ring = pipeline.PipelineTmaAsync.create(
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_THREADS // 32),  # lane 0 of a warp
+        tx_count=2 * page_bytes,
+        barrier_storage=storage.mbar.data_ptr(),
+    )
+
+    if warpgroup_idx == 0:
+        # ---- producer: warp 0 streams the K/V pages of blocks 0 .. n_blocks - 1
+        cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_k)
+            cpasync.prefetch_descriptor(tma_atom_v)
+            gK = cute.local_tile(tma_k, (PAGE_SIZE, head_dim), (0, 0, None, None))   # (128, D, Hk, pages)
+            gV = cute.local_tile(tma_v, (PAGE_SIZE, head_dim), (0, 0, None, None))
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                               cute.group_modes(gK, 0, 2))         # (TMA, stages), (TMA, Hk, pages)
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                               cute.group_modes(gV, 0, 2))
+            produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            for block in cutlass.range(n_blocks, unroll=1):
+                page = mTable[req, block]
+                ring.producer_acquire(produce)
+                cute.copy(tma_atom_k, tKgK[(None, kv_head, page)], tKsK[(None, produce.index)],
+                          tma_bar_ptr=ring.producer_get_barrier(produce))
+                cute.copy(tma_atom_v, tVgV[(None, kv_head, page)], tVsV[(None, produce.index)],
+                          tma_bar_ptr=ring.producer_get_barrier(produce))
+                ring.producer_commit(produce)
+                produce.advance()
+    else:
+        # ---- consumers: warpgroups 1 and 2, rows 64 * (warpgroup - 1) ..
+        cute.arch.setmaxregister_increase(MMA_REGS)
+        mma_tidx = tidx - 128
+        mma_wg = warpgroup_idx - 1
+
+        # the query tile -> smem (zeros on padding rows); consecutive threads read consecutive dims
+        for i in cutlass.range(TILE_M * head_dim // NUM_MMA_THREADS, unroll=8):
+            idx = mma_tidx + i * NUM_MMA_THREADS
+            m = idx // head_dim
+            d = idx % head_dim
+            tok = m // heads_pad
+            head = m % heads_pad
+            v = mQ.element_type(0)
+            if (tok < ntok) & (head < group):
+                v = mQ[tok0 + tok, kv_head * group + head, d]
+            sQ[m, d] = v
+        cute.arch.fence_view_async_shared()       # generic-proxy stores -> visible to wgmma
+        cute.arch.barrier(barrier_id=MMA_BARRIER_ID, number_of_threads=NUM_MMA_THREADS)
+
+        # MMA partitions: this warpgroup's 64 rows (smem descriptors), this thread's accumulators
+        wg_layout = cute.make_layout(NUM_MMA_WARPGROUPS, stride=128)
+        wg_qk = mma_qk.get_slice(wg_layout(mma_wg))
+        wg_pv = mma_pv.get_slice(wg_layout(mma_wg))
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))              # (MMA, N, K, stages)
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))            # (MMA, N, K, stages)
+        thr_qk = mma_qk.get_slice(mma_tidx)
+        thr_pv = mma_pv.get_slice(mma_tidx)
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, PAGE_SIZE)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, head_dim)), Float32)
+        acc_o.fill(0.0)
+        s_mn = _acc_mn(acc_s)
+        o_mn = _acc_mn(acc_o)
+        tScS_mn = _acc_mn(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, PAGE_SIZE))))
+        tOcO_mn = _acc_mn(thr_pv.partition_C(cute.make_identity_tensor((TILE_M, head_dim))))
+        rows = const_expr(cute.size(s_mn.shape[0]))
+        row_max = cute.make_rmem_tensor((rows,), Float32)    # running max of S * scale_log2
+        row_sum = cute.make_rmem_tensor((rows,), Float32)    # running sum of exp2, this thread's columns
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+        for block in cutlass.range(n_blocks, unroll=1):
+            ring.consumer_wait(consume)
+            stage = consume.index
+            # -- S = Q K^T
+            _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], False)
+
+            # -- causal mask by position (token n of the block is seen by row m iff
+            # block * 128 + n <= pos0 + m // heads_pad), on blocks reaching past the first position
+            if (block + 1) * PAGE_SIZE - 1 > pos0:
+                for r in cutlass.range_constexpr(rows):
+                    limit = pos0 + tScS_mn[r, 0][0] // heads_pad - block * PAGE_SIZE
+                    for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+                        if tScS_mn[r, c][1] > limit:
+                            s_mn[r, c] = -Float32.inf
+
+            # -- online softmax (rows are held by the 4 lanes of a quad)
+            for r in cutlass.range_constexpr(rows):
+                m_blk = -Float32.inf
+                for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+                    m_blk = cute.arch.fmax(m_blk, s_mn[r, c])
+                m_blk = cute.arch.fmax(m_blk, cute.arch.shuffle_sync_bfly(m_blk, offset=2))
+                m_blk = cute.arch.fmax(m_blk, cute.arch.shuffle_sync_bfly(m_blk, offset=1))
+                m_new = cute.arch.fmax(row_max[r], m_blk * scale_log2)
+                m_use = m_new
+                if m_new == -Float32.inf:        # nothing seen yet: exp2(-inf - 0) = 0
+                    m_use = Float32(0.0)
+                correction = cute.math.exp2(row_max[r] - m_use, fastmath=True)
+                row_max[r] = m_new
+                s_sum = Float32(0.0)
+                for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+                    p = cute.math.exp2(s_mn[r, c] * scale_log2 - m_use, fastmath=True)
+                    s_mn[r, c] = p
+                    s_sum = s_sum + p
+                row_sum[r] = row_sum[r] * correction + s_sum
+                for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                    o_mn[r, c] = o_mn[r, c] * correction
+
+            # -- stale rows past seq_len in the sequence's last page: V rows zeroed (P is 0 there,
+            # but 0 x NaN is NaN)
+            valid_rows = seq_len - block * PAGE_SIZE
+            if valid_rows < PAGE_SIZE:
+                for i in cutlass.range((PAGE_SIZE - valid_rows) * head_dim // NUM_MMA_THREADS + 1, unroll=1):
+                    idx = mma_tidx + i * NUM_MMA_THREADS
+                    n = valid_rows + idx // head_dim
+                    if n < PAGE_SIZE:
+                        sV[n, idx % head_dim, stage] = sV.element_type(0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=MMA_BARRIER_ID, number_of_threads=NUM_MMA_THREADS)
+
+            # -- O += P V, P in registers in q's dtype
+            p_acc = _acc_as_a(acc_s)
+            tOrP = cute.make_rmem_tensor_like(p_acc, mQ.element_type)
+            tOrP.store(p_acc.load().to(mQ.element_type))
+            _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], True)
+            ring.consumer_release(consume)
+            consume.advance()
+
+        # -- epilogue: O / l (0 for rows that see nothing), stored through the output's strides
+        for r in cutlass.range_constexpr(rows):
+            total = row_sum[r]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            inv = Float32(0.0)
+            if total > Float32(0.0):
+                inv = Float32(1.0) / total
+            m = tOcO_mn[r, 0][0]
+            tok = m // heads_pad
+            head = m % heads_pad
+            if (tok < ntok) & (head < group):
+                for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                    mO[tok0 + tok, kv_head * group + head, tOcO_mn[r, c][1]] = mO.element_type(o_mn[r, c] * inv)
