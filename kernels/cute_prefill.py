@@ -231,7 +231,8 @@ def dense_prefill_kernel(
     stages: cutlass.Constexpr,
 ):
     tidx, _, _ = cute.arch.thread_idx()
-    tile, kv_head, _ = cute.arch.block_idx()
+    bid, kv_head, _ = cute.arch.block_idx()
+    tile = mTileMap.shape[0] - 1 - bid       # the last tiles see the most blocks: they start first
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
 
