@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.async_scheduling import decode_parser, prefill, write_model
+from benchmarks.async_scheduling import (busy_fraction, decode_parser, jax_gpu_intervals, prefill, torch_gpu_intervals,
+                                         write_model)
 from benchmarks.e2e import run_frameworks
 
 SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
@@ -147,6 +148,47 @@ def decode_pass(llm, prompts: list, params, fills: list) -> dict:
                 finished_early=sum(len(outputs[i]) < params.max_tokens for i in ids))
 
 
+PROFILED_STEPS = 16
+
+
+def profile_pass(llm, prompts: list, params, framework: str, top: int = 12) -> dict:
+    """Async scheduling on: prefill, 4 decode steps, then :data:`PROFILED_STEPS` steps twice: under the
+    GPU profiler (torch.profiler / jax.profiler) -> the GPU's busy fraction over them and the wall time
+    per step; then under ``cProfile`` -> host time per step of the ``top`` functions by own time (us per
+    step, calls per step). The profiler's own overhead is in both."""
+    import cProfile
+    import pstats
+
+    engine = llm.engine
+    _, _, step = prefill(llm, prompts, params)
+    for _ in range(4):
+        step()
+    wall = []
+
+    def run():
+        start = time.perf_counter()
+        for _ in range(PROFILED_STEPS):
+            step()
+        wall.append(time.perf_counter() - start)
+
+    out = {}
+    if llm.runner.on_gpu:
+        busy, span = busy_fraction((torch_gpu_intervals if framework == "torch" else jax_gpu_intervals)(run))
+        out.update(gpu_busy=busy / span if span else None, step_ms_under_gpu_profiler=1e3 * wall[-1] / PROFILED_STEPS)
+    host = cProfile.Profile()
+    host.enable()
+    run()
+    host.disable()
+    stats = pstats.Stats(host).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    out["host_us_per_step"] = 1e6 * sum(v[2] for v in stats.values()) / PROFILED_STEPS
+    out["host_top"] = [dict(function=f"{Path(f).name}:{line} {fn}", calls_per_step=v[1] / PROFILED_STEPS,
+                            own_us_per_step=1e6 * v[2] / PROFILED_STEPS) for (f, line, fn), v in rows]
+    while engine.has_unfinished_requests():
+        step()
+    return out
+
+
 def sampling_kernel_us(batch: int, vocab: int) -> dict:
     """Torch on a GPU: the sampling kernel on ``[batch, vocab]`` float32 logits, unmasked and with a token
     bitmask (half the tokens allowed), median of 50 (CUDA events)."""
@@ -218,7 +260,10 @@ def run_framework(framework: str, model_dir: str, args: dict) -> dict:
             row["within_target"] = row["cost_pct"] <= TARGET_PCT
             rows.append(row)
             print(row, flush=True)
-    out = dict(rows=rows)
+        llm.engine.core.async_scheduling = True
+        profile = {name: profile_pass(llm, prompts, params, framework) for name, params in (("plain", plain),
+                                                                                              ("masked", masked))}
+    out = dict(rows=rows, profile=profile)
     if framework == "torch" and args["device"] == "cuda":
         out.update(sampling_kernel_us(args["batch"], args["vocab_size"]))
     return out
@@ -243,7 +288,28 @@ def markdown(r: dict) -> str:
         if "sampling_masked_us" in res:
             lines += ["", f"{fw}: the sampling kernel alone on [{r['batch']}, vocab] float32 logits: "
                           f"{res['sampling_unmasked_us']:.1f} us unmasked, {res['sampling_masked_us']:.1f} us masked."]
+        lines += profile_markdown(fw, res["profile"])
     return "\n".join(lines) + "\n"
+
+
+def profile_markdown(framework: str, profile: dict) -> list:
+    """The profiled steps (async scheduling on) of one framework, plain beside masked."""
+    plain, masked = profile["plain"], profile["masked"]
+    lines = ["", f"### {framework}: {PROFILED_STEPS} profiled decode steps, async scheduling on", ""]
+    if "gpu_busy" in plain:
+        lines.append(f"GPU busy (union of kernel and copy intervals over the steps): plain {plain['gpu_busy']:.1%}, "
+                     f"masked {masked['gpu_busy']:.1%}; step under the GPU profiler: plain "
+                     f"{plain['step_ms_under_gpu_profiler']:.2f} ms, masked {masked['step_ms_under_gpu_profiler']:.2f} ms.")
+    lines += [f"Host time under cProfile (its overhead included): plain {plain['host_us_per_step']:.0f} us / step, "
+              f"masked {masked['host_us_per_step']:.0f} us / step. The masked steps' functions with the most own "
+              f"time (plain beside them):", "",
+              "| function | masked: calls / step | masked: own us / step | plain: own us / step |", "|---|---|---|---|"]
+    plain_us = {row["function"]: row["own_us_per_step"] for row in plain["host_top"]}
+    for row in masked["host_top"]:
+        other = plain_us.get(row["function"])
+        lines.append(f"| `{row['function']}` | {row['calls_per_step']:.2f} | {row['own_us_per_step']:.0f} | "
+                     f"{'-' if other is None else f'{other:.0f}'} |")
+    return lines
 
 
 def main(argv=None) -> dict:

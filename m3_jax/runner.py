@@ -65,9 +65,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import time
+import typing
 from pathlib import Path
 from typing import Optional
 
@@ -94,6 +96,8 @@ from .sampling import apply_token_bitmask, sample, seed_words
 
 __all__ = ["JaxRunner"]
 
+WARM_UP_THREADS = 8   # the warm-up's compile threads (at most; XLA also compiles in threads of its own)
+logger = logging.getLogger(__name__)
 MIN_IDS_BUCKET = 16   # penalty id arrays and prompt-logprob rows are padded to powers of two from here
 
 
@@ -244,32 +248,23 @@ class JaxRunner:
         masked sampling is dispatched."""
         if self.pool is None:
             raise RuntimeError("this LLM is closed (close() was called)")
-        batch, spec, maps = self._layout(step)
-        carry, feed = self._carry(step, previous)
-        num_prompt = len(step.prompt_logits_indices)
-        prompt = (_prompt_rows(num_prompt), sampling.num_prompt_logprobs) if num_prompt else None
-        rows = _num_logits(spec)
+        program = self._first_program(step, sampling, previous)
+        with self._on_device():
+            out, self.pool = program.fn(*program.args, **program.static)
         if sampling.late_token_bitmask is None:
-            flat, packing = pack_inputs((batch, maps, _sampling_arrays(sampling, rows, prompt), carry))
-            with self._on_device():
-                (flat_out, next_feed, aux), self.pool = self._step(
-                    self.params, self.pool, self._step_input(flat), feed, spec=spec, packing=packing,
-                    num_logprobs=sampling.num_logprobs, prompt=prompt)
+            flat_out, next_feed, aux = out
         else:
-            flat, packing = pack_inputs((batch, maps, carry))
-            with self._on_device():
-                (logits, aux), self.pool = self._forward(self.params, self.pool, self._step_input(flat), feed,
-                                                         spec=spec, packing=packing)
+            logits, aux = out
             sampling = sampling.with_token_bitmask()   # the host fills it while the device runs the forward
-            flat, packing = pack_inputs(_sampling_arrays(sampling, rows, prompt))
+            flat, packing = pack_inputs(_sampling_arrays(sampling, program.rows, program.prompt))
             with self._on_device():
-                flat_out, next_feed = self._sample(logits, self._step_input(flat), feed, packing=packing,
-                                                   num_logprobs=sampling.num_logprobs, prompt=prompt)
+                flat_out, next_feed = self._sample(logits, self._step_input(flat), program.feed, packing=packing,
+                                                   num_logprobs=sampling.num_logprobs, prompt=program.prompt)
         flat_out.copy_to_host_async()
         if self.proposer is not None:
-            self._last = (step, eagle3.TargetStep(batch, aux))
-        return SubmittedStep(flat_out, next_feed, len(step.logits_indices), rows,
-                             sampling.num_logprobs, num_prompt, prompt)
+            self._last = (step, eagle3.TargetStep(program.batch, aux))
+        return SubmittedStep(flat_out, next_feed, len(step.logits_indices), program.rows,
+                             sampling.num_logprobs, len(step.prompt_logits_indices), program.prompt)
 
     def result(self, handle: "SubmittedStep") -> SampleResult:
         """Wait for a submitted step -> its sampled outputs (numpy), and its prompt logprobs."""
@@ -283,27 +278,66 @@ class JaxRunner:
                             prompt_top_ids=out.get("prompt_top_ids"),
                             prompt_top_logprobs=out.get("prompt_top_logprobs"))
 
+    def _first_program(self, step: Step, sampling: SamplingBatch, previous: Optional["SubmittedStep"]) \
+            -> "_Program":
+        """What :meth:`submit` dispatches first for ``step``: the one step program, or the forward of a
+        step whose token bitmask comes late, with its arguments."""
+        batch, spec, maps = self._layout(step)
+        carry, feed = self._carry(step, previous)
+        num_prompt = len(step.prompt_logits_indices)
+        prompt = (_prompt_rows(num_prompt), sampling.num_prompt_logprobs) if num_prompt else None
+        rows = _num_logits(spec)
+        if sampling.late_token_bitmask is None:
+            flat, packing = pack_inputs((batch, maps, _sampling_arrays(sampling, rows, prompt), carry))
+            return _Program(self._step, (self.params, self.pool, self._step_input(flat), feed),
+                            dict(spec=spec, packing=packing, num_logprobs=sampling.num_logprobs, prompt=prompt),
+                            batch, rows, prompt, feed)
+        flat, packing = pack_inputs((batch, maps, carry))
+        return _Program(self._forward, (self.params, self.pool, self._step_input(flat), feed),
+                        dict(spec=spec, packing=packing), batch, rows, prompt, feed)
+
     @property
     def on_gpu(self) -> bool:
         device = self.device if self.device is not None else jax.devices()[0]
         return device.platform == "gpu"
 
     def warm_up(self, builder: StepBuilder) -> dict:
-        """Compile the step programs of every shape of ``self.buckets`` (``shapes()``: the bounded set) by
-        running steps of it that read and write nothing (``builder.dummy``): the one program of plain
-        sampling, and the forward and masked sampling programs of a step whose token bitmask comes late."""
+        """Compile the step programs of every shape of ``self.buckets`` (``shapes()``: the bounded set): the one
+        program of plain sampling, and the forward and masked sampling programs of a step whose token bitmask
+        comes late. First the step programs and forwards are traced and compiled on a thread pool (XLA
+        compiles with the GIL released; nothing runs), then one step of each shape and variant runs, reading
+        and writing nothing (``builder.dummy``): it takes the programs just compiled, compiles the masked
+        sampling ones and checks that each runs."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from tqdm.auto import tqdm
 
         start, before = time.perf_counter(), len(self.compiled_steps) + len(self.compiled_masked)
         plain = SamplingBatch.greedy(1)
         bitmask = np.full((1, bitmask_width(self.config.vocab_size)), -1, np.int32)
         masked = dataclasses.replace(plain, late_token_bitmask=lambda: bitmask)
-        for shape in tqdm(list(self.buckets.shapes()), desc="Compiling step programs (jax)", unit="shape"):
-            self.execute(builder.dummy(shape), plain)
-            self.execute(builder.dummy(shape), masked)
+        steps = [builder.dummy(shape) for shape in self.buckets.shapes()]
+
+        def compile_first(step: Step, sampling: SamplingBatch) -> None:
+            program = self._first_program(step, sampling, None)
+            with self._on_device():
+                program.fn.lower(*program.args, **program.static).compile()
+
+        work = [(step, sampling) for step in steps for sampling in (plain, masked)]
+        threads = max(1, min(len(work), os.cpu_count() or 1, WARM_UP_THREADS))
+        with ThreadPoolExecutor(threads) as pool:
+            list(tqdm(pool.map(lambda w: compile_first(*w), work), total=len(work),
+                      desc=f"Compiling step programs (jax, {threads} threads)", unit="program"))
+        compiled = time.perf_counter()
+        for step in tqdm(steps, desc="Running each step program once (jax)", unit="shape"):
+            self.execute(step, plain)
+            self.execute(step, masked)
         self._last = None
         programs = len(self.compiled_steps) + len(self.compiled_masked) - before
-        return dict(programs=programs, compile=time.perf_counter() - start, capture=0.0)
+        done = time.perf_counter()
+        logger.info("jax warm-up: %d step programs and forwards compiled in %.1f s on %d threads; each shape's "
+                    "programs run once in %.1f s", len(work), compiled - start, threads, done - compiled)
+        return dict(programs=programs, compile=done - start, capture=0.0)
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
         return self.result(self.submit(step, sampling))
@@ -418,6 +452,18 @@ class JaxRunner:
         if self.mesh is not None:
             return jax.device_put(tree, tp.replicated(self.mesh))
         return jax.device_put(tree, self.device) if self.device is not None else jax.device_put(tree)
+
+
+class _Program(typing.NamedTuple):
+    """A jitted program of a step with its arguments (``fn(*args, **static)``), the step's batch
+    (``model.StepBatch``), padded logits rows, prompt key and feed (as :class:`SubmittedStep`)."""
+    fn: object
+    args: tuple
+    static: dict
+    batch: object
+    rows: int
+    prompt: Optional[tuple]
+    feed: Optional[jax.Array]
 
 
 @dataclasses.dataclass(eq=False)
