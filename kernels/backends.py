@@ -12,12 +12,14 @@ its argument checks (``validate``); it reads shapes, dtypes and a device
 description only (no values, no device sync), and imports ``cutlass`` only
 when the CuTeDSL backend is asked for.
 
-``dense_prefill`` has the same switch:
+``dense_prefill`` has the same switch (SPEC.md, "Dense prefill backends"):
 ``backend="triton"`` (the default) runs ``attention.paged_attention_kernel``,
 ``backend="cutedsl"`` the CuTeDSL kernel of ``cute_prefill.py`` (Hopper sm_90a only,
-bf16/fp16 q with K/V caches of its dtype, D in 64/128); the environment
-variable ``M3_DENSE_PREFILL`` sets the default, an argument wins, and the
-errors are the indexer's (:func:`check_dense_prefill_backend`).
+bf16/fp16 q with K/V caches of its dtype, D in 64/128, up to 128 query heads
+per KV head); the environment variable ``M3_DENSE_PREFILL`` sets the default,
+an argument wins, and the errors are the indexer's
+(:func:`check_dense_prefill_backend`). ``msa_attention_step`` on a dense layer
+(the models' layers 0-2) runs its context span with the variable's backend.
 """
 
 from __future__ import annotations

@@ -49,17 +49,31 @@ def _index_scores(idx_q, index_k, block_table, seq_lens, tile_map, tile, skip_bl
                                  dtype=str(idx_q.dtype), interpret=not ops.on_gpu(), skip_blocks=skip_blocks)
 
 
+def _device() -> dict:
+    """Where JAX computes, as m3_kernels.backends reads it: ``device`` ("cuda" or "cpu") and the
+    GPU's ``capability`` (None off a GPU)."""
+    if not ops.on_gpu():
+        return dict(device="cpu", capability=None)
+    device = jax.config.jax_default_device
+    device = device if device is not None and not isinstance(device, str) else jax.devices()[0]
+    capability = tuple(int(x) for x in str(getattr(device, "compute_capability", "0.0")).split(".")[:2])
+    return dict(device="cuda", capability=capability)
+
+
 def _backend(backend, idx_q, index_k) -> str:
     """The indexer backend of one call (None: ``$M3_INDEXER_SCORE``, else "triton"), checked against
     the shapes, the dtypes and the device JAX computes on (m3_kernels.backends)."""
-    capability = None
-    if ops.on_gpu():
-        device = jax.config.jax_default_device
-        device = device if device is not None and not isinstance(device, str) else jax.devices()[0]
-        capability = tuple(int(x) for x in str(getattr(device, "compute_capability", "0.0")).split(".")[:2])
     return backends.check_indexer_backend(backend, num_heads=int(idx_q.shape[1]), head_dim=int(idx_q.shape[2]),
                                           dtype=validate.dtype_name(idx_q), cache_dtype=validate.dtype_name(index_k),
-                                          device="cuda" if ops.on_gpu() else "cpu", capability=capability)
+                                          **_device())
+
+
+def _dense_prefill_backend(backend, q, k) -> str:
+    """The dense prefill backend of one call (None: ``$M3_DENSE_PREFILL``, else "triton"), checked as
+    :func:`_backend` checks the indexer's."""
+    return backends.check_dense_prefill_backend(backend, group=int(q.shape[1]) // int(k.shape[1]),
+                                                head_dim=int(q.shape[2]), dtype=validate.dtype_name(q),
+                                                cache_dtype=validate.dtype_name(k), **_device())
 
 
 def _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, skip_blocks=0):
@@ -240,15 +254,23 @@ def _group(q, k):
     return (int(q.shape[1]) // int(k.shape[1]),) if len(q.shape) == 3 and len(k.shape) == 4 and k.shape[1] else ()
 
 
-def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
-                       kv_layout, k_scale, v_scale):
-    """Validate a prefill attention call -> its launch."""
+def _check_prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan,
+                             sm_scale, kv_layout, k_scale, v_scale):
+    """Validate a prefill attention call -> (k, v views, its PrefillMaps, the checked call, seq_lens)."""
     k, v = _kv(k_cache, v_cache, kv_layout)
     maps_ = _prefill_maps(cu_seqlens_q, plan, _group(q, k))
     call = validate.check_attention_call(q, k, v, block_table, seq_lens, block_ids=block_ids, sm_scale=sm_scale,
                                          prefill=maps_, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale)
     seq_lens = guards.check_call(op, q=q, k_cache=k, v_cache=v, block_ids=block_ids, block_table=block_table,
                                  seq_lens=seq_lens)
+    return k, v, maps_, call, seq_lens
+
+
+def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
+                       kv_layout, k_scale, v_scale):
+    """Validate a prefill attention call -> its launch."""
+    k, v, maps_, call, seq_lens = _check_prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens,
+                                                           cu_seqlens_q, plan, sm_scale, kv_layout, k_scale, v_scale)
     sparse = block_ids is not None
     tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(sparse, call.max_blocks,
                                                                     block_ids.shape[2] if sparse else 0))
@@ -268,10 +290,22 @@ def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_
 
 
 def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None, plan=None,
-                  kv_layout="HND", k_scale=None, v_scale=None):
-    """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``."""
-    return run(_prefill_attention("dense_prefill", q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q,
-                                  plan, sm_scale, kv_layout, k_scale, v_scale))["out"]
+                  kv_layout="HND", k_scale=None, v_scale=None, backend=None):
+    """Causal paged GQA attention over every visible block (layers 0-2) -> ``[T, Hq, D]``.
+
+    ``backend`` (static): as in ``m3_torch.dense_prefill``: "triton", "cutedsl" (Hopper sm_90a,
+    bf16/fp16 caches) or None for ``$M3_DENSE_PREFILL`` (default "triton").
+    """
+    k, v, maps_, call, seq_lens = _check_prefill_attention("dense_prefill", q, k_cache, v_cache, None, block_table,
+                                                           seq_lens, cu_seqlens_q, plan, sm_scale, kv_layout,
+                                                           k_scale, v_scale)
+    if _dense_prefill_backend(backend, q, k) == "cutedsl":
+        # the kernel's tiles fill its 128 MMA rows: the indexer's (as many tokens as 128 rows hold)
+        tile, tile_map = maps_.tile(call.group, "index")
+        return cute_call.dense_prefill(q, k, v, block_table, seq_lens, tile_map, tile, call.sm_scale)
+    tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(False, call.max_blocks, 0))
+    return run(_attention(q, k, v, None, block_table, seq_lens, tile_map, tile, call.sm_scale,
+                          ops.kv_scales(k, k_scale, v_scale)))["out"]
 
 
 def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, *, cu_seqlens_q=None, topk=16,
@@ -348,7 +382,8 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     Arguments as in ``m3_torch.msa_attention_step`` (no ``out``/``arena``); K/V
     arrays in ``kv_layout`` or PagedViews, index-K an array or a PagedView.
     plan: a StepPlan, or a StepSpec together with ``maps`` (see :func:`step_inputs`).
-    backend: the indexer's (sparse layers), as in ``index_scores``.
+    backend: the indexer's (sparse layers), as in ``index_scores``. Dense layers run their context
+    span with the backend of ``$M3_DENSE_PREFILL`` (as ``dense_prefill(backend=None)``).
     """
     if isinstance(plan, planner.StepPlan):
         spec, plan_maps = step_inputs(plan)
@@ -365,15 +400,19 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     seq_lens = guards.check_call("msa_attention_step", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k) if sparse else None
+    cute_prefill = not sparse and _dense_prefill_backend(None, q, k) == "cutedsl"
     if spec.context_tokens and (not isinstance(maps, PrefillMaps) or (maps.num_rows, maps.num_tokens)
                                 != (spec.context_rows, spec.context_tokens)):
         raise ValueError("maps: a step with context tokens needs the PrefillMaps of its context span "
                          f"({spec.context_rows} rows / {spec.context_tokens} tokens, from step_inputs(plan))")
-    spans = []  # (rows, tokens, max_blocks, index (tile, tile_map, token_map), attention (tile, tile_map))
+    # (rows, tokens, max_blocks, index (tile, tile_map, token_map), attention (tile, tile_map), CuTeDSL attention)
+    spans = []
     if spec.context_tokens:
+        # CuTeDSL dense prefill: its tiles fill the 128 MMA rows (the indexer's, as in dense_prefill)
+        kind = "index" if cute_prefill else _maps.prefill_tile_kind(sparse, spec.context_max_blocks, cfg.topk)
         spans.append((slice(0, spec.context_rows), slice(0, spec.context_tokens), spec.context_max_blocks,
-                      (*maps.tile(cfg.num_kv_heads, "index"), maps.token_map),
-                      maps.tile(cfg.group, _maps.prefill_tile_kind(sparse, spec.context_max_blocks, cfg.topk))))
+                      (*maps.tile(cfg.num_kv_heads, "index"), maps.token_map), maps.tile(cfg.group, kind),
+                      cute_prefill))
     if spec.generation_rows:
         rows, n, bound = spec.generation_rows, spec.decode_query_len, spec.generation_max_blocks
         index_tile = _maps.index_tile(cfg.num_kv_heads, n)
@@ -381,10 +420,10 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                            num_kv_heads=cfg.num_kv_heads, interpret=not ops.on_gpu())
         spans.append((slice(spec.context_rows, spec.num_rows), slice(spec.context_tokens, spec.num_tokens), bound,
                       (index_tile, *ops.decode_maps(rows, n, index_tile.tokens_per_tile)),
-                      (attention_tile, ops.decode_maps(rows, n, attention_tile.tokens_per_tile)[0])))
+                      (attention_tile, ops.decode_maps(rows, n, attention_tile.tokens_per_tile)[0]), False))
     scales = ops.kv_scales(k, k_scale, v_scale)
     outs, ids = [], []
-    for rows, toks, bound, index_maps, attention_maps in spans:
+    for rows, toks, bound, index_maps, attention_maps, cute in spans:
         table, lens = block_table[rows, :bound], seq_lens[rows]
         if sparse:
             tile, tile_map, token_map = index_maps
@@ -394,6 +433,9 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                                 call.sm_scale, scales, cfg.topk, int(init_blocks), int(local_blocks))
             outs.append(out)
             ids.append(block_ids)
+        elif cute:
+            tile, tile_map = attention_maps
+            outs.append(cute_call.dense_prefill(q[toks], k, v, table, lens, tile_map, tile, call.sm_scale))
         else:
             tile, tile_map = attention_maps
             outs.append(run(_attention(q[toks], k, v, None, table, lens, tile_map, tile, call.sm_scale,

@@ -1,13 +1,15 @@
-"""The JAX side of the CuTeDSL indexer (``backend="cutedsl"``): ``cutlass.jax.cutlass_call``.
+"""The JAX side of the CuTeDSL kernels (``backend="cutedsl"``): ``cutlass.jax.cutlass_call``.
 
-The same kernel as ``m3_torch.cute_ops`` (``m3_kernels.cute_index``), entered
-through ``cute_index.index_scores_xla``: dense row-major arrays whose sizes
-reach the kernel at run time (one compiled kernel per shape class, as with
-torch), and the index-K cache as the flat buffer of its PagedView with the
-view's dtype, offset and strides as compile-time constants (a byte pool's e4m3
-or bf16 sub-pages: the kernel reads the buffer as the view's dtype). Works under ``jax.jit``
-(an XLA FFI custom call; XLA may put it in its command buffers). GPU only:
-the public ops refuse ``backend="cutedsl"`` on a CPU backend before this runs.
+The same kernels as ``m3_torch.cute_ops``: the indexer scorer
+(``m3_kernels.cute_index``, entered through ``cute_index.index_scores_xla``)
+and the dense prefill attention (``m3_kernels.cute_prefill``, through
+``cute_prefill.dense_prefill_xla``). Dense row-major arrays whose sizes reach
+the kernel at run time (one compiled kernel per shape class, as with torch);
+each cache as the flat buffer of its PagedView with the view's dtype, offset
+and strides as compile-time constants (a byte pool's e4m3 or bf16 sub-pages:
+the kernel reads the buffer as the view's dtype). Works under ``jax.jit`` (an
+XLA FFI custom call; XLA may put it in its command buffers). GPU only: the
+public ops refuse ``backend="cutedsl"`` on a CPU backend before this runs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ COMPILE_OPTIONS: str | None = None
 # Names the kernel for cutlass_call's compile cache (which adds the shapes, dtypes and keyword
 # constants itself), so a cache hit under a new trace skips regenerating the kernel's IR.
 _COMPILE_KEY = ("m3_kernels.cute_index.index_scores_xla", 2)
+_PREFILL_COMPILE_KEY = ("m3_kernels.cute_prefill.dense_prefill_xla", 1)
 
 
 def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, tile: maps.RowTile):
@@ -49,3 +52,31 @@ def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, til
                         target_programs=cfg.target_programs, compile_options=COMPILE_OPTIONS,
                         compile_key=_COMPILE_KEY)
     return call(idx_q, jnp.reshape(index_k.buffer, (-1,)), block_table, seq_lens, jnp.asarray(tile_map, jnp.int32))
+
+
+def dense_prefill(q, k_cache: PagedView, v_cache: PagedView, block_table, seq_lens, tile_map, tile: maps.RowTile,
+                  sm_scale: float):
+    """``out [T, Hq, D]`` in q's dtype of ``tile_map``'s row tiles (``maps.index_tile`` of the group: up to
+    128 rows of tokens x heads) with the CuTeDSL kernel; k_cache/v_cache: HND views ``[pages, Hk, 128, D]``."""
+    num_tokens, num_heads, head_dim = (int(s) for s in q.shape)
+    num_pages, num_kv_heads = int(k_cache.shape[0]), int(k_cache.shape[1])
+    if num_tokens == 0 or int(tile_map.shape[0]) == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (cache.strides[-1] != 1 or cache.offset * itemsize % 16
+                or any(s * itemsize % 16 for s in cache.strides[:-1])):
+            raise ValueError(f"{name}: backend='cutedsl' needs contiguous rows (last stride 1), page/head/token "
+                             f"strides that are multiples of 16 bytes and a 16-byte aligned start, got strides "
+                             f"{cache.strides} at element offset {cache.offset}; use backend='triton'")
+    cp = backends.cutedsl_prefill_module()
+    from cutlass.jax import cutlass_call
+
+    call = cutlass_call(cp.dense_prefill_xla, output_shape_dtype=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                        sm_scale=float(sm_scale), k_offset=k_cache.offset, k_strides=k_cache.strides[:3],
+                        v_offset=v_cache.offset, v_strides=v_cache.strides[:3], num_pages=num_pages,
+                        num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads, heads_pad=tile.heads_pad,
+                        head_dim=head_dim, stages=tuning.CUTEDSL_PREFILL_STAGES[head_dim],
+                        compile_options=COMPILE_OPTIONS, compile_key=_PREFILL_COMPILE_KEY)
+    return call(q, jnp.reshape(k_cache.buffer, (-1,)), jnp.reshape(v_cache.buffer, (-1,)), block_table, seq_lens,
+                jnp.asarray(tile_map, jnp.int32))

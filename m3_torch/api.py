@@ -48,6 +48,15 @@ def _scorer(backend, idx_q, index_k_cache, skip_blocks: int = 0):
     return functools.partial(ops.index_scores, skip_blocks=skip_blocks) if name == "triton" else cute_ops.index_scores
 
 
+def _dense_prefill_backend(backend, q, k_cache) -> str:
+    """The dense prefill backend of one call (None: ``$M3_DENSE_PREFILL``, else "triton"), checked
+    against the shapes, the dtypes and the device (m3_kernels.backends)."""
+    return backends.check_dense_prefill_backend(
+        backend, group=int(q.shape[1]) // int(k_cache.shape[1]), head_dim=int(q.shape[2]),
+        dtype=validate.dtype_name(q), cache_dtype=validate.dtype_name(k_cache), device=q.device.type,
+        capability=ops.device_capability(q.device))
+
+
 def prefill_plan(cu_seqlens_q=None, plan=None) -> planner.PrefillPlan:
     """``plan`` if given, else the plan of ``cu_seqlens_q`` (one host read: syncs a CUDA tensor)."""
     if plan is not None:
@@ -260,13 +269,9 @@ def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q, s
     out, tile_map, tokens_per_tile, scale, kv_scales = _prefill_attention(
         "dense_prefill", q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out,
         k_scale, v_scale)
-    group = int(q.shape[1]) // int(k_cache.shape[1])
-    name = backends.check_dense_prefill_backend(
-        backend, group=group, head_dim=int(q.shape[2]), dtype=validate.dtype_name(q),
-        cache_dtype=validate.dtype_name(k_cache), device=q.device.type, capability=ops.device_capability(q.device))
-    if name == "cutedsl":
+    if _dense_prefill_backend(backend, q, k_cache) == "cutedsl":
         # the kernel's tiles fill its 128 MMA rows: the indexer's (as many tokens as 128 rows hold)
-        _, tile_map, _ = ops.prefill_maps(plan, q.device, group, "index")
+        _, tile_map, _ = ops.prefill_maps(plan, q.device, int(q.shape[1]) // int(k_cache.shape[1]), "index")
         cute_ops.dense_prefill(q, k_cache, v_cache, block_table, seq_lens, tile_map, out, scale)
         return out
     ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None, tokens_per_tile,
@@ -322,7 +327,8 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     sparse: True for MSA layers (indexer + top-k + block-sparse attention),
             False for dense layers 0-2 (``block_ids`` is then None).
     arena:  optional :class:`m3_torch.ops.StepArena` (default: one per layout and device).
-    backend: the indexer's (sparse layers), as in ``index_scores``.
+    backend: the indexer's (sparse layers), as in ``index_scores``. Dense layers run their context
+            span with the backend of ``$M3_DENSE_PREFILL`` (as ``dense_prefill(backend=None)``).
     k_scale, v_scale: for FP8 K/V caches, as in ``sparse_decode``.
 
     Context rows run over the plan's prefill maps, generation rows over decode
@@ -341,6 +347,7 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                   index_k_cache=index_k_cache if sparse else None, block_table=block_table,
                                   seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     scorer = _scorer(backend, idx_q, index_k_cache, skip_blocks=cfg.topk) if sparse else None
+    cute_prefill = not sparse and _dense_prefill_backend(None, q, k_cache) == "cutedsl"
     out = _empty(q.shape, q.dtype, device, out)
     kv_scales = ops.kv_scales(k_cache, k_scale, v_scale, device)
     arena = arena if arena is not None else ops.step_arena(plan.layout, device)
@@ -351,8 +358,9 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
         table, lens = block_table[rows, :span.max_blocks], seq_lens[rows]
         if span.prefill is not None:
             index_maps = ops.prefill_maps(span.prefill, device, cfg.num_kv_heads, "index")
-            attention_maps = ops.prefill_maps(span.prefill, device, cfg.group,
-                                              maps.prefill_tile_kind(sparse, span.max_blocks, cfg.topk))
+            # CuTeDSL dense prefill: its tiles fill the 128 MMA rows (the indexer's, as in dense_prefill)
+            kind = "index" if cute_prefill else maps.prefill_tile_kind(sparse, span.max_blocks, cfg.topk)
+            attention_maps = ops.prefill_maps(span.prefill, device, cfg.group, kind)
         else:
             n = span.decode_query_len
             tile = maps.index_tile(cfg.num_kv_heads, n)
@@ -368,6 +376,9 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             scorer(idx_q[toks], index_k_cache, table, lens, tile_map, scores, tile.tokens_per_tile)
             selection = (scores, token_map, [cfg.topk, int(init_blocks), int(local_blocks)], block_ids[:, toks])
         tile, tile_map, _ = attention_maps
+        if cute_prefill and span.prefill is not None:
+            cute_ops.dense_prefill(q[toks], k_cache, v_cache, table, lens, tile_map, out[toks], call.sm_scale)
+            continue
         ops.paged_attention(q[toks], k_cache, v_cache, None, table, lens, tile_map, out[toks], *partials,
                             tile.tokens_per_tile, call.sm_scale, *kv_scales, *selection)
     return out, block_ids

@@ -1,8 +1,10 @@
 """backend="cutedsl" of ``dense_prefill`` (the CuTeDSL kernel of ``cute_prefill.py``).
 
-CPU: the backend switch and its errors, and (when nvidia-cutlass-dsl is
-importable) compiling the kernel for sm_90a through the torch path, no GPU
-needed.
+CPU: the backend switch and its errors, both frameworks' refusal of a CPU
+call (``dense_prefill``, and ``msa_attention_step`` on a dense layer, which
+takes ``$M3_DENSE_PREFILL``), and (when nvidia-cutlass-dsl is importable)
+compiling the kernel for sm_90a through the torch path and through the JAX
+path (``cutlass_call``), no GPU needed.
 
 GPU (``-m gpu``; skipped with a reason when the package is missing or the GPU
 is not sm_90): against the float64 reference within the dtype's tolerance and
@@ -10,7 +12,9 @@ against the Triton backend, at odd lengths (1, 127, 128, 129, 3000 tokens),
 several requests with shuffled page tables whose unused entries are garbage,
 NaN in every cache row past each request's length, NaN-poisoned outputs, a
 prompt longer than its KV length (tokens that see nothing: zeros), M3's 64/4
-heads at D = 128 and a small 8/2 case at D = 64 in fp16.
+heads at D = 128 and a small 8/2 case at D = 64 in fp16; JAX's launch of the
+kernel bit-identical to torch's; a dense layer's step with
+``M3_DENSE_PREFILL=cutedsl`` runs the kernel in both frameworks.
 """
 
 from __future__ import annotations
@@ -19,14 +23,17 @@ import importlib.util
 import math
 import os
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
 
+import m3_jax
 import m3_torch
-from m3_kernels import backends
+from m3_kernels import backends, maps, planner
 
 from cases import PAGE, TOLERANCE, make_inputs, prefill, rel_err
-from targets import attention_reference, check_attention
+from targets import Target, assert_same_bits, attention_reference, check_attention, jax_inputs, to_jax, to_torch
 
 HAVE_CUTEDSL = importlib.util.find_spec("cutlass") is not None
 GPU_CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
@@ -73,13 +80,54 @@ def test_backend_switch(monkeypatch):
         _check("cutedsl", capability=(10, 0))
 
 
+CPU_CASE = prefill("cute_cpu", (3,), (5,), hq=4, hk=2, d=64)
+
+
 def test_cpu_call_refused():
     """The public op refuses backend='cutedsl' on CPU tensors before any work, naming the fix."""
-    case = prefill("cute_cpu", (3,), (5,), hq=4, hk=2, d=64)
-    x = make_inputs(case)
+    x = make_inputs(CPU_CASE)
     with pytest.raises(RuntimeError, match="use backend='triton'"):
         m3_torch.dense_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
                                cu_seqlens_q=x["cu_seqlens_q"], backend="cutedsl")
+
+
+def test_jax_cpu_call_refused():
+    """JAX's op refuses backend='cutedsl' on a CPU backend before any work, naming the fix."""
+    with Target("jax", "interpreter").active():
+        j = jax_inputs(CPU_CASE, "interpreter")
+        with pytest.raises(RuntimeError, match="use backend='triton'"):
+            m3_jax.dense_prefill(j["q"], j["k_cache"], j["v_cache"], j["block_table"], j["seq_lens"],
+                                 cu_seqlens_q=j["cu_seqlens_q"], kv_layout=j["kv_layout"], backend="cutedsl")
+
+
+def _dense_step(case, max_blocks: int):
+    """A step of ``case``'s rows, all of them context rows (the plan of a prefill step)."""
+    cfg = planner.StepConfig(num_q_heads=case.hq, num_kv_heads=case.hk, head_dim=case.d,
+                             max_batch=len(case.q_lens), max_num_tokens=sum(case.q_lens), max_blocks=max_blocks)
+    return planner.StepPlanner(cfg).plan(list(case.seq_lens), q_lens=list(case.q_lens),
+                                         num_context=len(case.q_lens))
+
+
+def _dense_layer(framework, case, x):
+    """``msa_attention_step(sparse=False)`` (what both models call on layers 0-2) on ``x`` -> out."""
+    m, kv = (m3_torch, {}) if framework == "torch" else (m3_jax, dict(kv_layout=x["kv_layout"]))
+    out, _ = m.msa_attention_step(x["q"], None, x["k_cache"], x["v_cache"], None, x["block_table"], x["seq_lens"],
+                                  plan=_dense_step(case, int(x["block_table"].shape[1])), sparse=False, **kv)
+    return out
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_dense_layers_take_the_variable(framework, monkeypatch):
+    """The models' dense layers (msa_attention_step, sparse=False) resolve $M3_DENSE_PREFILL: cutedsl on
+    a CPU is refused there, a bad value names the variable."""
+    with Target(framework, "interpreter").active():
+        x = make_inputs(CPU_CASE) if framework == "torch" else jax_inputs(CPU_CASE, "interpreter")
+        monkeypatch.setenv(backends.DENSE_PREFILL_ENV_VAR, "cutedsl")
+        with pytest.raises(RuntimeError, match="runs on cpu"):
+            _dense_layer(framework, CPU_CASE, x)
+        monkeypatch.setenv(backends.DENSE_PREFILL_ENV_VAR, "bogus")
+        with pytest.raises(ValueError, match="M3_DENSE_PREFILL"):
+            _dense_layer(framework, CPU_CASE, x)
 
 
 @needs_cutedsl
@@ -88,6 +136,33 @@ def test_compiles_for_hopper_torch_path():
     from m3_torch import cute_ops
     key = cute_ops.prefill_shape_class("bfloat16", 16, 128)
     assert cute_ops.compile_dense_prefill(key, arch="sm_90a") is not None
+
+
+@needs_cutedsl
+def test_compiles_for_hopper_jax_path(monkeypatch):
+    """``cutlass_call`` lowers the same kernel for a CUDA platform (no GPU: cross-platform lowering);
+    K and V as bf16 views of layer 1 of a byte (uint8) pool, at their own offsets."""
+    import cutlass.jax
+    if not cutlass.jax.is_available():
+        pytest.skip("cutlass.jax (CuTeDSL's JAX extension) is not available with this jax")
+    from m3_jax import cute_call
+    from m3_jax.views import PagedView
+    monkeypatch.setattr(cute_call, "COMPILE_OPTIONS", "--gpu-arch sm_90a")
+    T, Hq, Hk, D, R, MB, pages = 40, 64, 4, 128, 3, 10, 20
+    tile = maps.index_tile(Hq // Hk, maps.MAX_TILE_ROWS)
+    page = Hk * PAGE * D                          # elements of one K (or V) page of one layer
+    strides = (4 * page, PAGE * D, D, 1)          # pool pages hold K and V of two layers
+
+    def f(q, pool, table, lens, tile_map):
+        k = PagedView(pool, 2 * page, (pages, Hk, PAGE, D), strides, dtype=jnp.bfloat16)
+        v = PagedView(pool, 3 * page, (pages, Hk, PAGE, D), strides, dtype=jnp.bfloat16)
+        return cute_call.dense_prefill(q, k, v, table, lens, tile_map, tile, 0.088)
+
+    shapes = [jax.ShapeDtypeStruct((T, Hq, D), jnp.bfloat16), jax.ShapeDtypeStruct((pages * 4 * page * 2,), jnp.uint8),
+              jax.ShapeDtypeStruct((R, MB), jnp.int32), jax.ShapeDtypeStruct((R,), jnp.int32),
+              jax.ShapeDtypeStruct((5, 4), jnp.int32)]
+    text = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "CuteDSLRT" in text and "40x64x128xbf16" in text
 
 
 # -- GPU ---------------------------------------------------------------------------------------
@@ -135,3 +210,62 @@ def test_against_reference_and_triton(case):
     check_attention(case, out.cpu(), attention_reference(case))
     triton = _run(x, "triton")
     assert rel_err(out, triton) < TOLERANCE[case.dtype]
+
+
+def _jax_cute_ready() -> bool:
+    if not (HAVE_CUTEDSL and jax.default_backend() == "gpu"):
+        return False
+    import cutlass.jax
+    return cutlass.jax.is_available()
+
+
+def _jax_gpu(x):
+    """``x`` (the GPU tensors of :func:`_poisoned`) as jax arrays on the GPU, same bits (HND arrays)."""
+    j = {k: to_jax(x[k]) for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens")}
+    j["cu_seqlens_q"] = x["cu_seqlens_q"].cpu().numpy()   # host offsets: read once
+    j["kv_layout"] = "HND"
+    return j
+
+
+BIT_CASES = [c for c in GPU_CASES if c.name in ("cute_pf_mixed", "cute_pf_small")]
+
+
+@on_gpu
+@pytest.mark.parametrize("case", BIT_CASES, ids=str)
+def test_torch_and_jax_bit_identical(case):
+    """One kernel for both frameworks: JAX's launch (cutlass_call) gives torch's bits."""
+    if not _jax_cute_ready():
+        pytest.skip("needs a JAX GPU backend with cutlass.jax")
+    x = _poisoned(case)
+    want = _run(x, "cutedsl").cpu()
+    with Target("jax", "gpu").active():
+        j = _jax_gpu(x)
+        got = m3_jax.dense_prefill(j["q"], j["k_cache"], j["v_cache"], j["block_table"], j["seq_lens"],
+                                   cu_seqlens_q=j["cu_seqlens_q"], backend="cutedsl")
+    assert_same_bits(to_torch(got), want)
+
+
+@on_gpu
+def test_dense_layer_step_runs_the_kernel_in_both_frameworks(monkeypatch):
+    """M3_DENSE_PREFILL=cutedsl reaches the models' dense-layer call (msa_attention_step, sparse=False):
+    its context span runs the CuTeDSL kernel once, within the tolerance of the Triton step, and JAX's
+    step gives torch's bits."""
+    if not _jax_cute_ready():
+        pytest.skip("needs a JAX GPU backend with cutlass.jax")
+    from m3_jax import cute_call
+    from m3_torch import cute_ops
+    case = BIT_CASES[0]
+    x = _poisoned(case)
+    triton = _dense_layer("torch", case, x)
+    calls = []
+    monkeypatch.setenv(backends.DENSE_PREFILL_ENV_VAR, "cutedsl")
+    for module in (cute_ops, cute_call):
+        original = module.dense_prefill
+        monkeypatch.setattr(module, "dense_prefill", lambda *a, _f=original, _m=module: calls.append(_m) or _f(*a))
+    out = _dense_layer("torch", case, x)
+    assert calls == [cute_ops]
+    assert rel_err(out, triton) < TOLERANCE[case.dtype]
+    with Target("jax", "gpu").active():
+        got = _dense_layer("jax", case, _jax_gpu(x))
+    assert calls == [cute_ops, cute_call]
+    assert_same_bits(to_torch(got), out.cpu())
