@@ -32,8 +32,9 @@ FA3's design, warp specialized (384 threads, 3 warpgroups):
   ``stages``-deep ring of 128B-swizzled smem buffers guarded by one mbarrier
   per stage (``PipelineTmaAsync``).
 * **consumers** (warpgroups 1 and 2, 64 rows each): the query tile is
-  loaded once into swizzled smem (element by element, any q strides; zeros
-  on padding rows); per block ``S = Q K^T`` by ``wgmma`` (both operands from
+  loaded once into swizzled smem (16-byte loads when q's rows are contiguous
+  and 16-byte aligned, element by element through other strides; zeros on
+  padding rows); per block ``S = Q K^T`` by ``wgmma`` (both operands from
   smem), the causal mask by position (a select, only on blocks that reach
   past the tile's first position), the online softmax in registers (exp2 with
   ``sm_scale * log2(e)`` folded in, running max and sum per row, the row max
@@ -43,8 +44,9 @@ FA3's design, warp specialized (384 threads, 3 warpgroups):
   sequence's last page: their scores are masked (a select, so NaN/Inf never
   enter the sum) and their V rows are zeroed in smem before ``P V`` (a zero
   probability times NaN would be NaN). Epilogue: ``O / l`` (0 where ``l`` is
-  0: rows that see nothing), stored element by element through arbitrary
-  output strides.
+  0: rows that see nothing), stored as pairs of adjacent columns (4-byte
+  stores) when the output's rows are contiguous and 4-byte aligned, element
+  by element through other strides.
 
 Compiled once per shape class (dtype, D, group, heads_pad, stages): lengths,
 head counts, tables, tiles, strides and pointers are runtime values, so nothing recompiles
@@ -127,6 +129,62 @@ def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Te
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
+
+
+@cute.jit
+def _load_query_tile(
+    mQ: cute.Tensor,              # (T, Hq, D)
+    sQ: cute.Tensor,              # (128, D) swizzled smem
+    tok0: Int32,
+    ntok: Int32,
+    kv_head: Int32,
+    tidx: Int32,                  # 0 .. NUM_MMA_THREADS - 1
+    group: cutlass.Constexpr,
+    heads_pad: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+):
+    """The tile's queries -> ``sQ``: row ``m`` is token ``m // heads_pad``, query head
+    ``kv_head * group + m % heads_pad``; zeros on padding rows (past ``ntok`` or ``group``).
+
+    When q's rows are contiguous and every row starts 16-byte aligned (q from a projection),
+    16-byte loads (8 x bf16): a thread issues all of its loads before its first smem store;
+    otherwise element by element through any strides."""
+    dtype = mQ.element_type
+    vec = const_expr(128 // dtype.width)                 # elements per 16-byte load
+    base = mQ.iterator.toint()
+    if (mQ.stride[2] == 1) & (base % 16 == 0) & (mQ.stride[0] % vec == 0) & (mQ.stride[1] % vec == 0):
+        chunks = const_expr(head_dim // vec)             # 16-byte chunks per row
+        per_thread = const_expr(TILE_M * chunks // NUM_MMA_THREADS)
+        # ((1, vec), (128, chunks)): the 128B swizzle permutes whole 16-byte chunks, so a chunk
+        # stays contiguous in smem (one 16-byte store)
+        sQ_chunks = cute.zipped_divide(sQ, (1, vec))
+        frag = cute.make_rmem_tensor((1, vec, per_thread), dtype)
+        frag.fill(0)
+        for i in cutlass.range_constexpr(per_thread):    # consecutive threads: consecutive chunks
+            idx = tidx + i * NUM_MMA_THREADS
+            m = idx // chunks
+            tok = m // heads_pad
+            head = m % heads_pad
+            if (tok < ntok) & (head < group):
+                offset = ((tok0 + tok) * mQ.stride[0] + (kv_head * group + head) * mQ.stride[1]
+                          + (idx % chunks) * vec)
+                src = cute.make_tensor(cute.make_ptr(dtype, base + offset * (dtype.width // 8), cute.AddressSpace.gmem,
+                                                     assumed_align=16), cute.make_layout((1, vec)))
+                cute.autovec_copy(src, frag[None, None, i])
+        for i in cutlass.range_constexpr(per_thread):
+            idx = tidx + i * NUM_MMA_THREADS
+            cute.autovec_copy(frag[None, None, i], sQ_chunks[None, (idx // chunks, idx % chunks)])
+    else:
+        for i in cutlass.range(TILE_M * head_dim // NUM_MMA_THREADS, unroll=8):
+            idx = tidx + i * NUM_MMA_THREADS
+            m = idx // head_dim
+            d = idx % head_dim
+            tok = m // heads_pad
+            head = m % heads_pad
+            v = dtype(0)
+            if (tok < ntok) & (head < group):
+                v = mQ[tok0 + tok, kv_head * group + head, d]
+            sQ[m, d] = v
 
 
 @cute.jit
@@ -290,17 +348,7 @@ def dense_prefill_kernel(
         mma_tidx = tidx - 128
         mma_wg = warpgroup_idx - 1
 
-        # the query tile -> smem (zeros on padding rows); consecutive threads read consecutive dims
-        for i in cutlass.range(TILE_M * head_dim // NUM_MMA_THREADS, unroll=8):
-            idx = mma_tidx + i * NUM_MMA_THREADS
-            m = idx // head_dim
-            d = idx % head_dim
-            tok = m // heads_pad
-            head = m % heads_pad
-            v = mQ.element_type(0)
-            if (tok < ntok) & (head < group):
-                v = mQ[tok0 + tok, kv_head * group + head, d]
-            sQ[m, d] = v
+        _load_query_tile(mQ, sQ, tok0, ntok, kv_head, mma_tidx, group, heads_pad, head_dim)
         cute.arch.fence_view_async_shared()       # generic-proxy stores -> visible to wgmma
         cute.arch.barrier(barrier_id=MMA_BARRIER_ID, number_of_threads=NUM_MMA_THREADS)
 
@@ -384,7 +432,12 @@ def dense_prefill_kernel(
             ring.consumer_release(consume)
             consume.advance()
 
-        # -- epilogue: O / l (0 for rows that see nothing), stored through the output's strides
+        # -- epilogue: O / l (0 for rows that see nothing), stored through the output's strides. A
+        # thread holds pairs of adjacent columns (2c, 2c + 1): one 4-byte store per pair when the
+        # output's rows are contiguous and every row starts 4-byte aligned, else element by element.
+        elem_bytes = const_expr(mO.element_type.width // 8)
+        pairs = ((mO.stride[2] == 1) & (mO.iterator.toint() % 4 == 0)
+                 & (mO.stride[0] % 2 == 0) & (mO.stride[1] % 2 == 0))
         for r in cutlass.range_constexpr(rows):
             total = row_sum[r]
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
@@ -396,5 +449,17 @@ def dense_prefill_kernel(
             tok = m // heads_pad
             head = m % heads_pad
             if (tok < ntok) & (head < group):
-                for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
-                    mO[tok0 + tok, kv_head * group + head, tOcO_mn[r, c][1]] = mO.element_type(o_mn[r, c] * inv)
+                row = mO[tok0 + tok, kv_head * group + head, None]                         # (D,)
+                if pairs:
+                    row_base = row.iterator.toint()
+                    for c in cutlass.range_constexpr(0, cute.size(o_mn.shape[1]), 2):
+                        pair = cute.make_rmem_tensor((2,), Float32)
+                        pair[0] = o_mn[r, c] * inv
+                        pair[1] = o_mn[r, c + 1] * inv
+                        dst = cute.make_tensor(cute.make_ptr(mO.element_type, row_base + tOcO_mn[r, c][1] * elem_bytes,
+                                                             cute.AddressSpace.gmem, assumed_align=4),
+                                               cute.make_layout(2))
+                        dst.store(pair.load().to(mO.element_type))
+                else:
+                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                        row[tOcO_mn[r, c][1]] = mO.element_type(o_mn[r, c] * inv)
