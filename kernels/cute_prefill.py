@@ -43,7 +43,9 @@ FA3's design, warp specialized (384 threads, 3 warpgroups):
   transposed from the same smem stage. FA3's intra-warpgroup overlap: block
   ``j`` issues ``S_j`` and ``P_{j-1} V_{j-1}`` back to back and runs the
   softmax of ``S_j`` while ``P V`` is in flight (O rescaled after it lands;
-  a stage is released one block after its ``S``). Stale rows past
+  a stage is released one block after its ``S``), and FA3's pingpong: the
+  two consumer warpgroups take turns issuing their GEMMs (named barriers),
+  so one's softmax runs under the other's wgmmas. Stale rows past
   ``seq_len`` in the sequence's last page: their scores are masked (a
   select, so NaN/Inf never enter the sum) and their V rows are zeroed in smem
   before any ``P V`` reads them (a zero probability times NaN would be NaN),
@@ -82,6 +84,7 @@ PRODUCER_REGS = 24       # setmaxnreg: 24 x 128 + 240 x 256 <= 64k registers
 MMA_REGS = 240
 MMA_BARRIER_ID = 1       # the consumers' named barrier (0 is __syncthreads)
 STALE_V_BARRIER_ID = 2   # + consumer warpgroup (2, 3): its own zeroing of stale V rows
+SCHEDULER_BARRIER_ID = 4  # + consumer warpgroup (4, 5): its turn to issue GEMMs (pingpong)
 LOG2_E = math.log2(math.e)
 
 
@@ -456,6 +459,21 @@ def dense_prefill_kernel(
         s_shape = thr_qk.partition_shape_C((TILE_M, PAGE_SIZE))
         wg_tidx = mma_tidx % 128
         stale_barrier = STALE_V_BARRIER_ID + mma_wg
+        # FA3's pingpong: the consumer warpgroups take turns issuing their GEMMs, so one's softmax
+        # runs under the other's wgmmas. Turn barrier w (256 threads) completes when warpgroup w
+        # syncs on it (128) and the other warpgroup has arrived (128) after issuing its own GEMMs
+        # of the previous turn; warpgroup 0's first turn is its own arrive. Per block each
+        # warpgroup syncs once on its barrier and arrives once on the other's, except warpgroup 1
+        # after its last block (warpgroup 0 has no next turn): with n blocks, barrier 0 gets
+        # 128 + n x 128 + (n - 1) x 128 arrivals and barrier 1 n x 128 + n x 128, whole phases of
+        # 256, nothing left pending at exit (none at all when n is 0). Turns strictly alternate
+        # (w0 b0, w1 b0, w0 b1, w1 b1, ..), so an arrive never lands in the wrong phase. Between
+        # two turns a warpgroup waits only on its own wgmmas and on the TMA ring: block j + 1 needs
+        # block j + 1 - stages <= j - 1 released, which each warpgroup does in its block j right
+        # after its own P V, needing no further turn; so no cycle can form. The last block's P V
+        # is issued outside the turns.
+        my_turn = SCHEDULER_BARRIER_ID + mma_wg
+        other_turn = SCHEDULER_BARRIER_ID + 1 - mma_wg
 
         # FA3's intra-warpgroup overlap: block j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back
         # to back, waits for S_j only (wait_group(1)), masks and softmaxes it while P V runs, then
@@ -466,11 +484,16 @@ def dense_prefill_kernel(
         # between blocks: nothing keeps the last P alive into the next S's wgmma).
         consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
         if n_blocks > 0:
+            if mma_wg == 0:
+                cute.arch.barrier_arrive(barrier_id=my_turn, number_of_threads=2 * 128)   # warpgroup 0 starts
             # -- block 0: S_0 and its softmax (O is 0: nothing to rescale)
             ring.consumer_wait(consume)
             _zero_stale_v(sV[None, None, consume.index], seq_len, wg_tidx, stale_barrier, head_dim)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
+            cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
             _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)
+            if (mma_wg == 0) | (n_blocks > 1):
+                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
             warpgroup.wait_group(0)
             _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, 0, pos0, scale_log2, heads_pad)
             tOrP = cute.make_rmem_tensor_like(_acc_as_a(acc_s), mQ.element_type)   # P in q's dtype, registers
@@ -483,8 +506,11 @@ def dense_prefill_kernel(
                 _zero_stale_v(sV[None, None, consume.index], seq_len - block * PAGE_SIZE, wg_tidx, stale_barrier,
                               head_dim)
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
                 _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)    # S_j
                 _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, previous.index], True)   # O += P_{j-1} V_{j-1}
+                if (mma_wg == 0) | (block < n_blocks - 1):
+                    cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
                 warpgroup.wait_group(1)                   # S_j is in; P V may still run
                 _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, pos0, scale_log2,
                                 heads_pad)
