@@ -32,19 +32,28 @@ FA3's design, warp specialized (384 threads, 3 warpgroups):
   ``stages``-deep ring of 128B-swizzled smem buffers guarded by one mbarrier
   per stage (``PipelineTmaAsync``).
 * **consumers** (warpgroups 1 and 2, 64 rows each): the query tile is
-  loaded once into swizzled smem (element by element, any q strides; zeros
-  on padding rows); per block ``S = Q K^T`` by ``wgmma`` (both operands from
+  loaded once into swizzled smem (16-byte loads when q's rows are contiguous
+  and 16-byte aligned, element by element through other strides; zeros on
+  padding rows); per block ``S = Q K^T`` by ``wgmma`` (both operands from
   smem), the causal mask by position (a select, only on blocks that reach
   past the tile's first position), the online softmax in registers (exp2 with
   ``sm_scale * log2(e)`` folded in, running max and sum per row, the row max
   across the 4 lanes of a quad by shuffles), ``P`` converted to q's dtype in
   registers and ``O += P V`` by ``wgmma`` with A from registers and V read
-  transposed from the same smem stage. Stale rows past ``seq_len`` in the
-  sequence's last page: their scores are masked (a select, so NaN/Inf never
-  enter the sum) and their V rows are zeroed in smem before ``P V`` (a zero
-  probability times NaN would be NaN). Epilogue: ``O / l`` (0 where ``l`` is
-  0: rows that see nothing), stored element by element through arbitrary
-  output strides.
+  transposed from the same smem stage. FA3's intra-warpgroup overlap: block
+  ``j`` issues ``S_j`` and ``P_{j-1} V_{j-1}`` back to back and runs the
+  softmax of ``S_j`` while ``P V`` is in flight (O rescaled after it lands;
+  a stage is released one block after its ``S``), and FA3's pingpong: the
+  two consumer warpgroups take turns issuing their GEMMs (named barriers),
+  so one's softmax runs under the other's wgmmas. Stale rows past
+  ``seq_len`` in the sequence's last page: their scores are masked (a
+  select, so NaN/Inf never enter the sum) and their V rows are zeroed in smem
+  before any ``P V`` reads them (a zero probability times NaN would be NaN),
+  by each consumer warpgroup for itself (same zeros, a barrier of its own
+  128 threads). Epilogue: ``O / l`` (0 where ``l`` is
+  0: rows that see nothing), stored as pairs of adjacent columns (4-byte
+  stores) when the output's rows are contiguous and 4-byte aligned, element
+  by element through other strides.
 
 Compiled once per shape class (dtype, D, group, heads_pad, stages): lengths,
 head counts, tables, tiles, strides and pointers are runtime values, so nothing recompiles
@@ -74,6 +83,8 @@ NUM_MMA_THREADS = 128 * NUM_MMA_WARPGROUPS
 PRODUCER_REGS = 24       # setmaxnreg: 24 x 128 + 240 x 256 <= 64k registers
 MMA_REGS = 240
 MMA_BARRIER_ID = 1       # the consumers' named barrier (0 is __syncthreads)
+STALE_V_BARRIER_ID = 2   # + consumer warpgroup (2, 3): its own zeroing of stale V rows
+SCHEDULER_BARRIER_ID = 4  # + consumer warpgroup (4, 5): its turn to issue GEMMs (pingpong)
 LOG2_E = math.log2(math.e)
 
 
@@ -118,7 +129,8 @@ def _acc_as_a(acc: cute.Tensor) -> cute.Tensor:
 
 
 def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate: bool):
-    """``acc (+)= a b`` over the k blocks of the fragments with wgmma; waits for the result."""
+    """Issues ``acc (+)= a b`` over the k blocks of the fragments as one wgmma group; does not wait
+    (the caller's ``warpgroup.wait_group(n)``: groups complete in the order they were committed)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, accumulate)
@@ -126,7 +138,134 @@ def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Te
         cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
-    warpgroup.wait_group(0)
+
+
+@cute.jit
+def _online_softmax(
+    s_mn: cute.Tensor,            # (rows, cols) of this thread: S of the block, -> P = exp2(S * scale - max)
+    tScS_mn: cute.Tensor,         # (rows, cols): (row m of the tile, token n of the block)
+    row_max: cute.Tensor,         # (rows,) running max of S * scale_log2
+    row_sum: cute.Tensor,         # (rows,) running sum of exp2, this thread's columns
+    row_scale: cute.Tensor,       # (rows,) out: exp2(old max - new max), the factor O is rescaled by
+    block: Int32,
+    pos0: Int32,                  # position of the tile's first token
+    scale_log2: Float32,          # sm_scale * log2(e)
+    heads_pad: cutlass.Constexpr,
+):
+    """The causal mask and the online softmax of one block, in registers."""
+    # -- causal mask by position (token n of the block is seen by row m iff
+    # block * 128 + n <= pos0 + m // heads_pad), on blocks reaching past the first position
+    if (block + 1) * PAGE_SIZE - 1 > pos0:
+        for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
+            limit = pos0 + tScS_mn[r, 0][0] // heads_pad - block * PAGE_SIZE
+            for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+                if tScS_mn[r, c][1] > limit:
+                    s_mn[r, c] = -Float32.inf
+
+    # -- online softmax (rows are held by the 4 lanes of a quad)
+    for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
+        m_blk = -Float32.inf
+        for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+            m_blk = cute.arch.fmax(m_blk, s_mn[r, c])
+        m_blk = cute.arch.fmax(m_blk, cute.arch.shuffle_sync_bfly(m_blk, offset=2))
+        m_blk = cute.arch.fmax(m_blk, cute.arch.shuffle_sync_bfly(m_blk, offset=1))
+        m_new = cute.arch.fmax(row_max[r], m_blk * scale_log2)
+        m_use = m_new
+        if m_new == -Float32.inf:        # nothing seen yet: exp2(-inf - 0) = 0
+            m_use = Float32(0.0)
+        correction = cute.math.exp2(row_max[r] - m_use, fastmath=True)
+        row_max[r] = m_new
+        s_sum = Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+            p = cute.math.exp2(s_mn[r, c] * scale_log2 - m_use, fastmath=True)
+            s_mn[r, c] = p
+            s_sum = s_sum + p
+        row_sum[r] = row_sum[r] * correction + s_sum
+        row_scale[r] = correction
+
+
+@cute.jit
+def _zero_stale_v(
+    sV: cute.Tensor,              # (128, D) one stage of the V ring, swizzled smem
+    valid_rows: Int32,            # rows of the page below seq_len
+    wg_tidx: Int32,               # 0 .. 127, the thread in its warpgroup
+    barrier_id: Int32,            # the warpgroup's own named barrier
+    head_dim: cutlass.Constexpr,
+):
+    """Rows ``valid_rows ..`` of a V page -> 0 (P is 0 there, but 0 x NaN is NaN), by one
+    warpgroup alone: each consumer warpgroup zeroes the whole region itself (both write the same
+    zeros, so no barrier across warpgroups is needed), then fences its stores for the async proxy
+    and syncs its own 128 threads, so its P V wgmma reads the zeros. Uniform across the warpgroup
+    (``valid_rows`` is), so the barrier is reached by all of its threads or none."""
+    if valid_rows < PAGE_SIZE:
+        vec = const_expr(128 // sV.element_type.width)
+        chunks = const_expr(head_dim // vec)              # 16-byte chunks per row
+        sV_chunks = cute.zipped_divide(sV, (1, vec))      # ((1, vec), (128, chunks))
+        zeros = cute.make_rmem_tensor((1, vec), sV.element_type)
+        zeros.fill(0)
+        for i in cutlass.range(((PAGE_SIZE - valid_rows) * chunks + 127) // 128, unroll=1):
+            idx = wg_tidx + i * 128
+            n = valid_rows + idx // chunks
+            if n < PAGE_SIZE:
+                cute.autovec_copy(zeros, sV_chunks[None, (n, idx % chunks)])
+        cute.arch.fence_view_async_shared()           # generic-proxy stores -> visible to wgmma
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+
+
+@cute.jit
+def _load_query_tile(
+    mQ: cute.Tensor,              # (T, Hq, D)
+    sQ: cute.Tensor,              # (128, D) swizzled smem
+    tok0: Int32,
+    ntok: Int32,
+    kv_head: Int32,
+    tidx: Int32,                  # 0 .. NUM_MMA_THREADS - 1
+    group: cutlass.Constexpr,
+    heads_pad: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+):
+    """The tile's queries -> ``sQ``: row ``m`` is token ``m // heads_pad``, query head
+    ``kv_head * group + m % heads_pad``; zeros on padding rows (past ``ntok`` or ``group``).
+
+    When q's rows are contiguous and every row starts 16-byte aligned (q from a projection),
+    16-byte loads (8 x bf16): a thread issues all of its loads before its first smem store;
+    otherwise element by element through any strides."""
+    dtype = mQ.element_type
+    vec = const_expr(128 // dtype.width)                 # elements per 16-byte load
+    base = mQ.iterator.toint()
+    if (mQ.stride[2] == 1) & (base % 16 == 0) & (mQ.stride[0] % vec == 0) & (mQ.stride[1] % vec == 0):
+        chunks = const_expr(head_dim // vec)             # 16-byte chunks per row
+        per_thread = const_expr(TILE_M * chunks // NUM_MMA_THREADS)
+        # ((1, vec), (128, chunks)): the 128B swizzle permutes whole 16-byte chunks, so a chunk
+        # stays contiguous in smem (one 16-byte store)
+        sQ_chunks = cute.zipped_divide(sQ, (1, vec))
+        frag = cute.make_rmem_tensor((1, vec, per_thread), dtype)
+        frag.fill(0)
+        for i in cutlass.range_constexpr(per_thread):    # consecutive threads: consecutive chunks
+            idx = tidx + i * NUM_MMA_THREADS
+            m = idx // chunks
+            tok = m // heads_pad
+            head = m % heads_pad
+            if (tok < ntok) & (head < group):
+                offset = ((tok0 + tok) * mQ.stride[0] + (kv_head * group + head) * mQ.stride[1]
+                          + (idx % chunks) * vec)
+                src = cute.make_tensor(cute.make_ptr(dtype, base + offset * (dtype.width // 8), cute.AddressSpace.gmem,
+                                                     assumed_align=16), cute.make_layout((1, vec)))
+                cute.autovec_copy(src, frag[None, None, i])
+        for i in cutlass.range_constexpr(per_thread):
+            idx = tidx + i * NUM_MMA_THREADS
+            cute.autovec_copy(frag[None, None, i], sQ_chunks[None, (idx // chunks, idx % chunks)])
+    else:
+        for i in cutlass.range(TILE_M * head_dim // NUM_MMA_THREADS, unroll=8):
+            idx = tidx + i * NUM_MMA_THREADS
+            m = idx // head_dim
+            d = idx % head_dim
+            tok = m // heads_pad
+            head = m % heads_pad
+            v = dtype(0)
+            if (tok < ntok) & (head < group):
+                v = mQ[tok0 + tok, kv_head * group + head, d]
+            sQ[m, d] = v
 
 
 @cute.jit
@@ -230,6 +369,9 @@ def dense_prefill_kernel(
     head_dim: cutlass.Constexpr,
     stages: cutlass.Constexpr,
 ):
+    if const_expr(stages < 2):
+        # a consumer holds stage j - 1 (V_{j-1}) while it waits for stage j
+        raise ValueError(f"stages: expected at least 2 (the intra-warpgroup overlap), got {stages}")
     tidx, _, _ = cute.arch.thread_idx()
     bid, kv_head, _ = cute.arch.block_idx()
     tile = mTileMap.shape[0] - 1 - bid       # the last tiles see the most blocks: they start first
@@ -290,17 +432,7 @@ def dense_prefill_kernel(
         mma_tidx = tidx - 128
         mma_wg = warpgroup_idx - 1
 
-        # the query tile -> smem (zeros on padding rows); consecutive threads read consecutive dims
-        for i in cutlass.range(TILE_M * head_dim // NUM_MMA_THREADS, unroll=8):
-            idx = mma_tidx + i * NUM_MMA_THREADS
-            m = idx // head_dim
-            d = idx % head_dim
-            tok = m // heads_pad
-            head = m % heads_pad
-            v = mQ.element_type(0)
-            if (tok < ntok) & (head < group):
-                v = mQ[tok0 + tok, kv_head * group + head, d]
-            sQ[m, d] = v
+        _load_query_tile(mQ, sQ, tok0, ntok, kv_head, mma_tidx, group, heads_pad, head_dim)
         cute.arch.fence_view_async_shared()       # generic-proxy stores -> visible to wgmma
         cute.arch.barrier(barrier_id=MMA_BARRIER_ID, number_of_threads=NUM_MMA_THREADS)
 
@@ -313,78 +445,93 @@ def dense_prefill_kernel(
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))            # (MMA, N, K, stages)
         thr_qk = mma_qk.get_slice(mma_tidx)
         thr_pv = mma_pv.get_slice(mma_tidx)
-        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_M, PAGE_SIZE)), Float32)
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, head_dim)), Float32)
         acc_o.fill(0.0)
-        s_mn = _acc_mn(acc_s)
         o_mn = _acc_mn(acc_o)
         tScS_mn = _acc_mn(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, PAGE_SIZE))))
         tOcO_mn = _acc_mn(thr_pv.partition_C(cute.make_identity_tensor((TILE_M, head_dim))))
-        rows = const_expr(cute.size(s_mn.shape[0]))
+        rows = const_expr(cute.size(tScS_mn.shape[0]))
         row_max = cute.make_rmem_tensor((rows,), Float32)    # running max of S * scale_log2
         row_sum = cute.make_rmem_tensor((rows,), Float32)    # running sum of exp2, this thread's columns
+        row_scale = cute.make_rmem_tensor((rows,), Float32)  # the block's correction for O
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
+        s_shape = thr_qk.partition_shape_C((TILE_M, PAGE_SIZE))
+        wg_tidx = mma_tidx % 128
+        stale_barrier = STALE_V_BARRIER_ID + mma_wg
+        # FA3's pingpong: the consumer warpgroups take turns issuing their GEMMs, so one's softmax
+        # runs under the other's wgmmas. Turn barrier w (256 threads) completes when warpgroup w
+        # syncs on it (128) and the other warpgroup has arrived (128) after issuing its own GEMMs
+        # of the previous turn; warpgroup 0's first turn is its own arrive. Per block each
+        # warpgroup syncs once on its barrier and arrives once on the other's, except warpgroup 1
+        # after its last block (warpgroup 0 has no next turn): with n blocks, barrier 0 gets
+        # 128 + n x 128 + (n - 1) x 128 arrivals and barrier 1 n x 128 + n x 128, whole phases of
+        # 256, nothing left pending at exit (none at all when n is 0). Turns strictly alternate
+        # (w0 b0, w1 b0, w0 b1, w1 b1, ..), so an arrive never lands in the wrong phase. Between
+        # two turns a warpgroup waits only on its own wgmmas and on the TMA ring: block j + 1 needs
+        # block j + 1 - stages <= j - 1 released, which each warpgroup does in its block j right
+        # after its own P V, needing no further turn; so no cycle can form. The last block's P V
+        # is issued outside the turns.
+        my_turn = SCHEDULER_BARRIER_ID + mma_wg
+        other_turn = SCHEDULER_BARRIER_ID + 1 - mma_wg
 
+        # FA3's intra-warpgroup overlap: block j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back
+        # to back, waits for S_j only (wait_group(1)), masks and softmaxes it while P V runs, then
+        # waits for P V (wait_group(0)), releases stage j-1, rescales O and keeps P_j in registers
+        # for block j + 1. K_j and V_j share stage j: it is released after P_j V_j, one block
+        # later than its S. A stage's stale V rows are zeroed right after its wait, before any
+        # P V that reads it is issued. S is a fresh fragment per block (its registers are dead
+        # between blocks: nothing keeps the last P alive into the next S's wgmma).
         consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        for block in cutlass.range(n_blocks, unroll=1):
+        if n_blocks > 0:
+            if mma_wg == 0:
+                cute.arch.barrier_arrive(barrier_id=my_turn, number_of_threads=2 * 128)   # warpgroup 0 starts
+            # -- block 0: S_0 and its softmax (O is 0: nothing to rescale)
             ring.consumer_wait(consume)
-            stage = consume.index
-            # -- S = Q K^T
-            _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], False)
+            _zero_stale_v(sV[None, None, consume.index], seq_len, wg_tidx, stale_barrier, head_dim)
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+            cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
+            _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)
+            if (mma_wg == 0) | (n_blocks > 1):
+                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
+            warpgroup.wait_group(0)
+            _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, 0, pos0, scale_log2, heads_pad)
+            tOrP = cute.make_rmem_tensor_like(_acc_as_a(acc_s), mQ.element_type)   # P in q's dtype, registers
+            tOrP.store(_acc_as_a(acc_s).load().to(mQ.element_type))
 
-            # -- causal mask by position (token n of the block is seen by row m iff
-            # block * 128 + n <= pos0 + m // heads_pad), on blocks reaching past the first position
-            if (block + 1) * PAGE_SIZE - 1 > pos0:
+            for block in cutlass.range(1, n_blocks, unroll=1):
+                previous = consume.clone()
+                consume.advance()
+                ring.consumer_wait(consume)
+                _zero_stale_v(sV[None, None, consume.index], seq_len - block * PAGE_SIZE, wg_tidx, stale_barrier,
+                              head_dim)
+                acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
+                _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)    # S_j
+                _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, previous.index], True)   # O += P_{j-1} V_{j-1}
+                if (mma_wg == 0) | (block < n_blocks - 1):
+                    cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
+                warpgroup.wait_group(1)                   # S_j is in; P V may still run
+                _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, pos0, scale_log2,
+                                heads_pad)
+                warpgroup.wait_group(0)                   # P V is done: O, tOrP and stage j-1 are free
+                ring.consumer_release(previous)
                 for r in cutlass.range_constexpr(rows):
-                    limit = pos0 + tScS_mn[r, 0][0] // heads_pad - block * PAGE_SIZE
-                    for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
-                        if tScS_mn[r, c][1] > limit:
-                            s_mn[r, c] = -Float32.inf
+                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                        o_mn[r, c] = o_mn[r, c] * row_scale[r]
+                tOrP.store(_acc_as_a(acc_s).load().to(mQ.element_type))
 
-            # -- online softmax (rows are held by the 4 lanes of a quad)
-            for r in cutlass.range_constexpr(rows):
-                m_blk = -Float32.inf
-                for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
-                    m_blk = cute.arch.fmax(m_blk, s_mn[r, c])
-                m_blk = cute.arch.fmax(m_blk, cute.arch.shuffle_sync_bfly(m_blk, offset=2))
-                m_blk = cute.arch.fmax(m_blk, cute.arch.shuffle_sync_bfly(m_blk, offset=1))
-                m_new = cute.arch.fmax(row_max[r], m_blk * scale_log2)
-                m_use = m_new
-                if m_new == -Float32.inf:        # nothing seen yet: exp2(-inf - 0) = 0
-                    m_use = Float32(0.0)
-                correction = cute.math.exp2(row_max[r] - m_use, fastmath=True)
-                row_max[r] = m_new
-                s_sum = Float32(0.0)
-                for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
-                    p = cute.math.exp2(s_mn[r, c] * scale_log2 - m_use, fastmath=True)
-                    s_mn[r, c] = p
-                    s_sum = s_sum + p
-                row_sum[r] = row_sum[r] * correction + s_sum
-                for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
-                    o_mn[r, c] = o_mn[r, c] * correction
-
-            # -- stale rows past seq_len in the sequence's last page: V rows zeroed (P is 0 there,
-            # but 0 x NaN is NaN)
-            valid_rows = seq_len - block * PAGE_SIZE
-            if valid_rows < PAGE_SIZE:
-                for i in cutlass.range((PAGE_SIZE - valid_rows) * head_dim // NUM_MMA_THREADS + 1, unroll=1):
-                    idx = mma_tidx + i * NUM_MMA_THREADS
-                    n = valid_rows + idx // head_dim
-                    if n < PAGE_SIZE:
-                        sV[n, idx % head_dim, stage] = sV.element_type(0)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=MMA_BARRIER_ID, number_of_threads=NUM_MMA_THREADS)
-
-            # -- O += P V, P in registers in q's dtype
-            p_acc = _acc_as_a(acc_s)
-            tOrP = cute.make_rmem_tensor_like(p_acc, mQ.element_type)
-            tOrP.store(p_acc.load().to(mQ.element_type))
-            _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage], True)
+            # -- the last block's P V
+            _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, consume.index], True)
+            warpgroup.wait_group(0)
             ring.consumer_release(consume)
-            consume.advance()
 
-        # -- epilogue: O / l (0 for rows that see nothing), stored through the output's strides
+        # -- epilogue: O / l (0 for rows that see nothing), stored through the output's strides. A
+        # thread holds pairs of adjacent columns (2c, 2c + 1): one 4-byte store per pair when the
+        # output's rows are contiguous and every row starts 4-byte aligned, else element by element.
+        elem_bytes = const_expr(mO.element_type.width // 8)
+        pairs = ((mO.stride[2] == 1) & (mO.iterator.toint() % 4 == 0)
+                 & (mO.stride[0] % 2 == 0) & (mO.stride[1] % 2 == 0))
         for r in cutlass.range_constexpr(rows):
             total = row_sum[r]
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
@@ -396,8 +543,20 @@ def dense_prefill_kernel(
             tok = m // heads_pad
             head = m % heads_pad
             if (tok < ntok) & (head < group):
-                for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
-                    mO[tok0 + tok, kv_head * group + head, tOcO_mn[r, c][1]] = mO.element_type(o_mn[r, c] * inv)
+                row = mO[tok0 + tok, kv_head * group + head, None]                         # (D,)
+                if pairs:
+                    row_base = row.iterator.toint()
+                    for c in cutlass.range_constexpr(0, cute.size(o_mn.shape[1]), 2):
+                        pair = cute.make_rmem_tensor((2,), Float32)
+                        pair[0] = o_mn[r, c] * inv
+                        pair[1] = o_mn[r, c + 1] * inv
+                        dst = cute.make_tensor(cute.make_ptr(mO.element_type, row_base + tOcO_mn[r, c][1] * elem_bytes,
+                                                             cute.AddressSpace.gmem, assumed_align=4),
+                                               cute.make_layout(2))
+                        dst.store(pair.load().to(mO.element_type))
+                else:
+                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                        row[tOcO_mn[r, c][1]] = mO.element_type(o_mn[r, c] * inv)
 
 
 @cute.jit

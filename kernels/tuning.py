@@ -184,9 +184,12 @@ assert PAGE_SIZE % 128 == 0  # attention/indexer block_n divide the page
 # mean shorter chains per CTA, each paying the pipeline's fill). Di = 64 is not swept.
 CUTEDSL_STAGES = {64: 4, 128: 2}
 CUTEDSL_TARGET_PROGRAMS = 256
-# The CuTeDSL dense prefill's K/V ring (cute_prefill.py): a stage is one K and one V page; at D = 128
-# the 32 KiB query tile and 2 stages of 64 KiB fill 160 of the H200's 227 KiB of shared memory.
-CUTEDSL_PREFILL_STAGES = {64: 4, 128: 2}
+# The CuTeDSL dense prefill's K/V ring (cute_prefill.py): a stage is one K and one V page, released
+# one block after its S (the intra-warpgroup overlap holds V_{j-1} through block j), so the page
+# of block j + stages - 1 starts loading only midway through block j: 3 stages keep it more than
+# a block ahead. At D = 128 the 32 KiB query tile and 3 stages of 64 KiB fill 225 of the H200's
+# 227 KiB of shared memory.
+CUTEDSL_PREFILL_STAGES = {64: 4, 128: 3}
 
 
 @dataclasses.dataclass(frozen=True)

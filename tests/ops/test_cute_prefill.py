@@ -12,8 +12,10 @@ against the Triton backend, at odd lengths (1, 127, 128, 129, 3000 tokens),
 several requests with shuffled page tables whose unused entries are garbage,
 NaN in every cache row past each request's length, NaN-poisoned outputs, a
 prompt longer than its KV length (tokens that see nothing: zeros), M3's 64/4
-heads at D = 128 and a small 8/2 case at D = 64 in fp16; JAX's launch of the
-kernel bit-identical to torch's; a dense layer's step with
+heads at D = 128 and a small 8/2 case at D = 64 in fp16; q and out whose rows
+are not aligned (the kernel's element-by-element load and store) give the same
+bits as contiguous ones (its 16-byte loads and 4-byte stores); JAX's launch of
+the kernel bit-identical to torch's; a dense layer's step with
 ``M3_DENSE_PREFILL=cutedsl`` runs the kernel in both frameworks.
 """
 
@@ -269,3 +271,20 @@ def test_dense_layer_step_runs_the_kernel_in_both_frameworks(monkeypatch):
         got = _dense_layer("jax", case, _jax_gpu(x))
     assert calls == [cute_ops, cute_call]
     assert_same_bits(to_torch(got), out.cpu())
+
+
+@on_gpu
+def test_unaligned_q_and_out_match_contiguous():
+    """q with stride 2 along D and an output one element into its buffer take the kernel's
+    element-by-element load and store paths: the same bits as the vector paths of contiguous ones."""
+    case = prefill("cute_pf_unaligned", (129, 700), (129 + 300, 700), **M3)
+    x = _poisoned(case)
+    contiguous = _run(x, "cutedsl")
+    q = x["q"]
+    wide = torch.full((*q.shape[:-1], 2 * q.shape[-1]), math.nan, dtype=q.dtype, device=q.device)
+    wide[..., ::2] = q
+    out = torch.full((q.numel() + 1,), math.nan, dtype=q.dtype, device=q.device)[1:].view(q.shape)
+    m3_torch.dense_prefill(wide[..., ::2], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                           cu_seqlens_q=x["cu_seqlens_q"], out=out, backend="cutedsl")
+    torch.cuda.synchronize()
+    assert torch.equal(out, contiguous)
