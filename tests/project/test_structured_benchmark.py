@@ -40,4 +40,7 @@ def test_tiny_run_writes_every_field(tmp_path):
     rows = saved["results"]["torch"]["rows"]
     assert [row["async_scheduling"] for row in rows] == [False, True]
     assert all(row["fill_ms_per_step"] > 0 and row["finished_early"] == 0 for row in rows)
+    profile = saved["results"]["torch"]["profile"]
+    assert sorted(profile) == ["masked", "plain"] and all(p["host_us_per_step"] > 0 and p["host_top"]
+                                                          for p in profile.values())
     assert "| torch | True |" in json_file.with_suffix(".md").read_text()
