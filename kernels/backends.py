@@ -24,6 +24,7 @@ an argument wins, and the errors are the indexer's
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Optional, Tuple
 
@@ -146,20 +147,17 @@ def cutedsl_dtypes_supported(dtype: str, cache_dtype: str) -> bool:
 
 def cutedsl_module():
     """``m3_kernels.cute_index`` (imports ``cutlass``), or ImportError with the install hint."""
-    try:
-        from . import cute_index
-    except ImportError as e:
-        raise ImportError(f"backend='cutedsl' needs the CuTeDSL package, which is not importable here ({e}); "
-                          f"{INSTALL_HINT}") from e
-    return cute_index
-
+    return _cutedsl_kernels("cute_index")
 
 
 def cutedsl_prefill_module():
     """``m3_kernels.cute_prefill`` (imports ``cutlass``), or ImportError with the install hint."""
+    return _cutedsl_kernels("cute_prefill")
+
+
+def _cutedsl_kernels(name: str):
     try:
-        from . import cute_prefill
+        return importlib.import_module(f".{name}", __package__)
     except ImportError as e:
         raise ImportError(f"backend='cutedsl' needs the CuTeDSL package, which is not importable here ({e}); "
                           f"{INSTALL_HINT}") from e
-    return cute_prefill

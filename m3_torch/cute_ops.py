@@ -77,18 +77,21 @@ def compile_index_scores(key: tuple, arch: str | None = None):
                         target_programs=target, **kwargs)
 
 
-def _compiled_for(key: tuple, device: torch.device):
-    full = (str(device), *key)
+def _compiled_for(key: tuple, device: torch.device, what: str = "scorer"):
+    """The kernel compiled for shape class ``key`` on ``device`` (compiled on its first call): the
+    scorer's (``what="scorer"``) or the dense prefill's (``"dense prefill"``)."""
+    full = (what, str(device), *key)
     fn = _compiled.get(full)
     if fn is None:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("backend='cutedsl': the CuTeDSL scorer for this shape class "
+            raise RuntimeError(f"backend='cutedsl': the CuTeDSL {what} kernel for this shape class "
                                f"{key} is compiled and loaded on its first call, which cannot happen inside a "
                                "CUDA-graph capture; make one eager call with the same shapes before capturing")
         with _lock:
             fn = _compiled.get(full)
             if fn is None:
-                fn = _compiled[full] = compile_index_scores(key)
+                compile_fn = compile_index_scores if what == "scorer" else compile_dense_prefill
+                fn = _compiled[full] = compile_fn(key)
     return fn
 
 
@@ -198,7 +201,7 @@ def _dense_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         _check_kv_cache(name, cache)
     key = prefill_shape_class(str(q.dtype).removeprefix("torch."), num_heads // num_kv_heads, head_dim)
     device = out.device
-    fn = _compiled_for_prefill(key, device)
+    fn = _compiled_for(key, device, "dense prefill")
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -215,21 +218,6 @@ def _dense_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
            cutlass.Float32(sm_scale), *q.stride(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *block_table.stride(), seq_lens.stride(0),
            *out.stride(), stream)
-
-
-def _compiled_for_prefill(key: tuple, device: torch.device):
-    full = ("dense_prefill", str(device), *key)
-    fn = _compiled.get(full)
-    if fn is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("backend='cutedsl': the CuTeDSL dense prefill kernel for this shape class "
-                               f"{key} is compiled and loaded on its first call, which cannot happen inside a "
-                               "CUDA-graph capture; make one eager call with the same shapes before capturing")
-        with _lock:
-            fn = _compiled.get(full)
-            if fn is None:
-                fn = _compiled[full] = compile_dense_prefill(key)
-    return fn
 
 
 dense_prefill = ops.define(

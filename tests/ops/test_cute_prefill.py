@@ -21,9 +21,7 @@ the kernel bit-identical to torch's; a dense layer's step with
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -35,15 +33,9 @@ import m3_torch
 from m3_kernels import backends, maps, planner
 
 from cases import PAGE, TOLERANCE, make_inputs, prefill, rel_err
+from cutedsl_marks import GPU_CAPABILITY, HAVE_CUTEDSL, needs_cutedsl
 from targets import Target, assert_same_bits, attention_reference, check_attention, jax_inputs, to_jax, to_torch
 
-HAVE_CUTEDSL = importlib.util.find_spec("cutlass") is not None
-GPU_CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-if GPU_CAPABILITY is None:
-    # no GPU to detect: the compile test targets Hopper (read when cutlass is first imported)
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="nvidia-cutlass-dsl is not installed (pip install -e "
-                                                            "'.[cutedsl]'; README: CuteDSL indexer backend)")
 
 
 def on_gpu(fn):

@@ -20,9 +20,7 @@ power-of-two scaling of ``common.fp16_operand``).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-import os
 import sys
 
 import jax
@@ -35,17 +33,11 @@ import m3_torch
 from m3_kernels import backends, maps, planner, tuning
 
 from cases import E4M3, GPU_CASES, CASES, TOLERANCE, Case, decode, make_inputs, prefill, rel_err, step
+from cutedsl_marks import GPU_CAPABILITY, HAVE_CUTEDSL, needs_cutedsl
 from targets import (Target, _poisoned_out, _strided, assert_same_bits, jax_inputs, targets, to_jax,
                      to_torch)
 from m3_torch import reference as ref
 
-HAVE_CUTEDSL = importlib.util.find_spec("cutlass") is not None
-GPU_CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-if GPU_CAPABILITY is None:
-    # no GPU to detect: the compile tests target Hopper (read when cutlass is first imported)
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="nvidia-cutlass-dsl is not installed (pip install -e "
-                                                            "'.[cutedsl]'; README: CuteDSL indexer backend)")
 
 
 def on_gpu(fn):
@@ -207,14 +199,14 @@ def test_cutedsl_argument_errors_come_before_the_device(target):
 
 def test_one_backend_check_per_scoring_call(monkeypatch):
     """Each public op resolves the backend once (ops that do not score: never)."""
-    import test_layering
+    from public_ops import inputs, public_calls
 
     calls = []
     original = backends.check_indexer_backend
     monkeypatch.setattr(backends, "check_indexer_backend", lambda *a, **k: calls.append(1) or original(*a, **k))
     monkeypatch.setattr(m3_torch.ops, "kernel_module", lambda module, interpret: _NoKernels())
     scoring = {"index_scores", "index_scores_prefill", "msa_decode", "msa_prefill", "msa_attention_step"}
-    for name, call in test_layering.public_calls(m3_torch, test_layering.inputs()):
+    for name, call in public_calls(m3_torch, inputs()):
         calls.clear()
         call()
         assert len(calls) == (name in scoring), f"{name}: {len(calls)} backend checks"
