@@ -17,7 +17,11 @@ EOS. Reported per start:
   Triton kernel variants its launcher did not hold in memory (compiled, or read back from the
   disk cache; Triton's ``jit_post_compile_hook``), named in ``late_kernels``; JAX, the step
   programs compiled (``compiled_steps`` and ``compiled_masked``). 0 is the "ready means ready"
-  target.
+  target;
+* ``passes``: per pass (first, steady), from the engine's step timeline (``M3_STEP_TIMELINE``,
+  ``m3_engine.step_timeline``): ``steps``, ``host_ms`` (a step call's time less its wait for the
+  device, per step) and ``wait_ms`` (that wait, per step). A pass slower on the host shows in
+  ``host_ms``, one slower on the GPU in ``wait_ms``.
 
 Writes warm_start.json and warm_start.md to --out. About 3-4 minutes on an H200 for both engines
 (the JAX cold start compiles ~40 step programs). ``--tiny``: the tiny test model on the CPU (Triton's
@@ -45,8 +49,13 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
     """Build the engine, generate the workload twice -> the start's row (run in a fresh process)."""
     import importlib
 
+    import os
+
+    from m3_engine import step_timeline
     from m3_engine.sampling_params import SamplingParams
 
+    timeline = Path(cache_dir).parent / f"timeline-{os.getpid()}.jsonl"
+    os.environ[step_timeline.ENV_VAR] = str(timeline)   # this fresh process's engine records its steps
     llm_class = importlib.import_module(f"m3_{framework}").LLM
     late = []   # torch: the kernel variants the launcher compiled or read back after LLM() returned
     if framework == "torch":
@@ -69,12 +78,13 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
     prompts = [{"prompt_token_ids": rng.integers(3, vocab, workload["prompt_len"]).tolist()}
                for _ in range(workload["prompts"])]
     params = SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)
-    rates = []
+    rates, bounds = [], []
     for _ in range(2):
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rates.append(tokens / (time.perf_counter() - start))
+        bounds.append((wall, time.time()))
     times = dict(llm.startup_times)
     if framework == "torch":
         late_programs = len(late)
@@ -83,7 +93,17 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
     llm.close()
     return dict(load_s=times["load"], compile_s=times["compile"], capture_s=times["capture"],
                 ready_s=times["total"], programs=times["programs"], first_tok_s=rates[0], steady_tok_s=rates[1],
-                first_vs_steady=rates[0] / rates[1], late_programs=late_programs, late_kernels=late[:20])
+                first_vs_steady=rates[0] / rates[1], late_programs=late_programs, late_kernels=late[:20],
+                passes=[pass_split(step_timeline.read(timeline), *b) for b in bounds])
+
+
+def pass_split(lines: list, start: float, end: float) -> dict:
+    """The step lines of one pass (calls started in ``[start, end]``) -> steps, host and wait ms per step."""
+    steps = [line for line in lines if start <= line["start"] <= end]
+    n = max(len(steps), 1)
+    wait = sum(line["device_wait"] for line in steps)
+    host = sum(line["end"] - line["start"] for line in steps) - wait
+    return dict(steps=len(steps), host_ms=1e3 * host / n, wait_ms=1e3 * wait / n)
 
 
 def markdown(result: dict) -> str:
@@ -92,11 +112,13 @@ def markdown(result: dict) -> str:
              f"{result['workload']['prompts']} prompts x {result['workload']['prompt_len']} tokens, "
              f"{result['workload']['new_tokens']} new each; options {result['workload']['options']}", "",
              "| engine | start | load s | compile s | capture s | ready s | programs | first tok/s | steady tok/s "
-             "| first/steady | made after ready |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| first/steady | made after ready | host / wait ms per step, first | same, steady |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
+        split = " | ".join(f"{p['host_ms']:.2f} / {p['wait_ms']:.2f} ({p['steps']} steps)" for p in row["passes"])
         lines.append(f"| {row['framework']} | {row['start']} | {row['load_s']:.1f} | {row['compile_s']:.1f} | "
                      f"{row['capture_s']:.1f} | {row['ready_s']:.1f} | {row['programs']} | {row['first_tok_s']:.0f} | "
-                     f"{row['steady_tok_s']:.0f} | {row['first_vs_steady']:.2f} | {row['late_programs']} |")
+                     f"{row['steady_tok_s']:.0f} | {row['first_vs_steady']:.2f} | {row['late_programs']} | {split} |")
     late = [(row, kernel) for row in result["rows"] for kernel in row["late_kernels"]]
     if late:
         lines += ["", "Kernel variants made after ready (torch, at most 20 a start):", ""]
