@@ -1,9 +1,9 @@
 """Where the JAX engine's step program puts the KV pool: in place, or a pool-sized second buffer.
 
-    python3 -m benchmarks.jax_step_memory [--pages N] [--layers 4] [--vocab 200064]
+    python3 -m benchmarks.jax_step_memory [--pages N] [--layers 4] [--vocab 200064] [--no-async-scheduling]
 
 Builds ``m3_jax.LLM`` as ``benchmarks.structured`` does (M3 layer shapes, random weights, 64
-sequences, ``max_model_len`` 208, async scheduling; the pool from ``gpu_memory_utilization`` unless
+sequences, ``max_model_len`` 208, async scheduling unless ``--no-async-scheduling``; the pool from ``gpu_memory_utilization`` unless
 ``--pages``), then for the first prefill step of that benchmark (16 prompts of 128 tokens: the
 padded shape of 2048 context tokens):
 
@@ -16,6 +16,12 @@ padded shape of 2048 context tokens):
 A compile-time copy shows in the first part; a runtime one (the pool not donated, so XLA writes
 its output into a fresh pool-sized buffer) in the second. ``--pages`` small (e.g. 2048) runs both
 whatever the cause; without it the step may run out of memory, which is reported.
+
+On the CPU (XLA compiling the GPU code path's dataflow) every step program aliases the whole pool
+to its pool output and copies none of it, and the pool keeps its buffer across steps; a
+pool-sized allocation is what XLA's GPU client makes when an aliased input is not donated at run
+time ("copy-protection"). Its logs say so with
+``TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_executable=3,pjrt_stream_executor_client=1``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--pages", type=int, default=None, help="num_gpu_blocks_override (default: from memory)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=M3_DIMS["vocab_size"])
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     a = parser.parse_args(argv)
 
     import jax
@@ -49,7 +56,7 @@ def main(argv=None) -> dict:
     folder = write_config(Path(tempfile.mkdtemp()) / "model",
                           text_config(dict(M3_DIMS, vocab_size=a.vocab), a.layers, max_model_len))
     llm = m3_jax.LLM(str(folder), dtype="bfloat16", device="cuda", max_num_seqs=BATCH, max_model_len=max_model_len,
-                     load_format="dummy", seed=0, async_scheduling=True, precompile=False,
+                     load_format="dummy", seed=0, async_scheduling=a.async_scheduling, precompile=False,
                      num_gpu_blocks_override=a.pages)
     runner = llm.runner
     gpu = runner.device
