@@ -89,6 +89,7 @@ from m3_engine.structured_outputs import bitmask_width
 from m3_kernels.maps import next_pow2
 
 from . import eagle3, fp8, model, tp
+from ._triton_call import kernel_cache_stats
 from .api import StepSpec, step_inputs
 from .cache import allocate_pool
 from .dummy_weights import dummy_params
@@ -335,8 +336,10 @@ class JaxRunner:
         self._last = None
         programs = len(self.compiled_steps) + len(self.compiled_masked) - before
         done = time.perf_counter()
-        logger.info("jax warm-up: %d step programs and forwards compiled in %.1f s on %d threads; each shape's "
-                    "programs run once in %.1f s", len(work), compiled - start, threads, done - compiled)
+        kernels = kernel_cache_stats()
+        logger.info("jax warm-up: %d step programs and forwards compiled in %.1f s on %d threads (Triton kernels "
+                    "so far: %d compiled, %d read from the cache); each shape's programs run once in %.1f s",
+                    len(work), compiled - start, threads, kernels["compiled"], kernels["read"], done - compiled)
         return dict(programs=programs, compile=done - start, capture=0.0)
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
