@@ -107,8 +107,13 @@ def check_head_dim(name, d):
 
 
 def softmax_scale(sm_scale, head_dim) -> float:
-    """``sm_scale``, or the default ``head_dim ** -0.5`` (SPEC.md)."""
-    return head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+    """``sm_scale`` (a real number: a kernel scalar, which JAX bakes into its kernel), or the default
+    ``head_dim ** -0.5`` (SPEC.md)."""
+    if sm_scale is None:
+        return head_dim ** -0.5
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale: expected a float or None (D ** -0.5), got {type(sm_scale).__name__}")
+    return float(sm_scale)
 
 
 def check_cache_layout(name, offset, strides):

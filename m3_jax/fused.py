@@ -27,17 +27,18 @@ def add_rms_norm(x, residual_in, weight, eps):
     Arguments and rounding as ``m3_torch.add_rms_norm`` (x, residual_in [T, H] bfloat16 / float16 /
     float32 of one dtype; weight [H] any float dtype; eps a Python float, static under ``jax.jit``).
     """
-    return _launch_norm(x, residual_in, weight, eps)
+    return _launch_norm("add_rms_norm", x, residual_in, weight, eps)
 
 
 def rms_norm(x, weight, eps):
     """The models' Gemma-style RMSNorm of the rows of ``x [T, H]`` -> ``[T, H]`` in x's dtype
     (``add_rms_norm`` without the residual: the same kernel and rounding)."""
-    return _launch_norm(x, None, weight, eps)[1]
+    return _launch_norm("rms_norm", x, None, weight, eps)[1]
 
 
-def _launch_norm(x, residual_in, weight, eps):
+def _launch_norm(op, x, residual_in, weight, eps):
     rows, hidden, eps = validate.check_norm_call(x, residual_in, weight, eps)
+    guards.check_call(op, x=x, residual_in=residual_in, weight=weight)
     has_residual = residual_in is not None
     if rows == 0:
         zeros = jnp.zeros((rows, hidden), x.dtype)
@@ -56,6 +57,7 @@ def moe_route(x, router_weight, bias, top_k):
     ``routed_scaling_factor``.
     """
     tokens, hidden, experts, top_k = validate.check_route_call(x, router_weight, bias, top_k)
+    guards.check_call("moe_route", x=x, router_weight=router_weight, bias=bias)
     if tokens == 0:
         return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
     out = run(step_launches.moe_route(x=operand(x), router_weight=operand(router_weight), bias=bias, top_k=top_k,

@@ -35,17 +35,20 @@ def check_call(op: str, **arrays):
 
     Returns the op's ``seq_lens`` (``write_cache``: ``slot_mapping``), to be
     used in its place: with ``M3_VALIDATE=1`` under ``jax.jit`` it depends on
-    the host check.
+    the host check. An op with neither (the model kernels: no metadata to
+    check) gets None.
     """
     given = {name: x for name, x in arrays.items() if x is not None}
     for name, x in given.items():
         leaf = x.buffer if isinstance(x, PagedView) else x
+        if not isinstance(leaf, (jax.Array, np.ndarray)):
+            raise TypeError(f"m3_jax.{op}: {name}: expected a jax array, got {type(leaf).__name__}")
         if isinstance(leaf, jax.core.Tracer) and not isinstance(leaf, DynamicJaxprTracer):
             raise TypeError(f"m3_jax.{op}: {name} is a {type(leaf).__name__} (from jax.vmap, jax.grad or another "
                             f"transform); m3 ops are inference kernels and support jax.jit only")
     dependent = next((name for name in _DEPENDENT if name in given), None)
     if dependent is None:
-        raise TypeError(f"guards.check_call({op!r}): pass the op's seq_lens or slot_mapping (the launch's dependency)")
+        return None
     if not validate.values_enabled():
         return given[dependent]
     bounds = validate.value_check_bounds(given)

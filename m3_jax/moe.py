@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from m3_kernels import step_launches, validate
 
+from . import guards
 from ._triton_call import on_gpu
 from .ops import operand, run
 
@@ -31,6 +32,8 @@ def fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, *, swiglu_alpha: flo
     """
     tokens, experts, top_k, hidden, inter = validate.check_moe_call(x, w_gate_up, w_down, topk_ids, topk_weights,
                                                                     shared_gate_up, shared_down)
+    guards.check_call("fused_moe", x=x, w_gate_up=w_gate_up, w_down=w_down, topk_ids=topk_ids,
+                      topk_weights=topk_weights, shared_gate_up=shared_gate_up, shared_down=shared_down)
     if tokens == 0:
         return jnp.zeros((0, hidden), x.dtype)
     return _fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, shared_gate_up, shared_down,

@@ -15,6 +15,7 @@ import numpy as np
 
 from m3_kernels import step_launches, validate
 
+from . import guards
 from ._triton_call import on_gpu
 from .ops import operand, run
 
@@ -40,6 +41,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *, repetit
     rows, vocab, has_penalties = validate.check_sample_call(logits, temperature, top_k, top_p, min_p,
                                                             seeds[:, 0] if words else seeds, counters, penalties,
                                                             prompt_ids, output_ids, token_bitmask)
+    guards.check_call("sample", logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                      seeds=seeds, counters=counters, prompt_ids=prompt_ids, output_ids=output_ids,
+                      token_bitmask=token_bitmask, **penalties)
     if str(seeds.dtype) == "int64" and not jax.config.jax_enable_x64:   # numpy seeds JAX would narrow
         raise TypeError("seeds: int64 seeds need jax_enable_x64 (JAX would narrow them); pass int32 seeds "
                         "(the same value draws the same token)")

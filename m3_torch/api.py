@@ -63,6 +63,8 @@ def prefill_plan(cu_seqlens_q=None, plan=None) -> planner.PrefillPlan:
         return plan
     if cu_seqlens_q is None:
         raise ValueError("cu_seqlens_q: required unless plan= is given")
+    if not isinstance(cu_seqlens_q, torch.Tensor):
+        raise TypeError(f"cu_seqlens_q: expected an int32 tensor [R + 1], got {type(cu_seqlens_q).__name__}")
     return planner.prefill_plan(cu_seqlens_q.tolist())
 
 

@@ -32,17 +32,18 @@ def add_rms_norm(x, residual_in, weight, eps):
     models' ``rms_norm`` of it (m3_torch/model.py), its mean of squares summed exactly
     (``m3_kernels.norm``).
     """
-    return _launch_norm(x, residual_in, weight, eps)
+    return _launch_norm("add_rms_norm", x, residual_in, weight, eps)
 
 
 def rms_norm(x, weight, eps):
     """The models' Gemma-style RMSNorm of the rows of ``x [T, H]`` -> ``[T, H]`` in x's dtype
     (``add_rms_norm`` without the residual: the same kernel and rounding)."""
-    return _launch_norm(x, None, weight, eps)[1]
+    return _launch_norm("rms_norm", x, None, weight, eps)[1]
 
 
-def _launch_norm(x, residual_in, weight, eps):
+def _launch_norm(op, x, residual_in, weight, eps):
     rows, hidden, eps = validate.check_norm_call(x, residual_in, weight, eps)
+    guards.check_call(op, x=x, residual_in=residual_in, weight=weight)
     guards.check_devices(x=x, residual_in=residual_in, weight=weight)
     normed = _new_output((rows, hidden), x.dtype, x.device)
     residual_out = normed if residual_in is None else _new_output((rows, hidden), x.dtype, x.device)
@@ -69,6 +70,7 @@ def moe_route(x, router_weight, bias, top_k):
     ``routed_scaling_factor``). See ``m3_kernels.router``.
     """
     tokens, hidden, experts, top_k = validate.check_route_call(x, router_weight, bias, top_k)
+    guards.check_call("moe_route", x=x, router_weight=router_weight, bias=bias)
     device = guards.check_devices(x=x, router_weight=router_weight, bias=bias)
     ids = _new_output((tokens, top_k), torch.int32, device)
     weights = _new_output((tokens, top_k), torch.float32, device)

@@ -21,8 +21,10 @@ __all__ = ["check_call", "check_devices", "check_contiguous"]
 
 def check_call(op: str, **tensors) -> None:
     """Guard one call of ``m3_torch.<op>``; ``tensors``: its tensor arguments by name (None allowed)."""
-    given = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    given = {name: t for name, t in tensors.items() if t is not None}
     for name, t in given.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"m3_torch.{op}: {name}: expected a torch.Tensor, got {type(t).__name__}")
         if torch._C._functorch.is_functorch_wrapped_tensor(t):
             raise TypeError(f"m3_torch.{op}: {name} comes from a torch.func transform (vmap, grad, ...), "
                                f"which m3 ops do not support; call the op on plain tensors")
@@ -32,7 +34,7 @@ def check_call(op: str, **tensors) -> None:
                 raise RuntimeError(f"m3_torch.{op} is inference-only (no backward), but {name} requires grad; "
                                    f"call it under torch.no_grad() or torch.inference_mode(), or pass "
                                    f"{name}.detach()")
-    if validate.values_enabled():
+    if validate.values_enabled() and any(name in given for name in validate.VALUE_CHECKED):
         _check_values(op, given)
 
 

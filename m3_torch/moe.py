@@ -37,6 +37,7 @@ def fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, *, swiglu_alpha: flo
                                                                     shared_gate_up, shared_down)
     weights = {"w_gate_up": w_gate_up, "w_down": w_down, "shared_gate_up": shared_gate_up,
                "shared_down": shared_down}
+    guards.check_call("fused_moe", x=x, **weights, topk_ids=topk_ids, topk_weights=topk_weights)
     device = guards.check_devices(x=x, **weights, topk_ids=topk_ids, topk_weights=topk_weights)
     guards.check_contiguous(**weights)
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=device)

@@ -45,9 +45,11 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *, repetit
     rows, vocab, has_penalties = validate.check_sample_call(logits, temperature, top_k, top_p, min_p, seeds,
                                                             counters, penalties, prompt_ids, output_ids,
                                                             token_bitmask)
-    device = guards.check_devices(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                  seeds=seeds, counters=counters, prompt_ids=prompt_ids, output_ids=output_ids,
-                                  token_bitmask=token_bitmask, **penalties)
+    tensors = dict(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+                   counters=counters, prompt_ids=prompt_ids, output_ids=output_ids, token_bitmask=token_bitmask,
+                   **penalties)
+    guards.check_call("sample", **tensors)
+    device = guards.check_devices(**tensors)
     if rows > 0 and vocab > 1 and logits.stride(1) != 1:
         raise ValueError(f"logits: expected a unit column stride, got strides {tuple(logits.stride())}")
     tokens = torch.empty(rows, dtype=torch.int32, device=device)

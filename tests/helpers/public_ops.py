@@ -18,15 +18,17 @@ def inputs():
              seq_lens=torch.tensor([200, 300], dtype=torch.int32),
              block_ids=torch.tensor([[[0, 1]] * R * N] * HK, dtype=torch.int32),
              scores=torch.randn(HK, R * N, 3, generator=g),
-             cu_seqlens_q=torch.tensor([0, N, 2 * N], dtype=torch.int32))
+             cu_seqlens_q=torch.tensor([0, N, 2 * N], dtype=torch.int32),
+             slot_mapping=torch.tensor([5, 7, 300, -1], dtype=torch.int32))
     return x
 
 
 def public_calls(m, x):
     """(name, thunk) of every public op of framework module ``m`` on the inputs ``x``."""
-    q, iq, k, v, ik, bt, sl, ids, sc, cu = (x[n] for n in ("q", "idx_q", "k_cache", "v_cache", "index_k_cache",
-                                                         "block_table", "seq_lens", "block_ids", "scores",
-                                                         "cu_seqlens_q"))
+    q, iq, k, v, ik, bt, sl, ids, sc, cu, slots = (x[n] for n in ("q", "idx_q", "k_cache", "v_cache",
+                                                                  "index_k_cache", "block_table", "seq_lens",
+                                                                  "block_ids", "scores", "cu_seqlens_q",
+                                                                  "slot_mapping"))
     dec, pre = dict(decode_query_len=N), dict(cu_seqlens_q=cu)
     cfg = planner.StepConfig(num_q_heads=HQ, num_kv_heads=HK, head_dim=D, max_batch=4, max_num_tokens=8, max_blocks=3,
                              topk=TOPK)
@@ -43,6 +45,5 @@ def public_calls(m, x):
         ("dense_prefill", lambda: m.dense_prefill(q, k, v, bt, sl, **pre)),
         ("msa_prefill", lambda: m.msa_prefill(q, iq, k, v, ik, bt, sl, topk=TOPK, **pre)),
         ("msa_attention_step", lambda: m.msa_attention_step(q, iq, k, v, ik, bt, sl, plan=plan)),
-        ("write_cache", lambda: m.write_cache(q[:, :HK], q[:, :HK], iq[:, 0], k, v, ik,
-                                              torch.tensor([5, 7, 300, -1], dtype=torch.int32))),
+        ("write_cache", lambda: m.write_cache(q[:, :HK], q[:, :HK], iq[:, 0], k, v, ik, slots)),
     ]

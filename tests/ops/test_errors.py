@@ -97,6 +97,21 @@ def test_index_select_msa_errors(target):
             ops.index_scores(j["idx_q"], None, j["block_table"], j["seq_lens"], decode_query_len=1)
 
 
+@pytest.mark.parametrize("target", targets())
+def test_arguments_of_another_framework_and_bad_sm_scale(target):
+    """A numpy array to a torch op, a torch tensor to a JAX op, a non-number ``sm_scale``: a TypeError
+    naming the argument (before anything reads them)."""
+    x = inputs(target, DECODE)
+    other = x["seq_lens"].numpy() if target.framework == "torch" else make_inputs(DECODE)["seq_lens"]
+    expected = "a torch.Tensor, got ndarray" if target.framework == "torch" else "a jax array, got Tensor"
+    with target.active():
+        with pytest.raises(TypeError, match=f"m3_{target.framework}.sparse_decode: seq_lens: expected {expected}"):
+            sparse_decode(target, {**x, "seq_lens": other})
+        with pytest.raises(TypeError, match="sm_scale: expected a float or None"):
+            api(target).dense_decode(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                                      decode_query_len=1, sm_scale="0.5")
+
+
 # -- torch only: out=, strides, devices ---------------------------------------------------------
 
 @pytest.mark.parametrize("target", targets(["torch"]))
@@ -171,6 +186,14 @@ def test_prefill_errors(target, over, exc, words):
         with pytest.raises(exc, match=words):
             api(target).sparse_prefill(a["q"], a["k_cache"], a["v_cache"], a["block_ids"], a["block_table"],
                                        a["seq_lens"], cu_seqlens_q=a["cu_seqlens_q"], plan=a["plan"])
+
+
+@pytest.mark.parametrize("target", targets(["torch"]))
+def test_torch_cu_seqlens_q_is_a_tensor(target):
+    x = inputs(target, PREFILL)
+    with pytest.raises(TypeError, match="cu_seqlens_q: expected an int32 tensor .R \\+ 1., got list"):
+        m3_torch.dense_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                               cu_seqlens_q=list(PREFILL.cu_seqlens))
 
 
 @pytest.mark.parametrize("target", targets(["jax"]))

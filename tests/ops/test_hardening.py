@@ -535,6 +535,55 @@ def test_jax_ops_refuse_vmap_and_grad():
             jax.grad(lambda q: dense(q).sum())(x["q"])
 
 
+def model_kernel_calls(api, rw, bias, w_gate_up, w_down, ids, top_w, rows):
+    """One call of each model kernel and ``sample`` (``rows``: its per-row arguments) on ``x [T, H]``,
+    the argument a transform wraps."""
+    return {
+        "rms_norm": lambda x: api.rms_norm(x, x[0], 1e-6),
+        "add_rms_norm": lambda x: api.add_rms_norm(x, x, x[0], 1e-6)[1],
+        "moe_route": lambda x: api.moe_route(x, rw, bias, 2)[1],
+        "fused_moe": lambda x: api.fused_moe(x, w_gate_up, w_down, ids, top_w, swiglu_alpha=1.7, swiglu_limit=7.0),
+        "sample": lambda x: api.sample(x, *rows)[1],
+    }
+
+
+def model_kernel_inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, generator=g)
+    extra = dict(rw=torch.randn(4, 16, generator=g), bias=torch.zeros(4),
+                 w_gate_up=torch.randn(4, 32, 16, generator=g), w_down=torch.randn(4, 16, 16, generator=g),
+                 ids=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), top_w=torch.full((2, 2), 0.5))
+    rows = (torch.ones(2), torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.zeros(2),
+            torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+    return x, extra, rows
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "moe_route", "fused_moe", "sample"])
+def test_torch_model_kernels_are_inference_only(op):
+    x, extra, rows = model_kernel_inputs()
+    fn = model_kernel_calls(m3_torch, **extra, rows=rows)[op]
+    with pytest.raises(RuntimeError, match=rf"m3_torch.{op} is inference-only .* requires grad"):
+        fn(x.clone().requires_grad_())
+    with pytest.raises(TypeError, match=rf"m3_torch.{op}: \w+ comes from a torch.func transform"):
+        torch.func.vmap(fn)(x[None])
+    with pytest.raises(TypeError, match=rf"m3_torch.{op}: \w+: expected a torch.Tensor, got ndarray"):
+        fn(x.numpy())
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "moe_route", "fused_moe", "sample"])
+def test_jax_model_kernels_refuse_vmap_and_grad(op):
+    x, extra, rows = model_kernel_inputs()
+    with jax.default_device(jax.devices("cpu")[0]):
+        fn = model_kernel_calls(m3_jax, **{k: to_jax(v) for k, v in extra.items()},
+                                rows=tuple(to_jax(r) for r in rows))[op]
+        with pytest.raises(TypeError, match=rf"m3_jax.{op}: \w+ is a BatchTracer"):
+            jax.vmap(fn)(to_jax(x)[None])
+        with pytest.raises(TypeError, match=rf"m3_jax.{op}: \w+ is a \w*Tracer .*jax.jit only"):
+            jax.grad(lambda a: fn(a).astype(jnp.float32).sum())(to_jax(x))
+        with pytest.raises(TypeError, match=rf"m3_jax.{op}: \w+: expected a jax array, got Tensor"):
+            fn(x)
+
+
 @pytest.mark.parametrize("target", INTERPRETER)
 def test_numpy_integers_are_accepted(target):
     x = make_batch((200, 5), [2, 2], hq=2, hk=1, d=16)
