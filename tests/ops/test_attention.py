@@ -106,6 +106,30 @@ def test_sparse_prefill_tiles_of_several_tokens_or_one(target, packs, splits, mo
     assert rel_err(out, expected) < TOLERANCE["bfloat16"]
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("target", targets(["torch"]))
+def test_dense_prefill_tiles_of_64_rows_run_whole_blocks_unmasked(target, splits):
+    """Dense prefill tiles of 64+ rows (8 tokens x a group of 8: the GPU's M3 tiles; the case list's
+    groups give 32 rows at most) run the blocks that end before their first token without the causal
+    mask, the rest with it. Tiles whose first token sits one row before a block's last (position 126),
+    on its last (127), its first (128) or inside it (135, 387, 395), on 1 and 2 splits: the float64
+    reference."""
+    case = prefill("whole_blocks", (4, 10, 2, 13), (130, 137, 130, 400), hq=8, hk=1, d=16, di=16, dtype="float32")
+    dev = target.torch_device
+    x = make_inputs(case, dev)
+    cu = torch.tensor(case.cu_seqlens, dtype=torch.int32)
+    plan = m3_torch.prefill_plan(cu)
+    tile, tile_map = plan.tiles(case.hq // case.hk)
+    assert tile.block_m >= 64
+    with tuning.override(target_programs=tile_map.shape[0] * case.hk * splits):
+        out = torch.full_like(x["q"], float("nan"))
+        m3_torch.dense_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                               cu_seqlens_q=cu.to(dev), plan=plan, out=out)
+    expected = ref.attention_ref(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"].cpu(),
+                                 case.q_lens)
+    assert rel_err(out, expected) < TOLERANCE["float32"]
+
+
 def test_mtp_decode_packs_only_with_enough_programs_on_a_gpu():
     """Several query tokens per request share a tile where that at least halves the block visits,
     and, on a GPU, the packed launch still has SPARSE_PACK_MIN_PROGRAMS (request, KV head) programs;
