@@ -30,6 +30,15 @@ def operand(x) -> Operand:
     return Operand(x, 0, tuple(x.shape), maps.contiguous_strides(x.shape), jnp.dtype(x.dtype).name)
 
 
+def check_kv_layout(k_cache, v_cache) -> None:
+    """The K/V caches' (arrays or PagedViews) offset and stride rule (``validate.check_cache_layout``), for the
+    MSA ops to check before their first launch: their attention launch checks it too, but only after the
+    indexer's launches."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        kv = operand(cache)
+        validate.check_cache_layout(name, kv.offset, kv.strides)
+
+
 def strides(shape) -> tuple:
     """Strides of the dense row-major outputs JAX allocates."""
     return maps.contiguous_strides(shape)

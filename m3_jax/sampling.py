@@ -34,6 +34,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *, repetit
     """
     penalties = {"repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
                  "frequency_penalty": frequency_penalty}
+    guards.check_call("sample", logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                      seeds=seeds, counters=counters, prompt_ids=prompt_ids, output_ids=output_ids,
+                      token_bitmask=token_bitmask, **penalties)
     words = seeds.ndim == 2
     if words and (seeds.shape[1] != 2 or str(seeds.dtype) != "int32"):
         raise TypeError(f"seeds: expected [L] int64/int32 or [L, 2] int32 (low, high words), got "
@@ -41,9 +44,6 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, *, repetit
     rows, vocab, has_penalties = validate.check_sample_call(logits, temperature, top_k, top_p, min_p,
                                                             seeds[:, 0] if words else seeds, counters, penalties,
                                                             prompt_ids, output_ids, token_bitmask)
-    guards.check_call("sample", logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                      seeds=seeds, counters=counters, prompt_ids=prompt_ids, output_ids=output_ids,
-                      token_bitmask=token_bitmask, **penalties)
     if str(seeds.dtype) == "int64" and not jax.config.jax_enable_x64:   # numpy seeds JAX would narrow
         raise TypeError("seeds: int64 seeds need jax_enable_x64 (JAX would narrow them); pass int32 seeds "
                         "(the same value draws the same token)")

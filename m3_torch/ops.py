@@ -58,6 +58,13 @@ def operand(t: torch.Tensor) -> Operand:
     return Operand(t, 0, tuple(t.shape), tuple(t.stride()), validate.dtype_name(t))
 
 
+def check_kv_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The K/V caches' stride rule (``validate.check_cache_layout``), for the MSA ops to check before their
+    first launch: their attention launch checks it too, but only after the indexer's launches."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        validate.check_cache_layout(name, 0, cache.stride())
+
+
 def as_scale(scale, device) -> torch.Tensor:
     """An FP8 cache's scale as the kernels read it: a float32 tensor on ``device``.
 

@@ -168,6 +168,28 @@ def test_jax_view_errors(target):
             m3_jax.msa_decode(j["q"], j["idx_q"], *views, j["block_table"], j["seq_lens"], decode_query_len=1, topk=2)
 
 
+@pytest.mark.parametrize("target", targets())
+def test_msa_ops_check_kv_strides_before_the_indexer_runs(target, monkeypatch):
+    """A K cache whose rows are 65 elements apart (index-K aligned): msa_decode's ValueError comes before
+    any launch, the indexer's included (its attention launch alone would find it after the scores ran)."""
+    x = make_inputs(DECODE)
+    k = x["k_cache"]
+    with target.active():
+        j = inputs(target, DECODE)
+        if target.framework == "torch":
+            k_bad = torch.randn(k.numel() * 2).to(k.dtype).as_strided(
+                k.shape, (k.shape[1] * 128 * 65, 128 * 65, 65, 1)).to(target.torch_device)
+            monkeypatch.setattr(m3_torch.ops, "run", lambda *a, **kw: pytest.fail("a launch ran"))
+        else:
+            buffer = to_jax(torch.randn(k.numel() + 5).to(k.dtype))
+            k_bad = PagedView(buffer, 5, tuple(k.shape), tuple(int(s) for s in k.stride()))   # starts 5 elements in
+            for call in ("cpu_call", "gpu_call"):   # what m3_jax.ops.run launches with
+                monkeypatch.setattr(m3_jax.ops, call, lambda *a, **kw: pytest.fail("a launch ran"))
+        with pytest.raises(ValueError, match="k_cache: element offset and strides"):
+            api(target).msa_decode(j["q"], j["idx_q"], k_bad, j["v_cache"], j["index_k_cache"], j["block_table"],
+                                   j["seq_lens"], decode_query_len=1, topk=2)
+
+
 # -- prefill ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("target", targets())

@@ -449,11 +449,13 @@ def test_bad_arguments_name_the_argument(framework, name, mutate, error, message
         run(framework, inputs)
 
 
-def test_jax_refuses_int64_seeds_it_would_narrow():
+def test_jax_refuses_int64_seeds_and_seed_lists():
     inputs = mixed_inputs(18, 4, 64)
     j = {k: jnp.asarray(v) for k, v in inputs.items() if k != "seeds"}
     with pytest.raises(TypeError, match="seeds: int64 seeds need jax_enable_x64"):
         m3_jax.sample(j["logits"], *(j[k] if k != "seeds" else inputs["seeds"] for k in PER_ROW))
+    with pytest.raises(TypeError, match="m3_jax.sample: seeds: expected a jax array, got list"):
+        m3_jax.sample(j["logits"], *(j[k] if k != "seeds" else inputs["seeds"].tolist() for k in PER_ROW))
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
