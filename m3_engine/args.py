@@ -152,7 +152,7 @@ class EngineArgs:
                                            "max_num_batched_tokens)", type=int, metavar="N")
     graph_batch_sizes: Optional[Sequence[int]] = _option(
         None, "decode batch sizes replayed from CUDA graphs (torch) or compiled (JAX) (default: 1, 2, 4, 8, "
-        "then multiples of 16 up to max_num_seqs)", type=parse_int_list, metavar="B1,B2,...")
+        "then multiples of 16 up to max_num_seqs and max_num_batched_tokens)", type=parse_int_list, metavar="B1,B2,...")
     gpu_memory_utilization: float = _option(
         0.9, "fraction of a GPU's memory the engine may use, in (0, 1]: without num_gpu_blocks_override "
         "the KV pool gets what it leaves after the weights (under tensor parallelism the fewest pages of "

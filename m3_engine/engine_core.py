@@ -446,8 +446,10 @@ class EngineCore:
 
     @staticmethod
     def _logprobs(result: SampleResult, i: int, n: int) -> TokenLogprobs:
-        return TokenLogprobs(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(),
-                             float(result.logprobs[i]), int(result.ranks[i]))
+        # N = 0 asks for the sampled token's logprob alone: a step whose rows all ask for 0 has no top arrays
+        top_ids, top_logprobs = (result.top_ids[i, :n].tolist(),
+                                 result.top_logprobs[i, :n].tolist()) if n else ([], [])
+        return TokenLogprobs(top_ids, top_logprobs, float(result.logprobs[i]), int(result.ranks[i]))
 
     def _prompt_spans(self, step: Step) -> list:
         """``[(request, start, end)]``: the prompt positions whose logprobs this step computes, in the

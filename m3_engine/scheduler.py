@@ -124,7 +124,8 @@ class SchedulerConfig:
         max_model_len None: ``min(DEFAULT_MAX_CONTEXT, max_position_embeddings)``; more
         than the model's positions is an error. num_gpu_blocks_override None: ``max_num_seqs``
         requests of ``max_model_len`` tokens; fewer pages than one such request is an
-        error. graph_batch_sizes None: :func:`default_graph_batch_sizes`.
+        error. graph_batch_sizes None: :func:`default_graph_batch_sizes` up to the smaller of
+        ``max_num_seqs`` and ``max_num_batched_tokens``.
         """
         max_batch = _int("max_num_seqs", max_num_seqs)
         max_context = min(DEFAULT_MAX_CONTEXT, config.max_position_embeddings) if max_model_len is None else \
@@ -140,8 +141,9 @@ class SchedulerConfig:
                              f"{max_context} tokens: it needs {max_blocks} pages of {PAGE_SIZE} tokens")
         if max_num_batched_tokens is not None:
             _int("max_num_batched_tokens", max_num_batched_tokens)
-        if graph_batch_sizes is None:
-            graph_batch_sizes = default_graph_batch_sizes(max_batch)
+        if graph_batch_sizes is None:   # a step runs at most max_num_batched_tokens generation rows
+            graph_batch_sizes = default_graph_batch_sizes(
+                max_batch if max_num_batched_tokens is None else min(max_batch, max_num_batched_tokens))
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching: expected a bool, got {enable_prefix_caching!r}")
         return cls(max_batch=max_batch, max_context=max_context, num_slots=num_slots,
@@ -155,14 +157,14 @@ class SchedulerConfig:
             object.__setattr__(self, "prefill_chunk", self.max_num_tokens)
         for name in ("max_batch", "max_context", "num_slots", "max_num_tokens", "prefill_chunk"):
             _int(name, getattr(self, name))
-        sizes = tuple(sorted({_int("graph_batch_sizes entry", v) for v in self.graph_batch_sizes}))
+        sizes = tuple(sorted({_int("graph_batch_sizes", v) for v in self.graph_batch_sizes}))
         object.__setattr__(self, "graph_batch_sizes", sizes)
         if self.max_blocks > self.num_slots:
             raise ValueError(f"num_slots={self.num_slots} is too small for one request of max_context="
                              f"{self.max_context} tokens: it needs {self.max_blocks} slots of {PAGE_SIZE} tokens")
         if self.graph_batch_sizes and self.graph_batch_sizes[-1] > min(self.max_batch, self.max_num_tokens):
-            raise ValueError(f"graph_batch_sizes: expected sizes <= max_batch={self.max_batch} and <= "
-                             f"max_num_tokens={self.max_num_tokens}, got {self.graph_batch_sizes}")
+            raise ValueError(f"graph_batch_sizes: expected sizes <= max_num_seqs={self.max_batch} and <= "
+                             f"max_num_batched_tokens={self.max_num_tokens}, got {self.graph_batch_sizes}")
 
     @property
     def max_blocks(self) -> int:

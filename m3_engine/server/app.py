@@ -21,8 +21,8 @@ token ids, a list of token-id lists: ``n`` choices per prompt), ``messages``,
 ``stop``, ``logprobs`` / ``top_logprobs``, ``presence_penalty``,
 ``frequency_penalty``, ``n``, ``echo``, ``stream``, ``stream_options``,
 ``response_format`` (chat and completions), ``tools``, ``tool_choice`` (chat); and
-vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
-``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``bad_words``,
+``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``return_token_ids`` (each choice / chunk gets ``token_ids``, and
 ``prompt_token_ids``), ``prompt_logprobs``, ``structured_outputs`` (chat and
 completions), ``add_generation_prompt`` (chat). Tools, tool choice, constrained output and the
@@ -454,7 +454,7 @@ def _sampling_params(server: "_Server", body: GenerationRequest, *, max_tokens: 
                   skip_special_tokens=body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
                   structured_outputs=constraint)
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty"):
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words"):
         value = getattr(body, name)
         if value is not None:
             kwargs[name] = value

@@ -45,9 +45,19 @@ DEAD_EXIT_DELAY = 2.0   # seconds /health answers 503 after the engine process d
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
     return value
 
 
@@ -60,7 +70,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--framework", choices=FRAMEWORKS, default="torch", help="engine: m3_torch.LLM (default) or "
                    "m3_jax.LLM")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=_non_negative_int, default=8000, help="default 8000; 0 picks a free port (the "
+    p.add_argument("--port", type=_port, default=8000, help="default 8000; 0 picks a free port (the "
                    "'listening on' line shows it)")
     p.add_argument("--api-key", default=os.environ.get("M3_API_KEY"), help="require 'Authorization: Bearer KEY' "
                    "on /v1/*, /tokenize and /detokenize (default: $M3_API_KEY, else none)")

@@ -81,6 +81,8 @@ class GenerationRequest(BaseModel):
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    bad_words: Optional[list[str]] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False

@@ -295,6 +295,16 @@ def test_bad_limits(limits, words):
         SchedulerConfig(**dict(dict(max_batch=4, max_context=1024, num_slots=16, max_num_tokens=256), **limits))
 
 
+def test_default_graph_batch_sizes_fit_max_num_batched_tokens():
+    """A step runs at most max_num_batched_tokens generation rows: the default sizes stop there."""
+    config = SchedulerConfig.from_engine_args(model_config(), max_num_seqs=8, max_model_len=1024,
+                                              num_gpu_blocks_override=None, max_num_batched_tokens=4)
+    assert config.graph_batch_sizes == (1, 2, 4)
+    config = SchedulerConfig.from_engine_args(model_config(), max_num_seqs=32, max_model_len=1024,
+                                              num_gpu_blocks_override=None)
+    assert config.graph_batch_sizes == (1, 2, 4, 8, 16, 32)
+
+
 def test_defaults():
     cfg = SchedulerConfig(max_batch=4, max_context=1000, num_slots=8)
     assert (cfg.max_num_tokens, cfg.prefill_chunk, cfg.max_blocks) == (2048, 2048, 8)

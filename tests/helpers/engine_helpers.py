@@ -76,7 +76,7 @@ class FakeRunner(SynchronousRunner):
                 tokens[row] = script[index] if index < len(script) else self.eos
         rows = len(tokens)
         n = sampling.num_logprobs
-        top = None if n is None else (tokens[:, None] + np.arange(max(n, 1))[None]) % self.vocab
+        top = None if not n else (tokens[:, None] + np.arange(n)[None]) % self.vocab   # N = 0: none, as the runners
         prompt = {}
         if sampling.prompt_targets is not None:
             targets, k = sampling.prompt_targets, sampling.num_prompt_logprobs
@@ -86,7 +86,7 @@ class FakeRunner(SynchronousRunner):
                           prompt_top_logprobs=np.tile(fake_prompt_logprob(np.arange(1, k + 1)), (len(targets), 1))
                           .astype(np.float32))
         return SampleResult(tokens=tokens, logprobs=-sampling.temperature.astype(np.float32),
-                            top_ids=top, top_logprobs=None if n is None else np.full(top.shape, -0.5, np.float32),
+                            top_ids=top, top_logprobs=None if not n else np.full(top.shape, -0.5, np.float32),
                             ranks=None if n is None else np.ones(rows, np.int32), **prompt)
 
     def _script(self, request):

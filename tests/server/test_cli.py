@@ -207,6 +207,10 @@ class TTY(io.StringIO):
     (["--model", "{m}", "--prompt", "x", "--max-model-len", "9000"], r"--max-model-len: expected <= max_position_emb"),
     (["--model", "{m}", "--prompt", "x", "-tp", "3"],   # tiny: 4 query, 2 KV heads
      r"--tensor-parallel-size: tensor_parallel_size=3 does not divide num_attention_heads=4"),
+    (["--model", "{m}", "--prompt", "x", "--graph-batch-sizes", "0"],
+     r"^error: --graph-batch-sizes: expected an int >= 1, got 0$"),
+    (["--model", "{m}", "--prompt", "x", "--max-num-batched-tokens", "4", "--graph-batch-sizes", "8"],
+     r"^error: --graph-batch-sizes: expected sizes <= max_num_seqs=8 and <= max_num_batched_tokens=4, got \(8,\)$"),
     (["--model", "{m}", "--max-model-len", "256", "--prompt", "x", "--prompt-ids", ",".join(["5"] * 300)],
      r"^error: --prompt-ids 1: 300 tokens, longer than --max-model-len 256"),
     (["--model", "{m}", "--prompt-ids", "1,512"], r"--prompt-ids 1: token id 512 is outside the vocabulary \[0, 512\)"),

@@ -982,6 +982,20 @@ def test_fake_stop_string_ends_the_request_in_the_engine(fake_server):
     assert out.usage.completion_tokens <= generated < 100, generated   # 200 if the engine went on
 
 
+def test_fake_min_tokens_and_bad_words_reach_the_engine(fake_server):
+    """vLLM's min_tokens and bad_words are SamplingParams' (not dropped as unknown fields): before
+    min_tokens outputs no stop string is looked for; bad values are a 400 naming the field."""
+    client = fake_server.client()
+    out = client.completions.create(model=MODEL, prompt=say("one two three"), max_tokens=40, stop=["two"],
+                                    extra_body={"ignore_eos": True, "min_tokens": 40})
+    c = out.choices[0]
+    assert (c.text, c.finish_reason, out.usage.completion_tokens) == ("one two three", "length", 40)
+    for body, param in (({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"bad_words": [" "]}, "bad_words")):
+        status, got = call(fake_server.port, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, **body})
+        check_error(status, got, 400, "invalid_request_error", param)
+    wait_idle(fake_server.port, timeout=10)
+
+
 def test_fake_disconnect_aborts_in_the_engine(fake_server):
     """A client that closes its stream, or leaves while waiting for a non-streamed answer, has its
     request aborted in the engine process: nothing runs there any more."""
@@ -1310,6 +1324,9 @@ def test_cli_flags():
     (["DIR", "--framework", "tf"], r"^error: argument --framework: invalid choice: 'tf'"),
     (["DIR", "--max-num-seqs", "x"], r"^error: argument --max-num-seqs: invalid int value: 'x'$"),
     (["{m}", "--port", "-1"], r"^error: argument --port: expected an int >= 0, got -1$"),
+    (["{m}", "--port", "99999"], r"^error: argument --port: expected a port in \[0, 65535\], got 99999$"),
+    (["{m}", "--port", "http"], r"^error: argument --port: expected an int >= 0, got 'http'$"),
+    (["{m}", "--max-queue", "x"], r"^error: argument --max-queue: expected an int >= 0, got 'x'$"),
     (["/nonexistent/m3"], r"^error: MODEL_DIR: /nonexistent/m3 has no config.json"),
     (["{m}", "--max-num-seqs", "0"], r"^error: --max-num-seqs: expected an int >= 1, got 0$"),
     (["{m}", "--quantization", "awq"], r"^error: --quantization: expected None"),
