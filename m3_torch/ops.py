@@ -143,8 +143,8 @@ def compile_only(threads: int):
     compilation of each launch's kernel variant (Triton's specialisation of these very arguments: their
     constexprs, warps, stages, integer values 1 and multiples of 16, pointer alignment) to a pool of
     ``threads`` threads (``triton.AsyncCompileMode``; one compilation per variant). On leaving, every
-    compilation has finished and each kernel's in-memory cache holds its variants, so the launches of
-    the same step afterwards compile nothing. Yields the mode: ``mode.raw_futures``, one future per
+    compilation has finished, each kernel's in-memory cache holds its variants and each variant is loaded
+    (its module and launcher), so the launches of the same step afterwards compile and load nothing. Yields the mode: ``mode.raw_futures``, one future per
     compilation. Outputs of the kernels stay unwritten: a step run inside computes garbage (on purpose:
     nothing depends on it)."""
     import triton
@@ -155,6 +155,12 @@ def compile_only(threads: int):
         try:
             with mode:
                 yield mode
+            # Triton loads a variant (its module into the device, and its launcher: a C compile when the
+            # cache folder lacks it) at its first launch; a variant no warm-up step launches (the eager
+            # steps, which the graph captures do not run) would load on the request path. Reading
+            # ``run`` loads it now, on this thread (its current device).
+            for future in mode.raw_futures:
+                future.result().run  # noqa: B018 (the property loads the kernel)
         finally:
             _compile_only.reset(token)
 

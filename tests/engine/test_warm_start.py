@@ -235,10 +235,15 @@ def test_second_jax_start_compiles_no_triton_kernel(model_dir, tmp_path):
     """On a GPU: two JAX engines in two processes over one cache folder; the first compiles its Triton
     kernels to PTX (its threads that wait for a kernel another compiles read it back), the second reads
     every one back (jax-triton alone compiles them again in each process)."""
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests' / 'helpers'}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     run = [sys.executable, "-c", GPU_START, str(model_dir), str(tmp_path / "cache")]
-    first, second = (json.loads(subprocess.run(run, env=env, capture_output=True, text=True, check=True)
-                                .stdout.splitlines()[-1]) for _ in range(2))
+
+    def start() -> dict:
+        done = subprocess.run(run, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    first, second = start(), start()
     assert first["compiled"] > 0
     assert second["compiled"] == 0 and second["read"] >= first["compiled"]
 
