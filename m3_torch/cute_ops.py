@@ -145,12 +145,40 @@ index_scores = ops.define(
 
 # Fake addresses for compiling, as above: q/out at their element size, the caches' pages 16 B aligned.
 _PREFILL_ALIGN = dict(q=2, k=16, v=16, table=4, lens=4, tile_map=4, out=2)
+_SPARSE_PREFILL_ALIGN = dict(_PREFILL_ALIGN, ids=4)   # the launch's pointer order: ids after out
 
 
 def prefill_shape_class(dtype: str, group: int, head_dim: int) -> tuple:
     """What one compiled dense prefill kernel is specialized on: (dtype, group, heads_pad, D, stages)."""
     tile = maps.index_tile(group, maps.MAX_TILE_ROWS)
     return (dtype, group, tile.heads_pad, head_dim, tuning.CUTEDSL_PREFILL_STAGES[head_dim])
+
+
+def sparse_prefill_shape_class(dtype: str, group: int, head_dim: int, topk: int) -> tuple:
+    """What one compiled sparse prefill kernel is specialized on: the dense class and topk."""
+    return (*prefill_shape_class(dtype, group, head_dim), topk)
+
+
+def compile_sparse_prefill(key: tuple, arch: str | None = None):
+    """Compile ``cute_prefill.sparse_prefill_launch`` for shape class ``key``
+    (:func:`sparse_prefill_shape_class`); ``arch`` as in :func:`compile_dense_prefill`."""
+    cp = backends.cutedsl_prefill_module()
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    dtype, group, heads_pad, head_dim, stages, topk = key
+    gmem = cute.AddressSpace.gmem
+    elem = cp.dtype_of(dtype)
+    types = dict(q=elem, k=elem, v=elem, table=cutlass.Int32, lens=cutlass.Int32, tile_map=cutlass.Int32, out=elem,
+                 ids=cutlass.Int32)
+    ptrs = [make_ptr(types[n], 1 << 16, gmem, assumed_align=a) for n, a in _SPARSE_PREFILL_ALIGN.items()]
+    sizes = [1] * 6                    # num_tokens .. num_kv_heads (runtime values)
+    strides = [1] * 18
+    kwargs = {} if arch is None else dict(options=f"--gpu-arch {arch}")
+    return cute.compile(cp.sparse_prefill_launch, *ptrs, *sizes, cutlass.Float32(1.0), *strides, cuda.CUstream(0),
+                        group=group, heads_pad=heads_pad, head_dim=head_dim, stages=stages, topk=topk, **kwargs)
 
 
 def compile_dense_prefill(key: tuple, arch: str | None = None):
