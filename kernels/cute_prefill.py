@@ -764,6 +764,13 @@ def prefill_kernel(
                         row[tOcO_mn[r, c][1]] = mO.element_type(o_mn[r, c] * inv)
 
 
+def _as_element_type(ptr: cute.Pointer, element_type) -> cute.Pointer:
+    """``ptr`` read as ``element_type`` (a byte pool's sub-pages are read as q's dtype)."""
+    if ptr.value_type != element_type:
+        return cute.recast_ptr(ptr, dtype=element_type)
+    return ptr
+
+
 @cute.jit
 def dense_prefill_xla(
     stream: cuda.CUstream,
@@ -790,14 +797,9 @@ def dense_prefill_xla(
     """``cutlass.jax.cutlass_call`` entry: dense row-major arrays (sizes from their runtime shapes)
     and each K/V cache as (flat buffer, static offset/strides in elements of q's dtype: a byte
     pool's sub-pages are read as that dtype) -> ``dense_prefill_launch``."""
-    k_iter = k_cache.iterator
-    if const_expr(k_cache.element_type != q.element_type):
-        k_iter = cute.recast_ptr(k_iter, dtype=q.element_type)
-    v_iter = v_cache.iterator
-    if const_expr(v_cache.element_type != q.element_type):
-        v_iter = cute.recast_ptr(v_iter, dtype=q.element_type)
     dense_prefill_launch(
-        q.iterator, k_iter + k_offset, v_iter + v_offset, block_table.iterator, seq_lens.iterator,
+        q.iterator, _as_element_type(k_cache.iterator, q.element_type) + k_offset,
+        _as_element_type(v_cache.iterator, q.element_type) + v_offset, block_table.iterator, seq_lens.iterator,
         tile_map.iterator, out.iterator,
         q.shape[0], block_table.shape[0], block_table.shape[1], num_pages, tile_map.shape[0], num_kv_heads,
         Float32(sm_scale),
@@ -808,3 +810,46 @@ def dense_prefill_xla(
         out.layout.stride[0], out.layout.stride[1], out.layout.stride[2],
         stream,
         group, heads_pad, head_dim, stages)
+
+
+@cute.jit
+def sparse_prefill_xla(
+    stream: cuda.CUstream,
+    q: cute.Tensor,               # [T, Hq, D] row-major
+    k_cache: cute.Tensor,         # as in dense_prefill_xla
+    v_cache: cute.Tensor,
+    block_ids: cute.Tensor,       # [Hk, T, topk] int32 row-major
+    block_table: cute.Tensor,     # [R, max_blocks] int32 row-major
+    seq_lens: cute.Tensor,        # [R] int32
+    tile_map: cute.Tensor,        # [num_tiles, 4] int32
+    out: cute.Tensor,             # [T, Hq, D] q's dtype row-major (output)
+    *,
+    sm_scale: cutlass.Constexpr,
+    k_offset: cutlass.Constexpr,
+    k_strides: cutlass.Constexpr,
+    v_offset: cutlass.Constexpr,
+    v_strides: cutlass.Constexpr,
+    num_pages: cutlass.Constexpr,
+    num_kv_heads: cutlass.Constexpr,
+    group: cutlass.Constexpr,
+    heads_pad: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+    stages: cutlass.Constexpr,
+    topk: cutlass.Constexpr,
+):
+    """``cutlass.jax.cutlass_call`` entry of the sparse mode: as :func:`dense_prefill_xla`, with the
+    block ids -> ``sparse_prefill_launch``."""
+    sparse_prefill_launch(
+        q.iterator, _as_element_type(k_cache.iterator, q.element_type) + k_offset,
+        _as_element_type(v_cache.iterator, q.element_type) + v_offset, block_table.iterator, seq_lens.iterator,
+        tile_map.iterator, out.iterator, block_ids.iterator,
+        q.shape[0], block_table.shape[0], block_table.shape[1], num_pages, tile_map.shape[0], num_kv_heads,
+        Float32(sm_scale),
+        q.layout.stride[0], q.layout.stride[1], q.layout.stride[2],
+        *k_strides, *v_strides,
+        block_table.layout.stride[0], block_table.layout.stride[1],
+        seq_lens.layout.stride[0],
+        out.layout.stride[0], out.layout.stride[1], out.layout.stride[2],
+        block_ids.layout.stride[0], block_ids.layout.stride[1], block_ids.layout.stride[2],
+        stream,
+        group, heads_pad, head_dim, stages, topk)

@@ -76,6 +76,15 @@ def _dense_prefill_backend(backend, q, k) -> str:
                                                 cache_dtype=validate.dtype_name(k), **_device())
 
 
+def _sparse_prefill_backend(backend, q, k, block_ids) -> str:
+    """The sparse prefill backend of one call (None: ``$M3_SPARSE_PREFILL``, else "triton"), checked as
+    :func:`_backend` checks the indexer's."""
+    return backends.check_sparse_prefill_backend(backend, group=int(q.shape[1]) // int(k.shape[1]),
+                                                 head_dim=int(q.shape[2]), topk=int(block_ids.shape[2]),
+                                                 dtype=validate.dtype_name(q), cache_dtype=validate.dtype_name(k),
+                                                 **_device())
+
+
 def _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, skip_blocks=0):
     """scores [Hi, T, max_blocks] with the resolved ``backend``'s kernel. ``skip_blocks``: the MSA ops
     pass ``topk``; the Triton scorer then leaves tiles that see at most that many blocks unscored
@@ -279,14 +288,23 @@ def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens
 
 
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None,
-                   plan=None, kv_layout="HND", k_scale=None, v_scale=None):
+                   plan=None, kv_layout="HND", k_scale=None, v_scale=None, backend=None):
     """Block-sparse GQA attention, each token over its own blocks -> ``[T, Hq, D]`` in q's dtype.
 
     Causal inside every block (the diagonal one included). Arguments as in
-    ``m3_torch.sparse_prefill``; K/V arrays in ``kv_layout`` or PagedViews.
+    ``m3_torch.sparse_prefill``; K/V arrays in ``kv_layout`` or PagedViews. ``backend`` (static): as
+    in ``m3_torch.sparse_prefill``: "triton", "cutedsl" or None for ``$M3_SPARSE_PREFILL``.
     """
-    return run(_prefill_attention("sparse_prefill", q, k_cache, v_cache, block_ids, block_table, seq_lens,
-                                  cu_seqlens_q, plan, sm_scale, kv_layout, k_scale, v_scale))["out"]
+    k, v, maps_, call, seq_lens = _check_prefill_attention("sparse_prefill", q, k_cache, v_cache, block_ids,
+                                                           block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
+                                                           kv_layout, k_scale, v_scale)
+    if _sparse_prefill_backend(backend, q, k, block_ids) == "cutedsl":
+        # the kernel's tiles fill its 128 MMA rows: the indexer's (as many tokens as 128 rows hold)
+        tile, tile_map = maps_.tile(call.group, "index")
+        return cute_call.sparse_prefill(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale)
+    tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(True, call.max_blocks, int(block_ids.shape[2])))
+    return run(_attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
+                          ops.kv_scales(k, k_scale, v_scale)))["out"]
 
 
 def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None, plan=None,

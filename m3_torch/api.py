@@ -57,6 +57,15 @@ def _dense_prefill_backend(backend, q, k_cache) -> str:
         capability=ops.device_capability(q.device))
 
 
+def _sparse_prefill_backend(backend, q, k_cache, block_ids) -> str:
+    """The sparse prefill backend of one call (None: ``$M3_SPARSE_PREFILL``, else "triton"), checked
+    against the shapes, the dtypes and the device (m3_kernels.backends)."""
+    return backends.check_sparse_prefill_backend(
+        backend, group=int(q.shape[1]) // int(k_cache.shape[1]), head_dim=int(q.shape[2]),
+        topk=int(block_ids.shape[2]), dtype=validate.dtype_name(q), cache_dtype=validate.dtype_name(k_cache),
+        device=q.device.type, capability=ops.device_capability(q.device))
+
+
 def prefill_plan(cu_seqlens_q=None, plan=None) -> planner.PrefillPlan:
     """``plan`` if given, else the plan of ``cu_seqlens_q`` (one host read: syncs a CUDA tensor)."""
     if plan is not None:
@@ -243,15 +252,24 @@ def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens
 
 
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None,
-                   out=None, k_scale=None, v_scale=None):
+                   out=None, k_scale=None, v_scale=None, backend=None):
     """Block-sparse GQA attention, each token over its own blocks -> ``[T, Hq, D]`` in q's dtype.
 
     Causal inside every block (the diagonal one included): the token at position
     p sees positions <= p. Arguments as in ``sparse_decode``, with cu_seqlens_q.
+    ``backend``: "triton" (``attention.paged_attention_kernel``), "cutedsl" (``cute_prefill``'s
+    sparse mode, Hopper sm_90a, bf16/fp16 caches, Hq // Hk >= 4) or None for ``$M3_SPARSE_PREFILL``
+    (default "triton"); a backend that cannot run this call is an error (``m3_kernels.backends``).
     """
+    plan = prefill_plan(cu_seqlens_q, plan)
     out, tile_map, tokens_per_tile, scale, kv_scales = _prefill_attention(
         "sparse_prefill", q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out,
         k_scale, v_scale)
+    if _sparse_prefill_backend(backend, q, k_cache, block_ids) == "cutedsl":
+        # the kernel's tiles fill its 128 MMA rows: the indexer's (as many tokens as 128 rows hold)
+        _, tile_map, _ = ops.prefill_maps(plan, q.device, int(q.shape[1]) // int(k_cache.shape[1]), "index")
+        cute_ops.sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, scale)
+        return out
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
                         tokens_per_tile, scale, *kv_scales)
     return out

@@ -1,4 +1,4 @@
-"""backend="cutedsl" of ``dense_prefill`` (the CuTeDSL kernel of ``cute_prefill.py``).
+"""backend="cutedsl" of ``dense_prefill`` and ``sparse_prefill`` (the CuTeDSL kernel of ``cute_prefill.py``).
 
 CPU: the backend switch and its errors, both frameworks' refusal of a CPU
 call (``dense_prefill``, and ``msa_attention_step`` on a dense layer, which
@@ -17,6 +17,15 @@ are not aligned (the kernel's element-by-element load and store) give the same
 bits as contiguous ones (its 16-byte loads and 4-byte stores); JAX's launch of
 the kernel bit-identical to torch's; a dense layer's step with
 ``M3_DENSE_PREFILL=cutedsl`` runs the kernel in both frameworks.
+
+Sparse mode (``sparse_prefill``, switch ``M3_SPARSE_PREFILL``): the same CPU
+checks (its own errors: tiles of more than 32 tokens, more than 128 ids per
+tile), its sm_90a compile through both paths; on the GPU against the float64
+reference and the Triton backend at the same odd lengths, with block ids whose
+slots are shuffled, hold -1, ids past the request's blocks and blocks after the
+token (seen by nothing), over the same poisoned caches and outputs; every token
+choosing all its visible blocks gives the dense kernel's bits (same blocks, same
+order); JAX's launch bit-identical to torch's.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import m3_jax
 import m3_torch
 from m3_kernels import backends, maps, planner
 
-from cases import PAGE, TOLERANCE, make_inputs, prefill, rel_err
+from cases import PAGE, TOLERANCE, make_inputs, prefill, random_block_ids, rel_err
 from cutedsl_marks import GPU_CAPABILITY, HAVE_CUTEDSL, needs_cutedsl
 from targets import Target, assert_same_bits, attention_reference, check_attention, jax_inputs, to_jax, to_torch
 
@@ -74,6 +83,37 @@ def test_backend_switch(monkeypatch):
         _check("cutedsl", capability=(10, 0))
 
 
+def _check_sparse(backend, **kw):
+    args = dict(group=16, head_dim=128, topk=16, dtype="bfloat16", cache_dtype="bfloat16", device="cuda",
+                capability=(9, 0))
+    args.update(kw)
+    return backends.check_sparse_prefill_backend(backend, **args)
+
+
+def test_sparse_backend_switch(monkeypatch):
+    """sparse_prefill's switch: its own variable, dense's errors, and its tile limits."""
+    monkeypatch.delenv(backends.SPARSE_PREFILL_ENV_VAR, raising=False)
+    monkeypatch.setenv(backends.DENSE_PREFILL_ENV_VAR, "cutedsl")   # not this op's variable
+    assert _check_sparse(None, device="cpu", capability=None) == "triton"
+    monkeypatch.setenv(backends.SPARSE_PREFILL_ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match="M3_SPARSE_PREFILL"):
+        _check_sparse(None)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        _check_sparse("cute")
+    with pytest.raises(ValueError, match="64 tokens per tile"):
+        _check_sparse("cutedsl", group=2, topk=1)
+    with pytest.raises(ValueError, match="topk=32"):
+        _check_sparse("cutedsl", topk=32)
+    with pytest.raises(ValueError, match="D=96"):
+        _check_sparse("cutedsl", head_dim=96)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        _check_sparse("cutedsl", cache_dtype="float8_e4m3fn")
+    with pytest.raises(RuntimeError, match="runs on cpu"):
+        _check_sparse("cutedsl", device="cpu", capability=None)
+    with pytest.raises(RuntimeError, match="sparse_prefill uses Hopper"):
+        _check_sparse("cutedsl", capability=(10, 0))
+
+
 CPU_CASE = prefill("cute_cpu", (3,), (5,), hq=4, hk=2, d=64)
 
 
@@ -83,6 +123,24 @@ def test_cpu_call_refused():
     with pytest.raises(RuntimeError, match="use backend='triton'"):
         m3_torch.dense_prefill(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
                                cu_seqlens_q=x["cu_seqlens_q"], backend="cutedsl")
+
+
+SPARSE_CPU_CASE = prefill("cute_sp_cpu", (3,), (5,), hq=8, hk=2, d=64)   # 32 tokens x topk 4 per tile
+
+
+def test_sparse_cpu_call_refused():
+    """Both frameworks' sparse_prefill refuse backend='cutedsl' off a GPU, naming the fix."""
+    case = SPARSE_CPU_CASE
+    x = make_inputs(case)
+    with pytest.raises(RuntimeError, match="use backend='triton'"):
+        m3_torch.sparse_prefill(x["q"], x["k_cache"], x["v_cache"], random_block_ids(case), x["block_table"],
+                                x["seq_lens"], cu_seqlens_q=x["cu_seqlens_q"], backend="cutedsl")
+    with Target("jax", "interpreter").active():
+        j = jax_inputs(case, "interpreter")
+        with pytest.raises(RuntimeError, match="use backend='triton'"):
+            m3_jax.sparse_prefill(j["q"], j["k_cache"], j["v_cache"], jnp.asarray(random_block_ids(case).numpy()),
+                                  j["block_table"], j["seq_lens"], cu_seqlens_q=j["cu_seqlens_q"],
+                                  kv_layout=j["kv_layout"], backend="cutedsl")
 
 
 def test_jax_cpu_call_refused():
@@ -133,6 +191,18 @@ def test_compiles_for_hopper_torch_path():
 
 
 @needs_cutedsl
+def test_sparse_compiles_for_hopper_torch_path():
+    """The sparse mode (the block list in shared memory, the per-row choice mask) lowers for sm_90a,
+    and the switch's limits are the kernel's."""
+    from m3_kernels import cute_prefill
+    from m3_torch import cute_ops
+    assert (backends.CUTEDSL_SPARSE_MAX_TOKENS, backends.CUTEDSL_SPARSE_MAX_ENTRIES) == (
+        cute_prefill.SPARSE_MAX_TOKENS, cute_prefill.SPARSE_MAX_ENTRIES)
+    key = cute_ops.sparse_prefill_shape_class("bfloat16", 16, 128, 16)
+    assert cute_ops.compile_sparse_prefill(key, arch="sm_90a") is not None
+
+
+@needs_cutedsl
 def test_compiles_for_hopper_jax_path(monkeypatch):
     """``cutlass_call`` lowers the same kernel for a CUDA platform (no GPU: cross-platform lowering);
     K and V as bf16 views of layer 1 of a byte (uint8) pool, at their own offsets."""
@@ -157,6 +227,15 @@ def test_compiles_for_hopper_jax_path(monkeypatch):
               jax.ShapeDtypeStruct((5, 4), jnp.int32)]
     text = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert "CuteDSLRT" in text and "40x64x128xbf16" in text
+
+    def g(q, pool, ids, table, lens, tile_map):
+        k = PagedView(pool, 2 * page, (pages, Hk, PAGE, D), strides, dtype=jnp.bfloat16)
+        v = PagedView(pool, 3 * page, (pages, Hk, PAGE, D), strides, dtype=jnp.bfloat16)
+        return cute_call.sparse_prefill(q, k, v, ids, table, lens, tile_map, tile, 0.088)
+
+    ids = jax.ShapeDtypeStruct((Hk, T, 16), jnp.int32)
+    text = jax.jit(g).trace(shapes[0], shapes[1], ids, *shapes[2:]).lower(lowering_platforms=("cuda",)).as_text()
+    assert "CuteDSLRT" in text and "4x40x16xi32" in text
 
 
 # -- GPU ---------------------------------------------------------------------------------------
@@ -280,3 +359,85 @@ def test_unaligned_q_and_out_match_contiguous():
                            cu_seqlens_q=x["cu_seqlens_q"], out=out, backend="cutedsl")
     torch.cuda.synchronize()
     assert torch.equal(out, contiguous)
+
+
+# -- GPU: the sparse mode ----------------------------------------------------------------------
+
+SPARSE_M3 = dict(M3, topk=16)
+SPARSE_CASES = [
+    prefill("cute_sp_1", (1,), (1,), **SPARSE_M3),
+    prefill("cute_sp_127", (127,), (127,), **SPARSE_M3),
+    prefill("cute_sp_129_ctx", (129,), (129 + 300,), **SPARSE_M3),
+    prefill("cute_sp_3000", (3000,), (3000,), **SPARSE_M3),
+    prefill("cute_sp_mixed", (1, 127, 129, 700), (5, 127, 1000, 2100), **SPARSE_M3),
+    prefill("cute_sp_empty", (9, 4), (5, 130), **SPARSE_M3),          # 4 tokens of request 0 see nothing
+    # 16 tokens x topk 8 per tile (the switch's limit: 128 ids)
+    prefill("cute_sp_small", (1, 127, 129, 3000), (1, 200, 129, 3000), hq=16, hk=2, d=64, dtype="float16", topk=8),
+]
+
+
+def _sparse_ids(case) -> torch.Tensor:
+    """``random_block_ids`` made harder, still distinct per row: every other token's free slots get an
+    id past its request's blocks (skipped) or, where there is one, a block after the token's
+    position (masked: seen by none of its rows); then each row's slots are shuffled."""
+    ids = random_block_ids(case).clone()
+    g = torch.Generator().manual_seed(case.seed)
+    req_blocks = [-(-s // PAGE) for q, s in zip(case.q_lens, case.seq_lens) for _ in range(q)]
+    for t, kv_len in enumerate(case.kv_lens):
+        free = (ids[:, t] == -1).nonzero()
+        for n, (h, slot) in enumerate(free.tolist()[: 2 if t % 2 else 0]):
+            later = -(-kv_len // PAGE)        # the first block after the token's own
+            ids[h, t, slot] = later if n == 0 and later < req_blocks[t] else req_blocks[t] + 7 * n + 1
+        for h in range(case.hk):
+            ids[h, t] = ids[h, t, torch.randperm(case.topk, generator=g)]
+    return ids
+
+
+def _run_sparse(x, ids, backend):
+    out = torch.full_like(x["q"], math.nan)
+    return m3_torch.sparse_prefill(x["q"], x["k_cache"], x["v_cache"], ids.cuda(), x["block_table"], x["seq_lens"],
+                                   cu_seqlens_q=x["cu_seqlens_q"], out=out, backend=backend)
+
+
+@on_gpu
+@pytest.mark.parametrize("case", SPARSE_CASES, ids=str)
+def test_sparse_against_reference_and_triton(case):
+    x = _poisoned(case)
+    ids = _sparse_ids(case)
+    out = _run_sparse(x, ids, "cutedsl")
+    torch.cuda.synchronize()
+    check_attention(case, out.cpu(), attention_reference(case, ids))
+    triton = _run_sparse(x, ids, "triton")
+    assert rel_err(out, triton) < TOLERANCE[case.dtype]
+
+
+@on_gpu
+def test_sparse_choosing_every_block_is_dense():
+    """Every token choosing all its visible blocks (ascending): the sparse mode visits the dense
+    mode's blocks in its order with the same arithmetic (the choice mask only adds selects that
+    keep a value), so the bits are the dense kernel's."""
+    case = prefill("cute_sp_all", (129, 700), (129 + 300, 1900), **SPARSE_M3)   # <= 15 blocks per request
+    x = _poisoned(case)
+    ids = torch.full((case.hk, case.num_tokens, case.topk), -1, dtype=torch.int32)
+    for t, kv_len in enumerate(case.kv_lens):
+        nb = -(-kv_len // PAGE)
+        ids[:, t, :nb] = torch.arange(nb, dtype=torch.int32)
+    assert torch.equal(_run_sparse(x, ids, "cutedsl"), _run(x, "cutedsl"))
+
+
+SPARSE_BIT_CASES = [c for c in SPARSE_CASES if c.name in ("cute_sp_mixed", "cute_sp_small")]
+
+
+@on_gpu
+@pytest.mark.parametrize("case", SPARSE_BIT_CASES, ids=str)
+def test_sparse_torch_and_jax_bit_identical(case):
+    if not _jax_cute_ready():
+        pytest.skip("needs a JAX GPU backend with cutlass.jax")
+    x = _poisoned(case)
+    ids = _sparse_ids(case)
+    want = _run_sparse(x, ids, "cutedsl").cpu()
+    with Target("jax", "gpu").active():
+        j = _jax_gpu(x)
+        got = m3_jax.sparse_prefill(j["q"], j["k_cache"], j["v_cache"], to_jax(ids.cuda()), j["block_table"],
+                                    j["seq_lens"], cu_seqlens_q=j["cu_seqlens_q"], backend="cutedsl")
+    assert_same_bits(to_torch(got), want)
