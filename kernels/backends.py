@@ -12,7 +12,7 @@ its argument checks (``validate``); it reads shapes, dtypes and a device
 description only (no values, no device sync), and imports ``cutlass`` only
 when the CuTeDSL backend is asked for.
 
-``dense_prefill`` has the same switch (SPEC.md, "Dense prefill backends"):
+``dense_prefill`` has the same switch (SPEC.md, "Prefill attention backends"):
 ``backend="triton"`` (the default) runs ``attention.paged_attention_kernel``,
 ``backend="cutedsl"`` the CuTeDSL kernel of ``cute_prefill.py`` (Hopper sm_90a only,
 bf16/fp16 q with K/V caches of its dtype, D in 64/128, up to 128 query heads

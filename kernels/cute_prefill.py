@@ -1,4 +1,5 @@
-"""Dense causal GQA prefill attention in CuTeDSL (``backend="cutedsl"`` of ``dense_prefill``, Hopper sm_90a).
+"""Causal GQA prefill attention in CuTeDSL, dense and block-sparse (``backend="cutedsl"`` of
+``dense_prefill`` and ``sparse_prefill``, Hopper sm_90a).
 
 Imports ``cutlass`` (nvidia-cutlass-dsl) and nothing of torch or jax: the
 framework glue (``m3_torch.cute_ops``) imports this module lazily, only when a
@@ -55,7 +56,46 @@ FA3's design, warp specialized (384 threads, 3 warpgroups):
   stores) when the output's rows are contiguous and 4-byte aligned, element
   by element through other strides.
 
-Compiled once per shape class (dtype, D, group, heads_pad, stages): lengths,
+Sparse mode (``sparse_prefill_launch``, the same kernel with ``mIds``): each
+token sees only the blocks it chose, ``block_ids [Hk, T, topk]`` (-1 = empty
+slot, distinct per row; ids past the request's blocks are skipped), causal
+inside each block (SPEC.md, ``sparse_prefill``). The tile is the same, 8
+tokens x 16 heads at M3: the 16 query heads of a KV head share its choices,
+so one token's heads alone fill 16 MMA rows and a tile of 8 tokens computes
+its 128 rows against the union of their blocks, each block's K/V pages read
+once per tile. The price is rows x union score and P V work where each row
+needs rows x topk: work efficiency ``topk / union``, while the K/V pages read
+drop from ``tokens x topk`` (one token per tile) to ``union``. Measured
+unions of 8 tokens (H200 benchmark of 2026-12-04, M3, topk 16): 31 / 72 / 101
+blocks at 8k / 32k / 128k with random index queries, 23.5 / 37 / 46.5 with
+neighbouring tokens sharing their queries; so 52% / 22% / 16% and 68% / 43% /
+34% of the MMA work is useful (against the dense kernel's ~620 TFLOP/s, an
+estimate of 140 TFLOP/s of useful work at 32k random, 270 shared; unmeasured).
+
+* **the block list**: before the roles split, all 384 threads build the
+  tile's distinct valid blocks (``_tile_block_list``: the ids of its tokens x
+  topk entries, -1 where invalid, into a scratch that is the query tile's smem
+  (unused until then); each entry's first occurrence and the tokens choosing
+  its block as an int32 bit mask by a scan of all entries; each first
+  occurrence's rank by a scan of the flags before it), into a list, its
+  masks and its length in shared memory, three ``__syncthreads`` in all. The
+  last one orders the list before both roles read it, with no barrier of
+  their own: the producer walks the list instead of ``0 .. n - 1`` (page id
+  ``block_table[req, block]``), the consumers the same list in the same order
+  (the pipeline's stage order is unchanged). Blocks after the tile's last
+  token are skipped (no row sees them). At most 32 tokens per tile
+  (``Hq / Hk >= 4``: the masks are int32) and 128 entries (tokens x topk): at
+  D = 128 the query tile and the ring take 224 of the 227 KiB, the barriers
+  and a list of 128 blocks move the 1 KiB-aligned query tile from 1 to 2 KiB
+  (226 KiB in all).
+* **the mask**: row ``m`` (token ``t``) sees token ``n`` of list block ``b``
+  iff bit ``t`` of its mask is set and ``b * 128 + n <= pos0 + t``, applied
+  to every block (rows differ in their choices); a row that chose nothing
+  visible is zeros, stale V rows are zeroed as in dense mode, the softmax is
+  unchanged. Dense mode compiles to the same code as before the sparse mode
+  existed (``const_expr`` branches).
+
+Compiled once per shape class (dtype, D, group, heads_pad, stages; sparse: and topk): lengths,
 head counts, tables, tiles, strides and pointers are runtime values, so nothing recompiles
 as lengths change and a captured CUDA graph replays.
 """
@@ -436,8 +476,7 @@ def sparse_prefill_launch(
 
 def _shared_storage(dtype, sQ_layout, sKV_layout, stages: int, entries: int):
     """The kernel's shared memory: the ring's barriers, in sparse mode (``entries`` > 0) the tile's
-    block list (in the 1 KiB before the aligned query tile, which is padding in dense mode), the
-    query tile, the K/V ring."""
+    block list (before the 1 KiB-aligned query tile), the query tile, the K/V ring."""
     fields = dict(mbar=cute.struct.MemRange[Int64, stages * 2])
     if entries:
         fields.update(blocks=cute.struct.MemRange[Int32, entries], chosen=cute.struct.MemRange[Int32, entries],
