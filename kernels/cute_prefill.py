@@ -205,7 +205,7 @@ def _online_softmax(
         for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
             tok = tScS_mn[r, 0][0] // heads_pad
             limit = pos0 + tok - block * PAGE_SIZE
-            if (chosen >> tok) & 1 == 0:
+            if ((chosen >> tok) & 1) == 0:
                 limit = Int32(-1)
             for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
                 if tScS_mn[r, c][1] > limit:
