@@ -131,12 +131,16 @@ def check_sparse_prefill_backend(backend: Optional[str], *, group: int, head_dim
                                  cache_dtype: str, device: str, capability: Optional[Tuple[int, int]]) -> str:
     """Resolve the backend of one ``sparse_prefill`` call and check that it can run it -> "triton" or
     "cutedsl". As :func:`check_dense_prefill_backend` (``$M3_SPARSE_PREFILL``), with ``topk`` (block
-    ids per token); a tile of more than ``CUTEDSL_SPARSE_MAX_TOKENS`` tokens (``Hq // Hk`` < 4) or of
-    more than ``CUTEDSL_SPARSE_MAX_ENTRIES`` ids (tokens x topk) is a ValueError.
+    ids per token); ``topk`` 0, a tile of more than ``CUTEDSL_SPARSE_MAX_TOKENS`` tokens (``Hq // Hk`` < 4)
+    or of more than ``CUTEDSL_SPARSE_MAX_ENTRIES`` ids (tokens x topk) is a ValueError.
     """
     name = sparse_prefill_backend(backend)
     if name == "triton":
         return name
+    if topk < 1:
+        # the kernel's block list has tokens x topk slots in shared memory: none to build it in
+        raise ValueError(f"block_ids: backend='cutedsl' for sparse_prefill needs topk >= 1 (block_ids [Hk, T, topk]), "
+                         f"got topk={topk}; use backend='triton'")
     tokens = MAX_TILE_ROWS // next_pow2(group)
     if tokens > CUTEDSL_SPARSE_MAX_TOKENS or tokens * topk > CUTEDSL_SPARSE_MAX_ENTRIES:
         raise ValueError(f"q/block_ids: backend='cutedsl' for sparse_prefill takes tiles of at most "
