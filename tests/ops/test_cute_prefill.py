@@ -104,6 +104,8 @@ def test_sparse_backend_switch(monkeypatch):
         _check_sparse("cutedsl", group=2, topk=1)
     with pytest.raises(ValueError, match="topk=32"):
         _check_sparse("cutedsl", topk=32)
+    with pytest.raises(ValueError, match="topk >= 1"):
+        _check_sparse("cutedsl", topk=0)
     with pytest.raises(ValueError, match="D=96"):
         _check_sparse("cutedsl", head_dim=96)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
@@ -373,21 +375,25 @@ SPARSE_CASES = [
     prefill("cute_sp_empty", (9, 4), (5, 130), **SPARSE_M3),          # 4 tokens of request 0 see nothing
     # 16 tokens x topk 8 per tile (the switch's limit: 128 ids)
     prefill("cute_sp_small", (1, 127, 129, 3000), (1, 200, 129, 3000), hq=16, hk=2, d=64, dtype="float16", topk=8),
+    # 32 tokens x topk 4 per tile: the choice masks' top bit (token 31) is the int32 sign bit
+    prefill("cute_sp_32tok", (33, 127, 700), (33, 300, 1000), hq=8, hk=2, d=128, topk=4, gpu_only=True),
 ]
 
 
-def _sparse_ids(case) -> torch.Tensor:
-    """``random_block_ids`` made harder, still distinct per row: every other token's free slots get an
-    id past its request's blocks (skipped) or, where there is one, a block after the token's
-    position (masked: seen by none of its rows); then each row's slots are shuffled."""
+def _sparse_ids(case, max_blocks: int) -> torch.Tensor:
+    """``random_block_ids`` made harder, still distinct per row and below ``max_blocks`` (the
+    contract): every other token's first two free slots get, where there is one, a block after the
+    token's position (masked: seen by none of its rows), then ids at or past its request's blocks
+    (skipped); then each row's slots are shuffled."""
     ids = random_block_ids(case).clone()
     g = torch.Generator().manual_seed(case.seed)
     req_blocks = [-(-s // PAGE) for q, s in zip(case.q_lens, case.seq_lens) for _ in range(q)]
     for t, kv_len in enumerate(case.kv_lens):
         free = (ids[:, t] == -1).nonzero()
-        for n, (h, slot) in enumerate(free.tolist()[: 2 if t % 2 else 0]):
-            later = -(-kv_len // PAGE)        # the first block after the token's own
-            ids[h, t, slot] = later if n == 0 and later < req_blocks[t] else req_blocks[t] + 7 * n + 1
+        later = -(-kv_len // PAGE)            # the first block after the token's own
+        extra = ([later] if later < req_blocks[t] else []) + list(range(req_blocks[t], max_blocks))
+        for (h, slot), block in zip(free.tolist()[: 2 if t % 2 else 0], extra):
+            ids[h, t, slot] = block
         for h in range(case.hk):
             ids[h, t] = ids[h, t, torch.randperm(case.topk, generator=g)]
     return ids
@@ -403,7 +409,7 @@ def _run_sparse(x, ids, backend):
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=str)
 def test_sparse_against_reference_and_triton(case):
     x = _poisoned(case)
-    ids = _sparse_ids(case)
+    ids = _sparse_ids(case, x["block_table"].shape[1])
     out = _run_sparse(x, ids, "cutedsl")
     torch.cuda.synchronize()
     check_attention(case, out.cpu(), attention_reference(case, ids))
@@ -434,7 +440,7 @@ def test_sparse_torch_and_jax_bit_identical(case):
     if not _jax_cute_ready():
         pytest.skip("needs a JAX GPU backend with cutlass.jax")
     x = _poisoned(case)
-    ids = _sparse_ids(case)
+    ids = _sparse_ids(case, x["block_table"].shape[1])
     want = _run_sparse(x, ids, "cutedsl").cpu()
     with Target("jax", "gpu").active():
         j = _jax_gpu(x)
