@@ -275,18 +275,6 @@ def _check_prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, se
     return k, v, maps_, call, seq_lens
 
 
-def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
-                       kv_layout, k_scale, v_scale):
-    """Validate a prefill attention call -> its launch."""
-    k, v, maps_, call, seq_lens = _check_prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens,
-                                                           cu_seqlens_q, plan, sm_scale, kv_layout, k_scale, v_scale)
-    sparse = block_ids is not None
-    tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(sparse, call.max_blocks,
-                                                                    block_ids.shape[2] if sparse else 0))
-    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
-                      ops.kv_scales(k, k_scale, v_scale))  # the launch
-
-
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None,
                    plan=None, kv_layout="HND", k_scale=None, v_scale=None, backend=None):
     """Block-sparse GQA attention, each token over its own blocks -> ``[T, Hq, D]`` in q's dtype.
