@@ -73,17 +73,18 @@ class DraftSource:
 
     def __init__(self, vocab: int):
         self.by_prompt, self.vocab, self.mode = {}, vocab, "off"
+        self.key_len = 32   # a prompt is known by its first tokens (at most its length: nothing of its output)
 
     def record(self, prompts: list, outputs: list):
-        for p, o in zip(prompts, outputs):
-            self.by_prompt[tuple(p[:32])] = (len(p), o)
+        self.key_len = min([self.key_len] + [len(p) for p in prompts])
+        self.by_prompt = {tuple(p[:self.key_len]): (len(p), o) for p, o in zip(prompts, outputs)}
 
     def __call__(self, tokens, k, n_min, n_max):
         if self.mode == "ngram":
             return ngram_draft(tokens, k, n_min, n_max)
         if self.mode == "off":
             return tokens[:0]
-        length, known = self.by_prompt[tuple(tokens[:32].tolist())]
+        length, known = self.by_prompt[tuple(tokens[:self.key_len].tolist())]
         i = len(tokens) - length                       # tokens[-1] is output i - 1
         draft = np.asarray(known[i:i + k], np.int32)
         return (draft + 1) % self.vocab if self.mode == "wrong" else draft
