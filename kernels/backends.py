@@ -25,7 +25,9 @@ an argument wins, and the errors are the indexer's
 the CuTeDSL kernel is ``cute_prefill.py``'s sparse mode, under ``dense_prefill``'s conditions plus
 tiles of at most ``CUTEDSL_SPARSE_MAX_TOKENS`` tokens (``Hq // Hk`` of 4 or more) and at most
 ``CUTEDSL_SPARSE_MAX_ENTRIES`` (tokens x topk) block ids per tile; the variable is
-``M3_SPARSE_PREFILL`` (:func:`check_sparse_prefill_backend`).
+``M3_SPARSE_PREFILL`` (:func:`check_sparse_prefill_backend`). ``msa_prefill`` and
+``msa_attention_step`` on a sparse layer (the models' MSA layers: their context span) attend with
+the variable's backend too; their ``backend`` argument is the indexer's.
 """
 
 from __future__ import annotations
