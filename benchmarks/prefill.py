@@ -29,16 +29,20 @@ tend to be). Each row says how many distinct blocks an 8-token tile reads
 (the CuTeDSL kernel's sparse mode, tiles of 8 tokens x 16 heads) on the same
 block ids, with the same FLOPs (the chosen blocks' visible positions: the
 work a tile spends on the rest of its union counts as waste) and its largest
-difference from the Triton backend's output.
+difference from the Triton backend's output, and ``msa_prefill`` as a whole on
+that backend (``M3_SPARSE_PREFILL=cutedsl``: indexer, selection launch, CuTeDSL
+kernel), whose block ids must equal the Triton route's.
 """
 import argparse
+import os
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 import m3_torch
 from benchmarks.run import copy_bandwidth, matmul_rate, save_results, sparse_layout, time_fn
-from m3_kernels import maps
+from m3_kernels import backends, maps
 
 PAGE, HQ, HK, D, DI, TOPK = 128, 64, 4, 128, 128, 16
 
@@ -119,9 +123,15 @@ def run_length(T, rate, reps, dense_backend="triton", sparse_backend="triton"):
         seen = ((pos[None, :, None] - start + 1).clamp(0, PAGE) * (ids >= 0)).sum().item()
         sparse_flops = 4 * seen * D * (HQ // HK)
         union = union_per_tile(ids, 8)
-        row(f"msa_prefill[{kind}]", time_fn(lambda: m3_torch.msa_prefill(
-            q, iq, k, v, ik, bt, sl, cu_seqlens_q=cu, plan=plan, out=out), reps) * 1e3,
-            index_flops + sparse_flops, union_8_tokens=union)
+        msa = lambda: m3_torch.msa_prefill(q, iq, k, v, ik, bt, sl, cu_seqlens_q=cu, plan=plan, out=out)
+        row(f"msa_prefill[{kind}]", time_fn(msa, reps) * 1e3, index_flops + sparse_flops, union_8_tokens=union)
+        if sparse_backend == "cutedsl":
+            with mock.patch.dict(os.environ, {backends.SPARSE_PREFILL_ENV_VAR: "cutedsl"}):
+                if not torch.equal(msa()[1], ids):
+                    raise AssertionError(f"T={T} {kind}: msa_prefill on the cutedsl route chose other blocks "
+                                         "than select_blocks_prefill")
+                row(f"msa_prefill_cutedsl[{kind}]", time_fn(msa, reps) * 1e3, index_flops + sparse_flops,
+                    union_8_tokens=union)
         row(f"  index_scores_prefill[{kind}]", time_fn(index, reps) * 1e3, index_flops)
         row(f"  select_blocks_prefill[{kind}]", time_fn(select, reps) * 1e3, 0.0)
         default = maps.prefill_tile_kind(True, nb, TOPK)
@@ -151,7 +161,8 @@ def main():
     ap.add_argument("--dense-backend", choices=("triton", "cutedsl"), default="triton",
                     help="cutedsl: also time dense_prefill's CuTeDSL backend (Hopper) beside the Triton one and SDPA")
     ap.add_argument("--sparse-backend", choices=("triton", "cutedsl"), default="triton",
-                    help="cutedsl: also time sparse_prefill's CuTeDSL backend (Hopper) beside the Triton rows")
+                    help="cutedsl: also time sparse_prefill's CuTeDSL backend (Hopper) beside the Triton rows, "
+                         "and msa_prefill with M3_SPARSE_PREFILL=cutedsl")
     args = ap.parse_args()
     bw, rate = copy_bandwidth(), matmul_rate()
     gpu = torch.cuda.get_device_name()
