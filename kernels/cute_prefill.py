@@ -1,4 +1,5 @@
-"""Dense causal GQA prefill attention in CuTeDSL (``backend="cutedsl"`` of ``dense_prefill``, Hopper sm_90a).
+"""Causal GQA prefill attention in CuTeDSL, dense and block-sparse (``backend="cutedsl"`` of
+``dense_prefill`` and ``sparse_prefill``, Hopper sm_90a).
 
 Imports ``cutlass`` (nvidia-cutlass-dsl) and nothing of torch or jax: the
 framework glue (``m3_torch.cute_ops``) imports this module lazily, only when a
@@ -55,7 +56,46 @@ FA3's design, warp specialized (384 threads, 3 warpgroups):
   stores) when the output's rows are contiguous and 4-byte aligned, element
   by element through other strides.
 
-Compiled once per shape class (dtype, D, group, heads_pad, stages): lengths,
+Sparse mode (``sparse_prefill_launch``, the same kernel with ``mIds``): each
+token sees only the blocks it chose, ``block_ids [Hk, T, topk]`` (-1 = empty
+slot, distinct per row; ids past the request's blocks are skipped), causal
+inside each block (SPEC.md, ``sparse_prefill``). The tile is the same, 8
+tokens x 16 heads at M3: the 16 query heads of a KV head share its choices,
+so one token's heads alone fill 16 MMA rows and a tile of 8 tokens computes
+its 128 rows against the union of their blocks, each block's K/V pages read
+once per tile. The price is rows x union score and P V work where each row
+needs rows x topk: work efficiency ``topk / union``, while the K/V pages read
+drop from ``tokens x topk`` (one token per tile) to ``union``. Measured
+unions of 8 tokens (H200 benchmark of 2026-12-04, M3, topk 16): 31 / 72 / 101
+blocks at 8k / 32k / 128k with random index queries, 23.5 / 37 / 46.5 with
+neighbouring tokens sharing their queries; so 52% / 22% / 16% and 68% / 43% /
+34% of the MMA work is useful (against the dense kernel's ~620 TFLOP/s, an
+estimate of 140 TFLOP/s of useful work at 32k random, 270 shared; unmeasured).
+
+* **the block list**: before the roles split, all 384 threads build the
+  tile's distinct valid blocks (``_tile_block_list``: the ids of its tokens x
+  topk entries, -1 where invalid, into a scratch that is the query tile's smem
+  (unused until then); each entry's first occurrence and the tokens choosing
+  its block as an int32 bit mask by a scan of all entries; each first
+  occurrence's rank by a scan of the flags before it), into a list, its
+  masks and its length in shared memory, three ``__syncthreads`` in all. The
+  last one orders the list before both roles read it, with no barrier of
+  their own: the producer walks the list instead of ``0 .. n - 1`` (page id
+  ``block_table[req, block]``), the consumers the same list in the same order
+  (the pipeline's stage order is unchanged). Blocks after the tile's last
+  token are skipped (no row sees them). At most 32 tokens per tile
+  (``Hq / Hk >= 4``: the masks are int32) and 128 entries (tokens x topk): at
+  D = 128 the query tile and the ring take 224 of the 227 KiB, the barriers
+  and a list of 128 blocks move the 1 KiB-aligned query tile from 1 to 2 KiB
+  (226 KiB in all).
+* **the mask**: row ``m`` (token ``t``) sees token ``n`` of list block ``b``
+  iff bit ``t`` of its mask is set and ``b * 128 + n <= pos0 + t``, applied
+  to every block (rows differ in their choices); a row that chose nothing
+  visible is zeros, stale V rows are zeroed as in dense mode, the softmax is
+  unchanged. Dense mode compiles to the same code as before the sparse mode
+  existed (``const_expr`` branches).
+
+Compiled once per shape class (dtype, D, group, heads_pad, stages; sparse: and topk): lengths,
 head counts, tables, tiles, strides and pointers are runtime values, so nothing recompiles
 as lengths change and a captured CUDA graph replays.
 """
@@ -63,6 +103,7 @@ as lengths change and a captured CUDA graph replays.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -85,6 +126,8 @@ MMA_REGS = 240
 MMA_BARRIER_ID = 1       # the consumers' named barrier (0 is __syncthreads)
 STALE_V_BARRIER_ID = 2   # + consumer warpgroup (2, 3): its own zeroing of stale V rows
 SCHEDULER_BARRIER_ID = 4  # + consumer warpgroup (4, 5): its turn to issue GEMMs (pingpong)
+SPARSE_MAX_TOKENS = 32   # sparse: a block's choosing tokens are one int32 bit mask (Hq / Hk >= 4)
+SPARSE_MAX_ENTRIES = 128  # sparse: tokens x topk, the block list's room in shared memory (M3: 8 x 16)
 LOG2_E = math.log2(math.e)
 
 
@@ -148,19 +191,34 @@ def _online_softmax(
     row_sum: cute.Tensor,         # (rows,) running sum of exp2, this thread's columns
     row_scale: cute.Tensor,       # (rows,) out: exp2(old max - new max), the factor O is rescaled by
     block: Int32,
+    chosen,                       # sparse: bit t set iff the tile's token t chose this block
     pos0: Int32,                  # position of the tile's first token
     scale_log2: Float32,          # sm_scale * log2(e)
     heads_pad: cutlass.Constexpr,
+    sparse: cutlass.Constexpr,
 ):
-    """The causal mask and the online softmax of one block, in registers."""
-    # -- causal mask by position (token n of the block is seen by row m iff
-    # block * 128 + n <= pos0 + m // heads_pad), on blocks reaching past the first position
-    if (block + 1) * PAGE_SIZE - 1 > pos0:
+    """The mask (causal, and in sparse mode each row's own choice) and the online softmax of one
+    block, in registers."""
+    if const_expr(sparse):
+        # -- token n of the block is seen by row m iff m's token chose the block and
+        # block * 128 + n <= pos0 + m // heads_pad; on every block (rows differ in their choices)
         for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
-            limit = pos0 + tScS_mn[r, 0][0] // heads_pad - block * PAGE_SIZE
+            tok = tScS_mn[r, 0][0] // heads_pad
+            limit = pos0 + tok - block * PAGE_SIZE
+            if ((chosen >> tok) & 1) == 0:
+                limit = Int32(-1)
             for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
                 if tScS_mn[r, c][1] > limit:
                     s_mn[r, c] = -Float32.inf
+    else:
+        # -- causal mask by position (token n of the block is seen by row m iff
+        # block * 128 + n <= pos0 + m // heads_pad), on blocks reaching past the first position
+        if (block + 1) * PAGE_SIZE - 1 > pos0:
+            for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
+                limit = pos0 + tScS_mn[r, 0][0] // heads_pad - block * PAGE_SIZE
+                for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+                    if tScS_mn[r, c][1] > limit:
+                        s_mn[r, c] = -Float32.inf
 
     # -- online softmax (rows are held by the 4 lanes of a quad)
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
@@ -182,6 +240,75 @@ def _online_softmax(
             s_sum = s_sum + p
         row_sum[r] = row_sum[r] * correction + s_sum
         row_scale[r] = correction
+
+
+@cute.jit
+def _tile_block_list(
+    mIds: cute.Tensor,            # (Hk, T, topk) int32: each token's chosen blocks, -1 = empty slot
+    scratch: cute.Tensor,         # (2, entries) int32 smem, free until the query tile is loaded
+    sBlocks: cute.Tensor,         # (entries,) int32 smem, out: the tile's distinct valid blocks
+    sChosen: cute.Tensor,         # (entries,) int32 smem, out: bit t set iff the tile's token t chose that block
+    sCount: cute.Tensor,          # (1,) int32 smem, out: how many
+    kv_head: Int32,
+    tok0: Int32,
+    ntok: Int32,
+    tile_blocks: Int32,           # blocks the tile's last token sees
+    tidx: Int32,                  # 0 .. NUM_THREADS - 1
+    topk: cutlass.Constexpr,
+):
+    """The blocks a sparse tile visits, by all threads of the CTA (three CTA barriers; the last one
+    makes the list visible to the producer and the consumers alike).
+
+    Entry ``e`` is slot ``e % topk`` of tile token ``e // topk``; it is valid when its id is in
+    ``[0, tile_blocks)`` (-1, ids past the request's blocks and blocks after the tile's last token,
+    which no row could see, are skipped). The list holds each valid id once, at its first
+    occurrence, in entry order (the Triton kernel's ``distinct_blocks``), with the tokens that chose
+    it as a bit mask."""
+    entries = const_expr(cute.size(sBlocks))
+    per_thread = const_expr((entries + NUM_THREADS - 1) // NUM_THREADS)
+    # -- 1: the entries' ids (-1 where invalid) -> scratch[0, :]
+    for i in cutlass.range_constexpr(per_thread):
+        e = tidx + i * NUM_THREADS
+        if e < entries:
+            tok = e // topk
+            b = Int32(-1)
+            if tok < ntok:
+                b = mIds[kv_head, tok0 + tok, e % topk]
+                if (b < 0) | (b >= tile_blocks):
+                    b = Int32(-1)
+            scratch[0, e] = b
+    cute.arch.sync_threads()
+    # -- 2: first occurrences (-> scratch[1, :]) and the tokens choosing each entry's block
+    masks = cute.make_rmem_tensor((per_thread,), Int32)
+    for i in cutlass.range_constexpr(per_thread):
+        e = tidx + i * NUM_THREADS
+        mask = Int32(0)
+        if e < entries:
+            b = scratch[0, e]
+            first = Int32(0)
+            if b >= 0:
+                first = Int32(1)
+                for e2 in cutlass.range(entries, unroll=4):
+                    if scratch[0, e2] == b:
+                        mask = mask | (Int32(1) << (e2 // topk))
+                        if e2 < e:
+                            first = Int32(0)
+            scratch[1, e] = first
+        masks[i] = mask
+    cute.arch.sync_threads()
+    # -- 3: a first occurrence's rank among them is its place in the list
+    for i in cutlass.range_constexpr(per_thread):
+        e = tidx + i * NUM_THREADS
+        if e < entries:
+            rank = Int32(0)
+            for e2 in cutlass.range(e, unroll=4):
+                rank = rank + scratch[1, e2]
+            if scratch[1, e] == 1:
+                sBlocks[rank] = scratch[0, e]
+                sChosen[rank] = masks[i]
+            if e == entries - 1:
+                sCount[0] = rank + scratch[1, e]
+    cute.arch.sync_threads()
 
 
 @cute.jit
@@ -296,7 +423,101 @@ def dense_prefill_launch(
     head_dim: cutlass.Constexpr,
     stages: cutlass.Constexpr,
 ):
-    """Host side: views, the TMA descriptors, the MMAs, the grid; launches ``dense_prefill_kernel``."""
+    """Host side of ``dense_prefill``: every visible block of each tile (:func:`_prefill_launch`)."""
+    _prefill_launch(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, tile_map_ptr, out_ptr, None, num_tokens, num_requests,
+                    max_blocks, num_pages, num_tiles, num_kv_heads, sm_scale, stride_qt, stride_qh, stride_qd,
+                    stride_kp, stride_kh, stride_kn, stride_vp, stride_vh, stride_vn, stride_br, stride_bb, stride_l,
+                    stride_ot, stride_oh, stride_od, stream, group, heads_pad, head_dim, stages, 0)
+
+
+@cute.jit
+def sparse_prefill_launch(
+    q_ptr: cute.Pointer,          # q           [T, Hq, D]             bf16/fp16, any strides
+    k_ptr: cute.Pointer,          # k_cache     [pages, Hk, 128, D]    q's dtype, rows contiguous, 16 B aligned
+    v_ptr: cute.Pointer,          # v_cache     [pages, Hk, 128, D]    as k_cache
+    table_ptr: cute.Pointer,      # block_table [R, max_blocks]        int32
+    lens_ptr: cute.Pointer,       # seq_lens    [R]                    int32
+    tile_map_ptr: cute.Pointer,   # tile_map    [num_tiles, 4]         int32, contiguous
+    out_ptr: cute.Pointer,        # out         [T, Hq, D]             q's dtype, any strides
+    ids_ptr: cute.Pointer,        # block_ids   [Hk, T, topk]          int32, any strides
+    num_tokens: Int32,
+    num_requests: Int32,
+    max_blocks: Int32,
+    num_pages: Int32,
+    num_tiles: Int32,
+    num_kv_heads: Int32,
+    sm_scale: Float32,
+    stride_qt: Int64, stride_qh: Int64, stride_qd: Int64,
+    stride_kp: Int64, stride_kh: Int64, stride_kn: Int64,
+    stride_vp: Int64, stride_vh: Int64, stride_vn: Int64,
+    stride_br: Int64, stride_bb: Int64,
+    stride_l: Int64,
+    stride_ot: Int64, stride_oh: Int64, stride_od: Int64,
+    stride_ih: Int64, stride_it: Int64, stride_is: Int64,
+    stream: cuda.CUstream,
+    group: cutlass.Constexpr,
+    heads_pad: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+    stages: cutlass.Constexpr,
+    topk: cutlass.Constexpr,
+):
+    """Host side of ``sparse_prefill``: each tile's distinct chosen blocks (:func:`_prefill_launch`)."""
+    tokens = const_expr(TILE_M // heads_pad)
+    if const_expr(tokens > SPARSE_MAX_TOKENS or tokens * topk > SPARSE_MAX_ENTRIES):
+        raise ValueError(f"sparse prefill: tiles of at most {SPARSE_MAX_TOKENS} tokens and tokens x topk <= "
+                         f"{SPARSE_MAX_ENTRIES}, got {tokens} tokens (heads_pad {heads_pad}) x topk {topk}")
+    mIds = cute.make_tensor(ids_ptr, cute.make_layout((num_kv_heads, num_tokens, topk),
+                                                      stride=(stride_ih, stride_it, stride_is)))
+    _prefill_launch(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, tile_map_ptr, out_ptr, mIds, num_tokens, num_requests,
+                    max_blocks, num_pages, num_tiles, num_kv_heads, sm_scale, stride_qt, stride_qh, stride_qd,
+                    stride_kp, stride_kh, stride_kn, stride_vp, stride_vh, stride_vn, stride_br, stride_bb, stride_l,
+                    stride_ot, stride_oh, stride_od, stream, group, heads_pad, head_dim, stages, topk)
+
+
+def _shared_storage(dtype, sQ_layout, sKV_layout, stages: int, entries: int):
+    """The kernel's shared memory: the ring's barriers, in sparse mode (``entries`` > 0) the tile's
+    block list (before the 1 KiB-aligned query tile), the query tile, the K/V ring."""
+    fields = dict(mbar=cute.struct.MemRange[Int64, stages * 2])
+    if entries:
+        fields.update(blocks=cute.struct.MemRange[Int32, entries], chosen=cute.struct.MemRange[Int32, entries],
+                      count=cute.struct.MemRange[Int32, 1])
+    fields.update(sQ=cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024],
+                  sK=cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024],
+                  sV=cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024])
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+
+@cute.jit
+def _prefill_launch(
+    q_ptr: cute.Pointer,          # q           [T, Hq, D]             bf16/fp16, any strides
+    k_ptr: cute.Pointer,          # k_cache     [pages, Hk, 128, D]    q's dtype, rows contiguous, 16 B aligned
+    v_ptr: cute.Pointer,          # v_cache     [pages, Hk, 128, D]    as k_cache
+    table_ptr: cute.Pointer,      # block_table [R, max_blocks]        int32
+    lens_ptr: cute.Pointer,       # seq_lens    [R]                    int32
+    tile_map_ptr: cute.Pointer,   # tile_map    [num_tiles, 4]         int32, contiguous
+    out_ptr: cute.Pointer,        # out         [T, Hq, D]             q's dtype, any strides
+    mIds,                         # sparse: block_ids (Hk, T, topk) int32; dense: None
+    num_tokens: Int32,
+    num_requests: Int32,
+    max_blocks: Int32,
+    num_pages: Int32,
+    num_tiles: Int32,
+    num_kv_heads: Int32,
+    sm_scale: Float32,
+    stride_qt: Int64, stride_qh: Int64, stride_qd: Int64,
+    stride_kp: Int64, stride_kh: Int64, stride_kn: Int64,
+    stride_vp: Int64, stride_vh: Int64, stride_vn: Int64,
+    stride_br: Int64, stride_bb: Int64,
+    stride_l: Int64,
+    stride_ot: Int64, stride_oh: Int64, stride_od: Int64,
+    stream: cuda.CUstream,
+    group: cutlass.Constexpr,
+    heads_pad: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+    stages: cutlass.Constexpr,
+    topk: cutlass.Constexpr,      # sparse: slots per token; dense: 0
+):
+    """Host side: views, the TMA descriptors, the MMAs, the grid; launches :func:`prefill_kernel`."""
     dtype = q_ptr.value_type
     num_heads = num_kv_heads * group
     mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens, num_heads, head_dim),
@@ -331,22 +552,16 @@ def dense_prefill_launch(
                                                atom_layout_mnk=(NUM_MMA_WARPGROUPS, 1, 1), tiler_mn=(64, head_dim),
                                                a_source=warpgroup.OperandSource.RMEM)
 
-    @cute.struct
-    class SharedStorage:
-        mbar: cute.struct.MemRange[Int64, stages * 2]
-        sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-        sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-        sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-
-    dense_prefill_kernel(tma_atom_k, tma_k, tma_atom_v, tma_v, mQ, mO, mTable, mLens, mTileMap, max_blocks,
-                         sm_scale * LOG2_E, sQ_layout, sKV_layout, mma_qk, mma_pv, SharedStorage, page_bytes,
-                         group, heads_pad, head_dim, stages).launch(
+    SharedStorage = _shared_storage(dtype, sQ_layout, sKV_layout, stages, (TILE_M // heads_pad) * topk)
+    prefill_kernel(tma_atom_k, tma_k, tma_atom_v, tma_v, mQ, mO, mTable, mLens, mTileMap, mIds, max_blocks,
+                   sm_scale * LOG2_E, sQ_layout, sKV_layout, mma_qk, mma_pv, SharedStorage, page_bytes,
+                   group, heads_pad, head_dim, stages, topk).launch(
         grid=[num_tiles, num_kv_heads, 1], block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
         stream=stream)
 
 
 @cute.kernel
-def dense_prefill_kernel(
+def prefill_kernel(
     tma_atom_k: cute.CopyAtom,
     tma_k: cute.Tensor,           # (128, D, Hk, pages) TMA coordinates of k_cache
     tma_atom_v: cute.CopyAtom,
@@ -356,6 +571,7 @@ def dense_prefill_kernel(
     mTable: cute.Tensor,          # (R, max_blocks) int32
     mLens: cute.Tensor,           # (R,) int32
     mTileMap: cute.Tensor,        # (num_tiles, 4) int32: request, first token, its position - seq_len, tokens
+    mIds: Optional[cute.Tensor],  # sparse: (Hk, T, topk) int32 block ids; dense: None
     max_blocks: Int32,
     scale_log2: Float32,          # sm_scale * log2(e)
     sQ_layout: cute.ComposedLayout,
@@ -368,7 +584,9 @@ def dense_prefill_kernel(
     heads_pad: cutlass.Constexpr,
     head_dim: cutlass.Constexpr,
     stages: cutlass.Constexpr,
+    topk: cutlass.Constexpr,
 ):
+    sparse = const_expr(mIds is not None)
     if const_expr(stages < 2):
         # a consumer holds stage j - 1 (V_{j-1}) while it waits for stage j
         raise ValueError(f"stages: expected at least 2 (the intra-warpgroup overlap), got {stages}")
@@ -404,8 +622,19 @@ def dense_prefill_kernel(
         barrier_storage=storage.mbar.data_ptr(),
     )
 
+    # -- sparse: the blocks the tile visits (list index j -> block sBlocks[j], chosen by the tokens of
+    # bit mask sChosen[j]), built by all threads before the roles split; dense: blocks 0 .. n - 1
+    if const_expr(sparse):
+        entries = const_expr((TILE_M // heads_pad) * topk)
+        sBlocks = storage.blocks.get_tensor(cute.make_layout(entries))
+        sChosen = storage.chosen.get_tensor(cute.make_layout(entries))
+        sCount = storage.count.get_tensor(cute.make_layout(1))
+        scratch = storage.sQ.get_tensor(cute.make_layout((2, entries), stride=(entries, 1)), dtype=Int32)
+        _tile_block_list(mIds, scratch, sBlocks, sChosen, sCount, kv_head, tok0, ntok, n_blocks, tidx, topk)
+        n_blocks = sCount[0]
+
     if warpgroup_idx == 0:
-        # ---- producer: warp 0 streams the K/V pages of blocks 0 .. n_blocks - 1
+        # ---- producer: warp 0 streams the K/V pages of the tile's blocks
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_k)
@@ -417,7 +646,10 @@ def dense_prefill_kernel(
             tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                                cute.group_modes(gV, 0, 2))
             produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            for block in cutlass.range(n_blocks, unroll=1):
+            for j in cutlass.range(n_blocks, unroll=1):
+                block = j
+                if const_expr(sparse):
+                    block = sBlocks[j]
                 page = mTable[req, block]
                 ring.producer_acquire(produce)
                 cute.copy(tma_atom_k, tKgK[(None, kv_head, page)], tKsK[(None, produce.index)],
@@ -487,19 +719,31 @@ def dense_prefill_kernel(
             if mma_wg == 0:
                 cute.arch.barrier_arrive(barrier_id=my_turn, number_of_threads=2 * 128)   # warpgroup 0 starts
             # -- block 0: S_0 and its softmax (O is 0: nothing to rescale)
+            block = 0
+            chosen = 0
+            if const_expr(sparse):
+                block = sBlocks[0]
+                chosen = sChosen[0]
             ring.consumer_wait(consume)
-            _zero_stale_v(sV[None, None, consume.index], seq_len, wg_tidx, stale_barrier, head_dim)
+            _zero_stale_v(sV[None, None, consume.index], seq_len - block * PAGE_SIZE, wg_tidx, stale_barrier,
+                          head_dim)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
             _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)
             if (mma_wg == 0) | (n_blocks > 1):
                 cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
             warpgroup.wait_group(0)
-            _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, 0, pos0, scale_log2, heads_pad)
+            _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen, pos0, scale_log2,
+                            heads_pad, sparse)
             tOrP = cute.make_rmem_tensor_like(_acc_as_a(acc_s), mQ.element_type)   # P in q's dtype, registers
             tOrP.store(_acc_as_a(acc_s).load().to(mQ.element_type))
 
-            for block in cutlass.range(1, n_blocks, unroll=1):
+            for j in cutlass.range(1, n_blocks, unroll=1):
+                block = j
+                chosen = 0
+                if const_expr(sparse):
+                    block = sBlocks[j]
+                    chosen = sChosen[j]
                 previous = consume.clone()
                 consume.advance()
                 ring.consumer_wait(consume)
@@ -509,11 +753,11 @@ def dense_prefill_kernel(
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
                 _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)    # S_j
                 _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, previous.index], True)   # O += P_{j-1} V_{j-1}
-                if (mma_wg == 0) | (block < n_blocks - 1):
+                if (mma_wg == 0) | (j < n_blocks - 1):
                     cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
                 warpgroup.wait_group(1)                   # S_j is in; P V may still run
-                _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, pos0, scale_log2,
-                                heads_pad)
+                _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen, pos0,
+                                scale_log2, heads_pad, sparse)
                 warpgroup.wait_group(0)                   # P V is done: O, tOrP and stage j-1 are free
                 ring.consumer_release(previous)
                 for r in cutlass.range_constexpr(rows):
@@ -559,6 +803,13 @@ def dense_prefill_kernel(
                         row[tOcO_mn[r, c][1]] = mO.element_type(o_mn[r, c] * inv)
 
 
+def _as_element_type(ptr: cute.Pointer, element_type) -> cute.Pointer:
+    """``ptr`` read as ``element_type`` (a byte pool's sub-pages are read as q's dtype)."""
+    if ptr.value_type != element_type:
+        return cute.recast_ptr(ptr, dtype=element_type)
+    return ptr
+
+
 @cute.jit
 def dense_prefill_xla(
     stream: cuda.CUstream,
@@ -585,14 +836,9 @@ def dense_prefill_xla(
     """``cutlass.jax.cutlass_call`` entry: dense row-major arrays (sizes from their runtime shapes)
     and each K/V cache as (flat buffer, static offset/strides in elements of q's dtype: a byte
     pool's sub-pages are read as that dtype) -> ``dense_prefill_launch``."""
-    k_iter = k_cache.iterator
-    if const_expr(k_cache.element_type != q.element_type):
-        k_iter = cute.recast_ptr(k_iter, dtype=q.element_type)
-    v_iter = v_cache.iterator
-    if const_expr(v_cache.element_type != q.element_type):
-        v_iter = cute.recast_ptr(v_iter, dtype=q.element_type)
     dense_prefill_launch(
-        q.iterator, k_iter + k_offset, v_iter + v_offset, block_table.iterator, seq_lens.iterator,
+        q.iterator, _as_element_type(k_cache.iterator, q.element_type) + k_offset,
+        _as_element_type(v_cache.iterator, q.element_type) + v_offset, block_table.iterator, seq_lens.iterator,
         tile_map.iterator, out.iterator,
         q.shape[0], block_table.shape[0], block_table.shape[1], num_pages, tile_map.shape[0], num_kv_heads,
         Float32(sm_scale),
@@ -603,3 +849,46 @@ def dense_prefill_xla(
         out.layout.stride[0], out.layout.stride[1], out.layout.stride[2],
         stream,
         group, heads_pad, head_dim, stages)
+
+
+@cute.jit
+def sparse_prefill_xla(
+    stream: cuda.CUstream,
+    q: cute.Tensor,               # [T, Hq, D] row-major
+    k_cache: cute.Tensor,         # as in dense_prefill_xla
+    v_cache: cute.Tensor,
+    block_ids: cute.Tensor,       # [Hk, T, topk] int32 row-major
+    block_table: cute.Tensor,     # [R, max_blocks] int32 row-major
+    seq_lens: cute.Tensor,        # [R] int32
+    tile_map: cute.Tensor,        # [num_tiles, 4] int32
+    out: cute.Tensor,             # [T, Hq, D] q's dtype row-major (output)
+    *,
+    sm_scale: cutlass.Constexpr,
+    k_offset: cutlass.Constexpr,
+    k_strides: cutlass.Constexpr,
+    v_offset: cutlass.Constexpr,
+    v_strides: cutlass.Constexpr,
+    num_pages: cutlass.Constexpr,
+    num_kv_heads: cutlass.Constexpr,
+    group: cutlass.Constexpr,
+    heads_pad: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+    stages: cutlass.Constexpr,
+    topk: cutlass.Constexpr,
+):
+    """``cutlass.jax.cutlass_call`` entry of the sparse mode: as :func:`dense_prefill_xla`, with the
+    block ids -> ``sparse_prefill_launch``."""
+    sparse_prefill_launch(
+        q.iterator, _as_element_type(k_cache.iterator, q.element_type) + k_offset,
+        _as_element_type(v_cache.iterator, q.element_type) + v_offset, block_table.iterator, seq_lens.iterator,
+        tile_map.iterator, out.iterator, block_ids.iterator,
+        q.shape[0], block_table.shape[0], block_table.shape[1], num_pages, tile_map.shape[0], num_kv_heads,
+        Float32(sm_scale),
+        q.layout.stride[0], q.layout.stride[1], q.layout.stride[2],
+        *k_strides, *v_strides,
+        block_table.layout.stride[0], block_table.layout.stride[1],
+        seq_lens.layout.stride[0],
+        out.layout.stride[0], out.layout.stride[1], out.layout.stride[2],
+        block_ids.layout.stride[0], block_ids.layout.stride[1], block_ids.layout.stride[2],
+        stream,
+        group, heads_pad, head_dim, stages, topk)
