@@ -77,7 +77,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 PAGE_SIZE = 128          # tokens per block and per K/V page (maps.PAGE_SIZE)
 TILE_M = 128             # rows of a tile: tokens x heads_pad
-NUM_MMA_WARPGROUPS = 2   # 64 rows each
+NUM_MMA_WARPGROUPS = 2   # consumer warpgroups, each owns half the tile's rows
 NUM_THREADS = 128 * (1 + NUM_MMA_WARPGROUPS)   # warpgroup 0 produces
 NUM_MMA_THREADS = 128 * NUM_MMA_WARPGROUPS
 PRODUCER_REGS = 24       # setmaxnreg: 24 x 128 + 240 x 256 <= 64k registers
@@ -199,7 +199,7 @@ def _zero_stale_v(
     (``valid_rows`` is), so the barrier is reached by all of its threads or none."""
     if valid_rows < PAGE_SIZE:
         vec = const_expr(128 // sV.element_type.width)
-        chunks = const_expr(head_dim // vec)              # 16-byte chunks per row
+        chunks = const_expr(head_dim // vec)              # chunks of vec elements (16 bytes) per row
         sV_chunks = cute.zipped_divide(sV, (1, vec))      # ((1, vec), (128, chunks))
         zeros = cute.make_rmem_tensor((1, vec), sV.element_type)
         zeros.fill(0)
@@ -234,7 +234,7 @@ def _load_query_tile(
     vec = const_expr(128 // dtype.width)                 # elements per 16-byte load
     base = mQ.iterator.toint()
     if (mQ.stride[2] == 1) & (base % 16 == 0) & (mQ.stride[0] % vec == 0) & (mQ.stride[1] % vec == 0):
-        chunks = const_expr(head_dim // vec)             # 16-byte chunks per row
+        chunks = const_expr(head_dim // vec)             # chunks of vec elements (16 bytes) per row
         per_thread = const_expr(TILE_M * chunks // NUM_MMA_THREADS)
         # ((1, vec), (128, chunks)): the 128B swizzle permutes whole 16-byte chunks, so a chunk
         # stays contiguous in smem (one 16-byte store)
@@ -465,8 +465,8 @@ def dense_prefill_kernel(
         # of the previous turn; warpgroup 0's first turn is its own arrive. Per block each
         # warpgroup syncs once on its barrier and arrives once on the other's, except warpgroup 1
         # after its last block (warpgroup 0 has no next turn): with n blocks, barrier 0 gets
-        # 128 + n x 128 + (n - 1) x 128 arrivals and barrier 1 n x 128 + n x 128, whole phases of
-        # 256, nothing left pending at exit (none at all when n is 0). Turns strictly alternate
+        # (1 + n + n - 1) x 128 arrivals and barrier 1 (n + n) x 128, whole phases of 2 x 128
+        # threads, nothing left pending at exit (none at all when n is 0). Turns strictly alternate
         # (w0 b0, w1 b0, w0 b1, w1 b1, ..), so an arrive never lands in the wrong phase. Between
         # two turns a warpgroup waits only on its own wgmmas and on the TMA ring: block j + 1 needs
         # block j + 1 - stages <= j - 1 released, which each warpgroup does in its block j right

@@ -224,9 +224,9 @@ def select_blocks_prefill(scores, seq_lens, *, cu_seqlens_q, topk=16, init_block
     return out
 
 
-def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out,
-                       k_scale, v_scale):
-    """Validate a prefill attention call -> (out, tile_map, tokens_per_tile, sm_scale, (k_scale, v_scale))."""
+def _check_prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan,
+                             sm_scale, out, k_scale, v_scale):
+    """Validate a prefill attention call -> (its plan, the checked call, its device, out)."""
     plan = prefill_plan(cu_seqlens_q, plan)
     call = validate.check_attention_call(q, k_cache, v_cache, block_table, seq_lens, block_ids=block_ids,
                                          sm_scale=sm_scale, prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out,
@@ -235,11 +235,15 @@ def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens
                       seq_lens=seq_lens)
     device = guards.check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, block_table=block_table,
                                   seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
-    out = _empty(q.shape, q.dtype, device, out)
+    return plan, call, device, _empty(q.shape, q.dtype, device, out)
+
+
+def _triton_prefill_tiles(plan, call, device, block_ids):
+    """The Triton kernel's row tiles of a checked prefill call -> (tokens per tile, tile_map on ``device``)."""
     sparse = block_ids is not None
     kind = maps.prefill_tile_kind(sparse, call.max_blocks, block_ids.shape[2] if sparse else 0)
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.group, kind)
-    return out, tile_map, tile.tokens_per_tile, call.sm_scale, ops.kv_scales(k_cache, k_scale, v_scale, device)
+    return tile.tokens_per_tile, tile_map
 
 
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None,
@@ -249,11 +253,11 @@ def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_
     Causal inside every block (the diagonal one included): the token at position
     p sees positions <= p. Arguments as in ``sparse_decode``, with cu_seqlens_q.
     """
-    out, tile_map, tokens_per_tile, scale, kv_scales = _prefill_attention(
-        "sparse_prefill", q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out,
-        k_scale, v_scale)
+    plan, call, device, out = _check_prefill_attention("sparse_prefill", q, k_cache, v_cache, block_ids, block_table,
+                                                       seq_lens, cu_seqlens_q, plan, sm_scale, out, k_scale, v_scale)
+    tokens_per_tile, tile_map = _triton_prefill_tiles(plan, call, device, block_ids)
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
-                        tokens_per_tile, scale, *kv_scales)
+                        tokens_per_tile, call.sm_scale, *ops.kv_scales(k_cache, k_scale, v_scale, device))
     return out
 
 
@@ -265,17 +269,16 @@ def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q, s
     Hopper sm_90a, bf16/fp16 caches) or None for ``$M3_DENSE_PREFILL`` (default "triton");
     a backend that cannot run this call is an error (``m3_kernels.backends``).
     """
-    plan = prefill_plan(cu_seqlens_q, plan)
-    out, tile_map, tokens_per_tile, scale, kv_scales = _prefill_attention(
-        "dense_prefill", q, k_cache, v_cache, None, block_table, seq_lens, cu_seqlens_q, plan, sm_scale, out,
-        k_scale, v_scale)
+    plan, call, device, out = _check_prefill_attention("dense_prefill", q, k_cache, v_cache, None, block_table,
+                                                       seq_lens, cu_seqlens_q, plan, sm_scale, out, k_scale, v_scale)
     if _dense_prefill_backend(backend, q, k_cache) == "cutedsl":
         # the kernel's tiles fill its 128 MMA rows: the indexer's (as many tokens as 128 rows hold)
-        _, tile_map, _ = ops.prefill_maps(plan, q.device, int(q.shape[1]) // int(k_cache.shape[1]), "index")
-        cute_ops.dense_prefill(q, k_cache, v_cache, block_table, seq_lens, tile_map, out, scale)
+        _, tile_map, _ = ops.prefill_maps(plan, device, call.group, "index")
+        cute_ops.dense_prefill(q, k_cache, v_cache, block_table, seq_lens, tile_map, out, call.sm_scale)
         return out
+    tokens_per_tile, tile_map = _triton_prefill_tiles(plan, call, device, None)
     ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None, tokens_per_tile,
-                        scale, *kv_scales)
+                        call.sm_scale, *ops.kv_scales(k_cache, k_scale, v_scale, device))
     return out
 
 
