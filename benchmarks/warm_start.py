@@ -21,7 +21,9 @@ EOS. Reported per start:
 * ``passes``: per pass (first, steady), from the engine's step timeline (``M3_STEP_TIMELINE``,
   ``m3_engine.step_timeline``): ``steps``, ``host_ms`` (a step call's time less its wait for the
   device, per step) and ``wait_ms`` (that wait, per step). A pass slower on the host shows in
-  ``host_ms``, one slower on the GPU in ``wait_ms``.
+  ``host_ms``, one slower on the GPU in ``wait_ms``. Torch on a GPU adds its caching allocator's
+  counts over the pass (``torch.cuda.memory_stats``): ``cuda_mallocs``, ``cuda_frees`` and
+  ``alloc_retries`` (a retry frees the cached blocks and synchronizes the device).
 
 Writes warm_start.json and warm_start.md to --out. About 3-4 minutes on an H200 for both engines
 (the JAX cold start compiles ~40 forwards). ``--tiny``: the tiny test model on the CPU (Triton's
@@ -78,13 +80,15 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
     prompts = [{"prompt_token_ids": rng.integers(3, vocab, workload["prompt_len"]).tolist()}
                for _ in range(workload["prompts"])]
     params = SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)
-    rates, bounds = [], []
+    rates, bounds, allocator = [], [], []
     for _ in range(2):
+        before = allocator_counts(framework)
         start, wall = time.perf_counter(), time.time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rates.append(tokens / (time.perf_counter() - start))
         bounds.append((wall, time.time()))
+        allocator.append({k: v - before[k] for k, v in allocator_counts(framework).items()})
     times = dict(llm.startup_times)
     if framework == "torch":
         late_programs = len(late)
@@ -94,7 +98,19 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
     return dict(load_s=times["load"], compile_s=times["compile"], capture_s=times["capture"],
                 ready_s=times["total"], programs=times["programs"], first_tok_s=rates[0], steady_tok_s=rates[1],
                 first_vs_steady=rates[0] / rates[1], late_programs=late_programs, late_kernels=late[:20],
-                passes=[pass_split(step_timeline.read(timeline), *b) for b in bounds])
+                passes=[dict(pass_split(step_timeline.read(timeline), *b), **counts)
+                        for b, counts in zip(bounds, allocator)])
+
+
+def allocator_counts(framework: str) -> dict:
+    """Torch on a GPU: the caching allocator's device allocations, frees and retries so far; else {}."""
+    import torch
+
+    if framework != "torch" or not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return dict(cuda_mallocs=stats.get("num_device_alloc", 0), cuda_frees=stats.get("num_device_free", 0),
+                alloc_retries=stats.get("num_alloc_retries", 0))
 
 
 def pass_split(lines: list, start: float, end: float) -> dict:
@@ -115,7 +131,8 @@ def markdown(result: dict) -> str:
              "| first/steady | made after ready | host / wait ms per step, first | same, steady |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
-        split = " | ".join(f"{p['host_ms']:.2f} / {p['wait_ms']:.2f} ({p['steps']} steps)" for p in row["passes"])
+        split = " | ".join(f"{p['host_ms']:.2f} / {p['wait_ms']:.2f} ({p['steps']} steps{_allocs(p)})"
+                           for p in row["passes"])
         lines.append(f"| {row['framework']} | {row['start']} | {row['load_s']:.1f} | {row['compile_s']:.1f} | "
                      f"{row['capture_s']:.1f} | {row['ready_s']:.1f} | {row['programs']} | {row['first_tok_s']:.0f} | "
                      f"{row['steady_tok_s']:.0f} | {row['first_vs_steady']:.2f} | {row['late_programs']} | {split} |")
@@ -124,6 +141,12 @@ def markdown(result: dict) -> str:
         lines += ["", "Kernel variants made after ready (torch, at most 20 a start):", ""]
         lines += [f"- {row['framework']} {row['start']}: `{kernel}`" for row, kernel in late]
     return "\n".join(lines) + "\n"
+
+
+def _allocs(p: dict) -> str:
+    if "cuda_mallocs" not in p:
+        return ""
+    return f"; cudaMalloc {p['cuda_mallocs']}, free {p['cuda_frees']}, retries {p['alloc_retries']}"
 
 
 def main(argv=None):

@@ -9,7 +9,8 @@ from benchmarks import warm_start
 ROW = dict(framework="torch", start="first", load_s=1.0, compile_s=30.0, capture_s=5.0, ready_s=36.0, programs=385,
            first_tok_s=9000.0, steady_tok_s=10000.0, first_vs_steady=0.9, late_programs=1,
            late_kernels=["align_kernel[num_warps=4](ids_ptr: *i32)"],
-           passes=[dict(steps=300, host_ms=2.5, wait_ms=1.25), dict(steps=290, host_ms=1.5, wait_ms=1.0)])
+           passes=[dict(steps=300, host_ms=2.5, wait_ms=1.25, cuda_mallocs=7, cuda_frees=3, alloc_retries=1),
+                   dict(steps=290, host_ms=1.5, wait_ms=1.0)])
 
 
 def test_markdown_names_the_command_and_every_start():
@@ -19,8 +20,8 @@ def test_markdown_names_the_command_and_every_start():
                                   late_programs=0, late_kernels=[])])
     md = warm_start.markdown(result)
     assert "`python3 -m benchmarks.warm_start --frameworks torch`" in md
-    assert ("| torch | first | 1.0 | 30.0 | 5.0 | 36.0 | 385 | 9000 | 10000 | 0.90 | 1 | 2.50 / 1.25 (300 steps) | "
-            "1.50 / 1.00 (290 steps) |") in md
+    assert ("| torch | first | 1.0 | 30.0 | 5.0 | 36.0 | 385 | 9000 | 10000 | 0.90 | 1 | 2.50 / 1.25 (300 steps; "
+            "cudaMalloc 7, free 3, retries 1) | 1.50 / 1.00 (290 steps) |") in md
     assert "- torch first: `align_kernel[num_warps=4](ids_ptr: *i32)`" in md
     assert "| torch | second |" in md and "precompile True" in md
 
