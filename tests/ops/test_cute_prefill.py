@@ -29,7 +29,8 @@ order); JAX's launch bit-identical to torch's.
 
 The persistent schedule (GPU, both modes): with the SM count forced down to
 1, 2, 3 and 7, every CTA runs many work items of 0, 1 and up to 8 blocks in
-turn, and the output is the full grid's bit for bit.
+turn, and the output is the full grid's bit for bit (the cases of one tile
+have fewer work items than SMs).
 """
 
 from __future__ import annotations
@@ -439,6 +440,21 @@ def test_sparse_choosing_every_block_is_dense():
 SPARSE_BIT_CASES = [c for c in SPARSE_CASES if c.name in ("cute_sp_mixed", "cute_sp_small")]
 
 
+@on_gpu
+@pytest.mark.parametrize("case", SPARSE_BIT_CASES, ids=str)
+def test_sparse_torch_and_jax_bit_identical(case):
+    if not _jax_cute_ready():
+        pytest.skip("needs a JAX GPU backend with cutlass.jax")
+    x = _poisoned(case)
+    ids = _sparse_ids(case, x["block_table"].shape[1])
+    want = _run_sparse(x, ids, "cutedsl").cpu()
+    with Target("jax", "gpu").active():
+        j = _jax_gpu(x)
+        got = m3_jax.sparse_prefill(j["q"], j["k_cache"], j["v_cache"], to_jax(ids.cuda()), j["block_table"],
+                                    j["seq_lens"], cu_seqlens_q=j["cu_seqlens_q"], backend="cutedsl")
+    assert_same_bits(to_torch(got), want)
+
+
 # -- GPU: the persistent schedule ----------------------------------------------------------------
 
 # 126 tiles x 4 KV heads = 504 work items: tiles that see no block (request 0's first, all of request
@@ -452,8 +468,8 @@ def test_few_ctas_give_the_full_grids_bits(sparse, monkeypatch):
     """The SM count forced down to 1, 2, 3 and 7 CTAs: each CTA runs many work items in turn (of 0, 1
     and up to 8 blocks), carrying the ring's stages and phases, the pingpong turns, its warpgroups'
     query rows and (sparse) the two block-list slots from one item to the next; the output is the
-    full grid's (one CTA per SM, fewer items than CTAs on the smallest requests), bit for bit, and
-    that is within the tolerance of the reference."""
+    full grid's (one CTA per SM: 132 on an H200, 3 or 4 items each), bit for bit, and that is within
+    the tolerance of the reference. Fewer items than SMs: the one-tile cases above."""
     from m3_torch import cute_ops
     case = PERSISTENT_CASE
     x = _poisoned(case)
@@ -469,17 +485,3 @@ def test_few_ctas_give_the_full_grids_bits(sparse, monkeypatch):
         monkeypatch.setattr(cute_ops, "sm_count", lambda device, n=ctas: n)
         assert torch.equal(run(), want), f"{ctas} CTAs"
 
-
-@on_gpu
-@pytest.mark.parametrize("case", SPARSE_BIT_CASES, ids=str)
-def test_sparse_torch_and_jax_bit_identical(case):
-    if not _jax_cute_ready():
-        pytest.skip("needs a JAX GPU backend with cutlass.jax")
-    x = _poisoned(case)
-    ids = _sparse_ids(case, x["block_table"].shape[1])
-    want = _run_sparse(x, ids, "cutedsl").cpu()
-    with Target("jax", "gpu").active():
-        j = _jax_gpu(x)
-        got = m3_jax.sparse_prefill(j["q"], j["k_cache"], j["v_cache"], to_jax(ids.cuda()), j["block_table"],
-                                    j["seq_lens"], cu_seqlens_q=j["cu_seqlens_q"], backend="cutedsl")
-    assert_same_bits(to_torch(got), want)
