@@ -12,49 +12,74 @@ for the KV head ``h // group`` of the paged caches ``[pages, Hk, 128, D]``,
 float32 accumulation, the output in q's dtype; a row that sees no position is
 zeros, and cache rows past ``seq_len`` (which may hold NaN/Inf) never reach it.
 
-Work split. A CTA owns one row tile of ``tile_map`` for one KV head (grid
-``(num_tiles, Hk)``). The 128 rows of the tile are (tokens x the ``group``
-query heads of that KV head, padded to ``heads_pad``): 8 tokens x 16 heads at
-M3's 64/4 heads, 64 tokens x 2 heads at 8/2. That keeps the MMA's M dimension
-at 128 whatever the group, and reads each K/V page once per tile for all the
-heads that share it (the alternative, 128 tokens of one head, reads every page
-once per query head, 16x the K/V traffic at group 16, with the same MMA work).
-The tiles are the indexer's (``maps.index_tile``: as many tokens as 128 rows
-hold, one request per tile), so a tile holds consecutive positions and the
-causal mask touches at most its last two blocks.
+Work split. A work item is one row tile of ``tile_map`` for one KV head. The
+128 rows of the tile are (tokens x the ``group`` query heads of that KV head,
+padded to ``heads_pad``): 8 tokens x 16 heads at M3's 64/4 heads, 64 tokens x 2
+heads at 8/2. That keeps the MMA's M dimension at 128 whatever the group, and
+reads each K/V page once per tile for all the heads that share it (the
+alternative, 128 tokens of one head, reads every page once per query head, 16x
+the K/V traffic at group 16, with the same MMA work). The tiles are the
+indexer's (``maps.index_tile``: as many tokens as 128 rows hold, one request
+per tile), so a tile holds consecutive positions and the causal mask touches
+at most its last two blocks.
+
+Persistent schedule. The grid is ``G = min(num_tiles x Hk, SMs)`` CTAs (one
+CTA per SM: its shared memory is over half an SM's, its registers all of
+them); each CTA loops over work items. Item ``w`` is tile ``num_tiles - 1 - w
+// Hk`` of KV head ``w % Hk``: the tiles from last to first, the KV heads of a
+tile together (within a request a later tile sees more blocks, so one
+prompt's items come longest first). CTA ``c`` takes, in round ``r``, item
+``r G + c`` when ``r`` is even and ``r G + G - 1 - c`` when it is odd (a
+serpentine stride; the last round is partial). Serpentine rather than ``r G +
+c``: with items longest first, a plain stride gives CTA 0 the longest item of
+every round and on one prompt (lengths falling linearly) it finishes about one
+longest item after CTA ``G - 1`` (63 blocks of its 1040 at 8k); the
+serpentine pairs a round's longest with the next round's shortest, leaving at
+most one round's spread of lengths (``G`` items' decline: 1 block at 8k).
+Static: no counter in global memory to reset between launches, so a captured
+CUDA graph replays as is. The roles carry their state across a CTA's items: the producer runs
+ahead into the next item's pages (the ring's stage and phase go on) while the
+consumers finish the current one, so the next item's first loads overlap the
+current item's last blocks and its epilogue. A tile's arithmetic is the same
+whichever CTA runs it: the output depends neither on the grid nor on the SM
+count the framework glue reads (``m3_torch.cute_ops``, ``m3_jax.cute_call``).
 
 FA3's design, warp specialized (384 threads, 3 warpgroups):
 
 * **producer** (warpgroup 0, its first warp; its registers given back with
-  ``setmaxnreg``): per visible block, the K and V pages as one TMA box each,
-  ``[128, D]`` at (0, 0, kv head, page id) of the caches viewed as (token,
-  dim, head, page), the page id read from ``block_table`` (only the ids of
-  blocks the tile sees: the rest may be garbage), both into one stage of a
-  ``stages``-deep ring of 128B-swizzled smem buffers guarded by one mbarrier
-  per stage (``PipelineTmaAsync``).
-* **consumers** (warpgroups 1 and 2, 64 rows each): the query tile is
-  loaded once into swizzled smem (16-byte loads when q's rows are contiguous
-  and 16-byte aligned, element by element through other strides; zeros on
-  padding rows); per block ``S = Q K^T`` by ``wgmma`` (both operands from
-  smem), the causal mask by position (a select, only on blocks that reach
-  past the tile's first position), the online softmax in registers (exp2 with
-  ``sm_scale * log2(e)`` folded in, running max and sum per row, the row max
-  across the 4 lanes of a quad by shuffles), ``P`` converted to q's dtype in
-  registers and ``O += P V`` by ``wgmma`` with A from registers and V read
-  transposed from the same smem stage. FA3's intra-warpgroup overlap: block
-  ``j`` issues ``S_j`` and ``P_{j-1} V_{j-1}`` back to back and runs the
-  softmax of ``S_j`` while ``P V`` is in flight (O rescaled after it lands;
-  a stage is released one block after its ``S``), and FA3's pingpong: the
-  two consumer warpgroups take turns issuing their GEMMs (named barriers),
-  so one's softmax runs under the other's wgmmas. Stale rows past
-  ``seq_len`` in the sequence's last page: their scores are masked (a
-  select, so NaN/Inf never enter the sum) and their V rows are zeroed in smem
-  before any ``P V`` reads them (a zero probability times NaN would be NaN),
-  by each consumer warpgroup for itself (same zeros, a barrier of its own
-  128 threads). Epilogue: ``O / l`` (0 where ``l`` is
-  0: rows that see nothing), stored as pairs of adjacent columns (4-byte
-  stores) when the output's rows are contiguous and 4-byte aligned, element
-  by element through other strides.
+  ``setmaxnreg``): per item and visible block, the K and V pages as one TMA
+  box each, ``[128, D]`` at (0, 0, kv head, page id) of the caches viewed as
+  (token, dim, head, page), the page id read from ``block_table`` (only the
+  ids of blocks the tile sees: the rest may be garbage), both into one stage
+  of a ``stages``-deep ring of 128B-swizzled smem buffers guarded by one
+  mbarrier per stage (``PipelineTmaAsync``), stage and phase continuing from
+  one item to the next.
+* **consumers** (warpgroups 1 and 2, 64 rows each): per item, each
+  warpgroup loads its own 64 rows of the query tile into swizzled smem
+  (16-byte loads when q's rows are contiguous and 16-byte aligned, element by
+  element through other strides; zeros on padding rows), its stores behind a
+  barrier of its 128 threads (its previous item's wgmmas, the only readers of
+  those rows, are complete in all four warps); per block ``S = Q K^T`` by
+  ``wgmma`` (both operands from smem), the causal mask by position (a select,
+  only on blocks that reach past the tile's first position), the online
+  softmax in registers (exp2 with ``sm_scale * log2(e)`` folded in, running
+  max and sum per row, the row max across the 4 lanes of a quad by
+  shuffles), ``P`` converted to q's dtype in registers and ``O += P V`` by
+  ``wgmma`` with A from registers and V read transposed from the same smem
+  stage. FA3's intra-warpgroup overlap: block ``j`` issues ``S_j`` and
+  ``P_{j-1} V_{j-1}`` back to back and runs the softmax of ``S_j`` while
+  ``P V`` is in flight (O rescaled after it lands; a stage is released one
+  block after its ``S``), and FA3's pingpong: the two consumer warpgroups
+  take turns issuing their GEMMs (named barriers), one turn per block in one
+  sequence over all the CTA's items, so one's softmax (or epilogue) runs under
+  the other's wgmmas. Stale rows past ``seq_len`` in the sequence's last
+  page: their scores are masked (a select, so NaN/Inf never enter the sum)
+  and their V rows are zeroed in smem before any ``P V`` reads them (a zero
+  probability times NaN would be NaN), by each consumer warpgroup for itself
+  (same zeros, a barrier of its own 128 threads). Epilogue: ``O / l`` (0
+  where ``l`` is 0: rows that see nothing), stored as pairs of adjacent
+  columns (4-byte stores) when the output's rows are contiguous and 4-byte
+  aligned, element by element through other strides.
 
 Sparse mode (``sparse_prefill_launch``, the same kernel with ``mIds``): each
 token sees only the blocks it chose, ``block_ids [Hk, T, topk]`` (-1 = empty
@@ -72,32 +97,37 @@ neighbouring tokens sharing their queries; so 52% / 22% / 16% and 68% / 43% /
 34% of the MMA work is useful (against the dense kernel's ~620 TFLOP/s, an
 estimate of 140 TFLOP/s of useful work at 32k random, 270 shared; unmeasured).
 
-* **the block list**: before the roles split, all 384 threads build the
-  tile's distinct valid blocks (``_tile_block_list``: the ids of its tokens x
-  topk entries, -1 where invalid, into a scratch that is the query tile's smem
-  (unused until then); each entry's first occurrence and the tokens choosing
-  its block as an int32 bit mask by a scan of all entries; each first
-  occurrence's rank by a scan of the flags before it), into a list, its
-  masks and its length in shared memory, three ``__syncthreads`` in all. The
-  last one orders the list before both roles read it, with no barrier of
-  their own: the producer walks the list instead of ``0 .. n - 1`` (page id
-  ``block_table[req, block]``), the consumers the same list in the same order
-  (the pipeline's stage order is unchanged). Blocks after the tile's last
-  token are skipped (no row sees them). At most 32 tokens per tile
-  (``Hq / Hk >= 4``: the masks are int32) and 128 entries (tokens x topk): at
-  D = 128 the query tile and the ring take 224 of the 227 KiB, the barriers
-  and a list of 128 blocks move the 1 KiB-aligned query tile from 1 to 2 KiB
-  (226 KiB in all).
+* **the block list**: per item, the producer warpgroup (all 128 threads)
+  builds the tile's distinct valid blocks (``_tile_block_list``: the ids of
+  its tokens x topk entries, -1 where invalid; each entry's first occurrence
+  and the tokens choosing its block as an int32 bit mask by a scan of all
+  entries; each first occurrence's rank by a scan of the flags before it),
+  into a list, its masks and its length in one of two list slots in shared
+  memory (the slot is also the scratch), four syncs of the warpgroup's own
+  named barrier in all. The two slots are a two-stage mbarrier pipeline
+  (``PipelineAsync``) from the producer warpgroup to the consumers: it takes
+  the slot of item ``k + 2`` once both consumer warpgroups are done with item
+  ``k``'s list, and its 128 threads arrive when the list is built; a consumer
+  warpgroup waits for its item's slot before its query rows and releases it
+  after its last block. So the list of the next item is built while the
+  consumers still read the current one. The producer walks the list instead
+  of ``0 .. n - 1`` (page id ``block_table[req, block]``), the consumers the
+  same list in the same order (the pipeline's stage order is unchanged).
+  Blocks after the tile's last token are skipped (no row sees them). At most
+  32 tokens per tile (``Hq / Hk >= 4``: the masks are int32) and 128 entries
+  (tokens x topk): at D = 128 the query tile and the ring take 224 of the 227
+  KiB, the barriers and two lists of 128 blocks another 2.1 KiB after them
+  (the query tile first, at the 1 KiB-aligned start: 226.1 KiB, rounded up
+  to the storage's 1 KiB alignment 227 KiB, the most a CTA may have).
 * **the mask**: row ``m`` (token ``t``) sees token ``n`` of list block ``b``
   iff bit ``t`` of its mask is set and ``b * 128 + n <= pos0 + t``, applied
   to every block (rows differ in their choices); a row that chose nothing
   visible is zeros, stale V rows are zeroed as in dense mode, the softmax is
-  unchanged. Dense mode compiles to the same code as before the sparse mode
-  existed (``const_expr`` branches).
+  unchanged.
 
 Compiled once per shape class (dtype, D, group, heads_pad, stages; sparse: and topk): lengths,
-head counts, tables, tiles, strides and pointers are runtime values, so nothing recompiles
-as lengths change and a captured CUDA graph replays.
+head counts, tables, tiles, strides, pointers and the SM count are runtime values, so nothing
+recompiles as lengths change and a captured CUDA graph replays.
 """
 
 from __future__ import annotations
@@ -123,9 +153,11 @@ NUM_THREADS = 128 * (1 + NUM_MMA_WARPGROUPS)   # warpgroup 0 produces
 NUM_MMA_THREADS = 128 * NUM_MMA_WARPGROUPS
 PRODUCER_REGS = 24       # setmaxnreg: 24 x 128 + 240 x 256 <= 64k registers
 MMA_REGS = 240
-MMA_BARRIER_ID = 1       # the consumers' named barrier (0 is __syncthreads)
-STALE_V_BARRIER_ID = 2   # + consumer warpgroup (2, 3): its own zeroing of stale V rows
+NUM_PRODUCER_THREADS = 128  # warpgroup 0: its first warp loads K/V, all four build a sparse block list
+PRODUCER_BARRIER_ID = 1  # the producer warpgroup's named barrier (0 is __syncthreads): the block list
+WARPGROUP_BARRIER_ID = 2  # + consumer warpgroup (2, 3): syncs of its own threads (query rows, stale V rows)
 SCHEDULER_BARRIER_ID = 4  # + consumer warpgroup (4, 5): its turn to issue GEMMs (pingpong)
+LIST_SLOTS = 2           # sparse: block lists in shared memory, the consumers' current item's and the next
 SPARSE_MAX_TOKENS = 32   # sparse: a block's choosing tokens are one int32 bit mask (Hq / Hk >= 4)
 SPARSE_MAX_ENTRIES = 128  # sparse: tokens x topk, the block list's room in shared memory (M3: 8 x 16)
 LOG2_E = math.log2(math.e)
@@ -245,7 +277,6 @@ def _online_softmax(
 @cute.jit
 def _tile_block_list(
     mIds: cute.Tensor,            # (Hk, T, topk) int32: each token's chosen blocks, -1 = empty slot
-    scratch: cute.Tensor,         # (2, entries) int32 smem, free until the query tile is loaded
     sBlocks: cute.Tensor,         # (entries,) int32 smem, out: the tile's distinct valid blocks
     sChosen: cute.Tensor,         # (entries,) int32 smem, out: bit t set iff the tile's token t chose that block
     sCount: cute.Tensor,          # (1,) int32 smem, out: how many
@@ -253,11 +284,13 @@ def _tile_block_list(
     tok0: Int32,
     ntok: Int32,
     tile_blocks: Int32,           # blocks the tile's last token sees
-    tidx: Int32,                  # 0 .. NUM_THREADS - 1
+    tidx: Int32,                  # 0 .. NUM_PRODUCER_THREADS - 1
     topk: cutlass.Constexpr,
 ):
-    """The blocks a sparse tile visits, by all threads of the CTA (three CTA barriers; the last one
-    makes the list visible to the producer and the consumers alike).
+    """The blocks a sparse tile visits, by the producer warpgroup alone (four syncs of its named
+    barrier; after the last one the list is visible to all of its threads). The outputs are the
+    scratch until the last step: the entries' ids in ``sBlocks``, their first-occurrence flags in
+    ``sChosen``, each thread keeping its own entries' ids, masks, flags and ranks in registers.
 
     Entry ``e`` is slot ``e % topk`` of tile token ``e // topk``; it is valid when its id is in
     ``[0, tile_blocks)`` (-1, ids past the request's blocks and blocks after the tile's last token,
@@ -265,50 +298,61 @@ def _tile_block_list(
     occurrence, in entry order (the Triton kernel's ``distinct_blocks``), with the tokens that chose
     it as a bit mask."""
     entries = const_expr(cute.size(sBlocks))
-    per_thread = const_expr((entries + NUM_THREADS - 1) // NUM_THREADS)
-    # -- 1: the entries' ids (-1 where invalid) -> scratch[0, :]
+    per_thread = const_expr((entries + NUM_PRODUCER_THREADS - 1) // NUM_PRODUCER_THREADS)
+    ids = cute.make_rmem_tensor((per_thread,), Int32)
+    masks = cute.make_rmem_tensor((per_thread,), Int32)
+    firsts = cute.make_rmem_tensor((per_thread,), Int32)
+    ranks = cute.make_rmem_tensor((per_thread,), Int32)
+    # -- 1: the entries' ids (-1 where invalid) -> sBlocks
     for i in cutlass.range_constexpr(per_thread):
-        e = tidx + i * NUM_THREADS
+        e = tidx + i * NUM_PRODUCER_THREADS
+        b = Int32(-1)
         if e < entries:
             tok = e // topk
-            b = Int32(-1)
             if tok < ntok:
                 b = mIds[kv_head, tok0 + tok, e % topk]
                 if (b < 0) | (b >= tile_blocks):
                     b = Int32(-1)
-            scratch[0, e] = b
-    cute.arch.sync_threads()
-    # -- 2: first occurrences (-> scratch[1, :]) and the tokens choosing each entry's block
-    masks = cute.make_rmem_tensor((per_thread,), Int32)
+            sBlocks[e] = b
+        ids[i] = b
+    cute.arch.barrier(barrier_id=PRODUCER_BARRIER_ID, number_of_threads=NUM_PRODUCER_THREADS)
+    # -- 2: first occurrences (-> sChosen) and the tokens choosing each entry's block
     for i in cutlass.range_constexpr(per_thread):
-        e = tidx + i * NUM_THREADS
+        e = tidx + i * NUM_PRODUCER_THREADS
         mask = Int32(0)
+        first = Int32(0)
         if e < entries:
-            b = scratch[0, e]
-            first = Int32(0)
+            b = ids[i]
             if b >= 0:
                 first = Int32(1)
                 for e2 in cutlass.range(entries, unroll=4):
-                    if scratch[0, e2] == b:
+                    if sBlocks[e2] == b:
                         mask = mask | (Int32(1) << (e2 // topk))
                         if e2 < e:
                             first = Int32(0)
-            scratch[1, e] = first
+            sChosen[e] = first
         masks[i] = mask
-    cute.arch.sync_threads()
+        firsts[i] = first
+    cute.arch.barrier(barrier_id=PRODUCER_BARRIER_ID, number_of_threads=NUM_PRODUCER_THREADS)
     # -- 3: a first occurrence's rank among them is its place in the list
     for i in cutlass.range_constexpr(per_thread):
-        e = tidx + i * NUM_THREADS
+        e = tidx + i * NUM_PRODUCER_THREADS
+        rank = Int32(0)
         if e < entries:
-            rank = Int32(0)
             for e2 in cutlass.range(e, unroll=4):
-                rank = rank + scratch[1, e2]
-            if scratch[1, e] == 1:
-                sBlocks[rank] = scratch[0, e]
-                sChosen[rank] = masks[i]
+                rank = rank + sChosen[e2]
+        ranks[i] = rank
+    cute.arch.barrier(barrier_id=PRODUCER_BARRIER_ID, number_of_threads=NUM_PRODUCER_THREADS)
+    # -- 4: the list over the scratch (every read of it is done)
+    for i in cutlass.range_constexpr(per_thread):
+        e = tidx + i * NUM_PRODUCER_THREADS
+        if e < entries:
+            if firsts[i] == 1:
+                sBlocks[ranks[i]] = ids[i]
+                sChosen[ranks[i]] = masks[i]
             if e == entries - 1:
-                sCount[0] = rank + scratch[1, e]
-    cute.arch.sync_threads()
+                sCount[0] = ranks[i] + firsts[i]
+    cute.arch.barrier(barrier_id=PRODUCER_BARRIER_ID, number_of_threads=NUM_PRODUCER_THREADS)
 
 
 @cute.jit
@@ -340,37 +384,44 @@ def _zero_stale_v(
 
 
 @cute.jit
-def _load_query_tile(
+def _load_query_rows(
     mQ: cute.Tensor,              # (T, Hq, D)
     sQ: cute.Tensor,              # (128, D) swizzled smem
     tok0: Int32,
     ntok: Int32,
     kv_head: Int32,
-    tidx: Int32,                  # 0 .. NUM_MMA_THREADS - 1
+    row0: Int32,                  # the warpgroup's first row: 0 or 64
+    wg_tidx: Int32,               # 0 .. 127, the thread in its warpgroup
+    barrier_id: Int32,            # the warpgroup's own named barrier
     group: cutlass.Constexpr,
     heads_pad: cutlass.Constexpr,
     head_dim: cutlass.Constexpr,
 ):
-    """The tile's queries -> ``sQ``: row ``m`` is token ``m // heads_pad``, query head
-    ``kv_head * group + m % heads_pad``; zeros on padding rows (past ``ntok`` or ``group``).
+    """One consumer warpgroup's 64 rows of the tile's queries -> ``sQ``, ready for its wgmmas: row
+    ``m`` is token ``m // heads_pad``, query head ``kv_head * group + m % heads_pad``; zeros on
+    padding rows (past ``ntok`` or ``group``).
 
-    When q's rows are contiguous and every row starts 16-byte aligned (q from a projection),
-    16-byte loads (8 x bf16): a thread issues all of its loads before its first smem store;
-    otherwise element by element through any strides."""
+    The rows are the warpgroup's alone (its wgmmas read only them), but its previous item's
+    wgmmas may still read them until all four of its warps have waited for those: the smem stores
+    wait behind a barrier of its 128 threads. When q's rows are contiguous and every row starts
+    16-byte aligned (q from a projection), 16-byte loads (8 x bf16), all issued before that
+    barrier; otherwise element by element through any strides, after it. Then a fence for the
+    async proxy and a second barrier: the wgmmas read the stores of every thread."""
     dtype = mQ.element_type
+    rows = const_expr(TILE_M // NUM_MMA_WARPGROUPS)
     vec = const_expr(128 // dtype.width)                 # elements per 16-byte load
     base = mQ.iterator.toint()
     if (mQ.stride[2] == 1) & (base % 16 == 0) & (mQ.stride[0] % vec == 0) & (mQ.stride[1] % vec == 0):
         chunks = const_expr(head_dim // vec)             # chunks of vec elements (16 bytes) per row
-        per_thread = const_expr(TILE_M * chunks // NUM_MMA_THREADS)
+        per_thread = const_expr(rows * chunks // 128)
         # ((1, vec), (128, chunks)): the 128B swizzle permutes whole 16-byte chunks, so a chunk
         # stays contiguous in smem (one 16-byte store)
         sQ_chunks = cute.zipped_divide(sQ, (1, vec))
         frag = cute.make_rmem_tensor((1, vec, per_thread), dtype)
         frag.fill(0)
         for i in cutlass.range_constexpr(per_thread):    # consecutive threads: consecutive chunks
-            idx = tidx + i * NUM_MMA_THREADS
-            m = idx // chunks
+            idx = wg_tidx + i * 128
+            m = row0 + idx // chunks
             tok = m // heads_pad
             head = m % heads_pad
             if (tok < ntok) & (head < group):
@@ -379,13 +430,15 @@ def _load_query_tile(
                 src = cute.make_tensor(cute.make_ptr(dtype, base + offset * (dtype.width // 8), cute.AddressSpace.gmem,
                                                      assumed_align=16), cute.make_layout((1, vec)))
                 cute.autovec_copy(src, frag[None, None, i])
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
         for i in cutlass.range_constexpr(per_thread):
-            idx = tidx + i * NUM_MMA_THREADS
-            cute.autovec_copy(frag[None, None, i], sQ_chunks[None, (idx // chunks, idx % chunks)])
+            idx = wg_tidx + i * 128
+            cute.autovec_copy(frag[None, None, i], sQ_chunks[None, (row0 + idx // chunks, idx % chunks)])
     else:
-        for i in cutlass.range(TILE_M * head_dim // NUM_MMA_THREADS, unroll=8):
-            idx = tidx + i * NUM_MMA_THREADS
-            m = idx // head_dim
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+        for i in cutlass.range(rows * head_dim // 128, unroll=8):
+            idx = wg_tidx + i * 128
+            m = row0 + idx // head_dim
             d = idx % head_dim
             tok = m // heads_pad
             head = m % heads_pad
@@ -393,6 +446,8 @@ def _load_query_tile(
             if (tok < ntok) & (head < group):
                 v = mQ[tok0 + tok, kv_head * group + head, d]
             sQ[m, d] = v
+    cute.arch.fence_view_async_shared()           # generic-proxy stores -> visible to wgmma
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
 
 
 @cute.jit
@@ -410,6 +465,7 @@ def dense_prefill_launch(
     num_pages: Int32,
     num_tiles: Int32,
     num_kv_heads: Int32,
+    num_sms: Int32,               # the GPU's streaming multiprocessors: at most one CTA each
     sm_scale: Float32,
     stride_qt: Int64, stride_qh: Int64, stride_qd: Int64,
     stride_kp: Int64, stride_kh: Int64, stride_kn: Int64,
@@ -425,7 +481,7 @@ def dense_prefill_launch(
 ):
     """Host side of ``dense_prefill``: every visible block of each tile (:func:`_prefill_launch`)."""
     _prefill_launch(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, tile_map_ptr, out_ptr, None, num_tokens, num_requests,
-                    max_blocks, num_pages, num_tiles, num_kv_heads, sm_scale, stride_qt, stride_qh, stride_qd,
+                    max_blocks, num_pages, num_tiles, num_kv_heads, num_sms, sm_scale, stride_qt, stride_qh, stride_qd,
                     stride_kp, stride_kh, stride_kn, stride_vp, stride_vh, stride_vn, stride_br, stride_bb, stride_l,
                     stride_ot, stride_oh, stride_od, stream, group, heads_pad, head_dim, stages, 0)
 
@@ -446,6 +502,7 @@ def sparse_prefill_launch(
     num_pages: Int32,
     num_tiles: Int32,
     num_kv_heads: Int32,
+    num_sms: Int32,               # the GPU's streaming multiprocessors: at most one CTA each
     sm_scale: Float32,
     stride_qt: Int64, stride_qh: Int64, stride_qd: Int64,
     stride_kp: Int64, stride_kh: Int64, stride_kn: Int64,
@@ -469,21 +526,24 @@ def sparse_prefill_launch(
     mIds = cute.make_tensor(ids_ptr, cute.make_layout((num_kv_heads, num_tokens, topk),
                                                       stride=(stride_ih, stride_it, stride_is)))
     _prefill_launch(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, tile_map_ptr, out_ptr, mIds, num_tokens, num_requests,
-                    max_blocks, num_pages, num_tiles, num_kv_heads, sm_scale, stride_qt, stride_qh, stride_qd,
+                    max_blocks, num_pages, num_tiles, num_kv_heads, num_sms, sm_scale, stride_qt, stride_qh, stride_qd,
                     stride_kp, stride_kh, stride_kn, stride_vp, stride_vh, stride_vn, stride_br, stride_bb, stride_l,
                     stride_ot, stride_oh, stride_od, stream, group, heads_pad, head_dim, stages, topk)
 
 
 def _shared_storage(dtype, sQ_layout, sKV_layout, stages: int, entries: int):
-    """The kernel's shared memory: the ring's barriers, in sparse mode (``entries`` > 0) the tile's
-    block list (before the 1 KiB-aligned query tile), the query tile, the K/V ring."""
-    fields = dict(mbar=cute.struct.MemRange[Int64, stages * 2])
-    if entries:
-        fields.update(blocks=cute.struct.MemRange[Int32, entries], chosen=cute.struct.MemRange[Int32, entries],
-                      count=cute.struct.MemRange[Int32, 1])
-    fields.update(sQ=cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024],
+    """The kernel's shared memory: the query tile (at the 1 KiB-aligned start), the K/V ring, the
+    ring's barriers, in sparse mode (``entries`` > 0) the block lists' barriers and their slots
+    (after the swizzled buffers: no alignment padding before them)."""
+    fields = dict(sQ=cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024],
                   sK=cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024],
-                  sV=cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024])
+                  sV=cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024],
+                  mbar=cute.struct.MemRange[Int64, stages * 2])
+    if entries:
+        fields.update(list_mbar=cute.struct.MemRange[Int64, LIST_SLOTS * 2],
+                      blocks=cute.struct.MemRange[Int32, entries * LIST_SLOTS],
+                      chosen=cute.struct.MemRange[Int32, entries * LIST_SLOTS],
+                      count=cute.struct.MemRange[Int32, LIST_SLOTS])
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
@@ -503,6 +563,7 @@ def _prefill_launch(
     num_pages: Int32,
     num_tiles: Int32,
     num_kv_heads: Int32,
+    num_sms: Int32,               # the GPU's streaming multiprocessors: at most one CTA each
     sm_scale: Float32,
     stride_qt: Int64, stride_qh: Int64, stride_qd: Int64,
     stride_kp: Int64, stride_kh: Int64, stride_kn: Int64,
@@ -517,7 +578,8 @@ def _prefill_launch(
     stages: cutlass.Constexpr,
     topk: cutlass.Constexpr,      # sparse: slots per token; dense: 0
 ):
-    """Host side: views, the TMA descriptors, the MMAs, the grid; launches :func:`prefill_kernel`."""
+    """Host side: views, the TMA descriptors, the MMAs, the persistent grid (one CTA per SM, at most
+    one per work item); launches :func:`prefill_kernel`."""
     dtype = q_ptr.value_type
     num_heads = num_kv_heads * group
     mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens, num_heads, head_dim),
@@ -553,11 +615,32 @@ def _prefill_launch(
                                                a_source=warpgroup.OperandSource.RMEM)
 
     SharedStorage = _shared_storage(dtype, sQ_layout, sKV_layout, stages, (TILE_M // heads_pad) * topk)
+    num_ctas = cutlass.min(num_tiles * num_kv_heads, num_sms)
     prefill_kernel(tma_atom_k, tma_k, tma_atom_v, tma_v, mQ, mO, mTable, mLens, mTileMap, mIds, max_blocks,
-                   sm_scale * LOG2_E, sQ_layout, sKV_layout, mma_qk, mma_pv, SharedStorage, page_bytes,
+                   num_kv_heads, sm_scale * LOG2_E, sQ_layout, sKV_layout, mma_qk, mma_pv, SharedStorage, page_bytes,
                    group, heads_pad, head_dim, stages, topk).launch(
-        grid=[num_tiles, num_kv_heads, 1], block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
-        stream=stream)
+        grid=[num_ctas, 1, 1], block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+
+def _work_item(k: Int32, cta: Int32, num_ctas: Int32) -> Int32:
+    """The work item of CTA ``cta`` in round ``k``: ``k G + cta`` in even rounds, ``k G + G - 1 - cta``
+    in odd ones (the serpentine stride of the module docstring); may be past the last item."""
+    return k * num_ctas + cta + (k % 2) * (num_ctas - 1 - 2 * cta)
+
+
+def _item_tile(mTileMap: cute.Tensor, mLens: cute.Tensor, max_blocks: Int32, num_kv_heads: Int32, item: Int32):
+    """Work item ``item`` (tile ``num_tiles - 1 - item // Hk``: the last tiles see the most blocks, they
+    come first) -> (kv head, request, first token, tokens, seq_len, position of the first token,
+    blocks its last token sees)."""
+    tile = mTileMap.shape[0] - 1 - item // num_kv_heads
+    req = mTileMap[tile, 0]
+    tok0 = mTileMap[tile, 1]
+    ntok = mTileMap[tile, 3]
+    # a length past the table behaves as its width, a negative one as 0 (SPEC.md)
+    seq_len = cutlass.min(cutlass.max(mLens[req], 0), max_blocks * PAGE_SIZE)
+    pos0 = seq_len + mTileMap[tile, 2]                  # tile_map holds position - seq_len
+    n_blocks = (cutlass.max(pos0 + ntok, 0) + PAGE_SIZE - 1) // PAGE_SIZE
+    return item % num_kv_heads, req, tok0, ntok, seq_len, pos0, n_blocks
 
 
 @cute.kernel
@@ -573,6 +656,7 @@ def prefill_kernel(
     mTileMap: cute.Tensor,        # (num_tiles, 4) int32: request, first token, its position - seq_len, tokens
     mIds: Optional[cute.Tensor],  # sparse: (Hk, T, topk) int32 block ids; dense: None
     max_blocks: Int32,
+    num_kv_heads: Int32,
     scale_log2: Float32,          # sm_scale * log2(e)
     sQ_layout: cute.ComposedLayout,
     sKV_layout: cute.ComposedLayout,
@@ -591,21 +675,10 @@ def prefill_kernel(
         # a consumer holds stage j - 1 (V_{j-1}) while it waits for stage j
         raise ValueError(f"stages: expected at least 2 (the intra-warpgroup overlap), got {stages}")
     tidx, _, _ = cute.arch.thread_idx()
-    bid, kv_head, _ = cute.arch.block_idx()
-    tile = mTileMap.shape[0] - 1 - bid       # the last tiles see the most blocks: they start first
+    cta, _, _ = cute.arch.block_idx()
+    num_ctas, _, _ = cute.arch.grid_dim()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
-
-    # -- the tile: request, tokens, positions, the blocks its last token sees
-    req = mTileMap[tile, 0]
-    tok0 = mTileMap[tile, 1]
-    pos0_minus_len = mTileMap[tile, 2]
-    ntok = mTileMap[tile, 3]
-    # a length past the table behaves as its width, a negative one as 0 (SPEC.md)
-    seq_len = cutlass.min(cutlass.max(mLens[req], 0), max_blocks * PAGE_SIZE)
-    pos0 = seq_len + pos0_minus_len                      # position of the tile's first token
-    n_blocks = (cutlass.max(pos0 + ntok, 0) + PAGE_SIZE - 1) // PAGE_SIZE
-
     # -- shared memory, the TMA ring (K and V pages of a block share a stage and its barrier)
     smem = cutlass.memory.SmemAllocator()
     storage = smem.allocate(SharedStorage)
@@ -620,53 +693,83 @@ def prefill_kernel(
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_THREADS // 32),  # lane 0 of a warp
         tx_count=2 * page_bytes,
         barrier_storage=storage.mbar.data_ptr(),
+        defer_sync=True,
     )
-
-    # -- sparse: the blocks the tile visits (list index j -> block sBlocks[j], chosen by the tokens of
-    # bit mask sChosen[j]), built by all threads before the roles split; dense: blocks 0 .. n - 1
+    # -- sparse: an item's blocks (list index j -> block sBlocks[j, slot], chosen by the tokens of bit
+    # mask sChosen[j, slot], sCount[0, slot] of them), built by the producer warpgroup into slot
+    # ``slot`` of a two-slot pipeline (every producer thread arrives when built, every consumer
+    # thread when done with it); dense: blocks 0 .. n - 1
     if const_expr(sparse):
         entries = const_expr((TILE_M // heads_pad) * topk)
-        sBlocks = storage.blocks.get_tensor(cute.make_layout(entries))
-        sChosen = storage.chosen.get_tensor(cute.make_layout(entries))
-        sCount = storage.count.get_tensor(cute.make_layout(1))
-        scratch = storage.sQ.get_tensor(cute.make_layout((2, entries), stride=(entries, 1)), dtype=Int32)
-        _tile_block_list(mIds, scratch, sBlocks, sChosen, sCount, kv_head, tok0, ntok, n_blocks, tidx, topk)
-        n_blocks = sCount[0]
+        sBlocks = storage.blocks.get_tensor(cute.make_layout((entries, LIST_SLOTS)))
+        sChosen = storage.chosen.get_tensor(cute.make_layout((entries, LIST_SLOTS)))
+        sCount = storage.count.get_tensor(cute.make_layout((1, LIST_SLOTS)))
+        lists = pipeline.PipelineAsync.create(
+            num_stages=LIST_SLOTS,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_PRODUCER_THREADS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_THREADS),
+            barrier_storage=storage.list_mbar.data_ptr(),
+            defer_sync=True,
+        )
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()                  # the barriers are initialized before any role uses them
 
     if warpgroup_idx == 0:
-        # ---- producer: warp 0 streams the K/V pages of the tile's blocks
+        # ---- producer: warp 0 streams the K/V pages of the items' blocks (in sparse mode the whole
+        # warpgroup builds each item's block list first)
         cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_k)
             cpasync.prefetch_descriptor(tma_atom_v)
-            gK = cute.local_tile(tma_k, (PAGE_SIZE, head_dim), (0, 0, None, None))   # (128, D, Hk, pages)
-            gV = cute.local_tile(tma_v, (PAGE_SIZE, head_dim), (0, 0, None, None))
-            tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                               cute.group_modes(gK, 0, 2))         # (TMA, stages), (TMA, Hk, pages)
-            tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                               cute.group_modes(gV, 0, 2))
-            produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            for j in cutlass.range(n_blocks, unroll=1):
-                block = j
-                if const_expr(sparse):
-                    block = sBlocks[j]
-                page = mTable[req, block]
-                ring.producer_acquire(produce)
-                cute.copy(tma_atom_k, tKgK[(None, kv_head, page)], tKsK[(None, produce.index)],
-                          tma_bar_ptr=ring.producer_get_barrier(produce))
-                cute.copy(tma_atom_v, tVgV[(None, kv_head, page)], tVsV[(None, produce.index)],
-                          tma_bar_ptr=ring.producer_get_barrier(produce))
-                ring.producer_commit(produce)
-                produce.advance()
+        gK = cute.local_tile(tma_k, (PAGE_SIZE, head_dim), (0, 0, None, None))   # (128, D, Hk, pages)
+        gV = cute.local_tile(tma_v, (PAGE_SIZE, head_dim), (0, 0, None, None))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))         # (TMA, stages), (TMA, Hk, pages)
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+        if const_expr(sparse):
+            list_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, LIST_SLOTS)
+        producer_warps = const_expr(NUM_PRODUCER_THREADS // 32 if sparse else 1)
+        if warp_idx < producer_warps:
+            # the CTA's work items, as the consumers walk them (counted after setmaxnreg in each role:
+            # a value live across it would spill)
+            num_items = mTileMap.shape[0] * num_kv_heads
+            for k in cutlass.range((num_items + num_ctas - 1) // num_ctas, unroll=1):
+                item = _work_item(k, cta, num_ctas)
+                if item < num_items:
+                    kv_head, req, tok0, ntok, seq_len, pos0, n_blocks = _item_tile(mTileMap, mLens, max_blocks,
+                                                                                    num_kv_heads, item)
+                    slot = 0
+                    if const_expr(sparse):
+                        # the slot of the item two back: free once both consumer warpgroups are done with it
+                        lists.producer_acquire(list_state)
+                        slot = list_state.index
+                        _tile_block_list(mIds, sBlocks[None, slot], sChosen[None, slot], sCount[None, slot],
+                                         kv_head, tok0, ntok, n_blocks, tidx, topk)
+                        n_blocks = sCount[0, slot]
+                        lists.producer_commit(list_state)
+                        list_state.advance()
+                    if warp_idx == 0:
+                        for j in cutlass.range(n_blocks, unroll=1):
+                            block = j
+                            if const_expr(sparse):
+                                block = sBlocks[j, slot]
+                            page = mTable[req, block]
+                            ring.producer_acquire(produce)
+                            cute.copy(tma_atom_k, tKgK[(None, kv_head, page)], tKsK[(None, produce.index)],
+                                      tma_bar_ptr=ring.producer_get_barrier(produce))
+                            cute.copy(tma_atom_v, tVgV[(None, kv_head, page)], tVsV[(None, produce.index)],
+                                      tma_bar_ptr=ring.producer_get_barrier(produce))
+                            ring.producer_commit(produce)
+                            produce.advance()
     else:
         # ---- consumers: warpgroups 1 and 2, rows 64 * (warpgroup - 1) ..
         cute.arch.setmaxregister_increase(MMA_REGS)
         mma_tidx = tidx - 128
         mma_wg = warpgroup_idx - 1
-
-        _load_query_tile(mQ, sQ, tok0, ntok, kv_head, mma_tidx, group, heads_pad, head_dim)
-        cute.arch.fence_view_async_shared()       # generic-proxy stores -> visible to wgmma
-        cute.arch.barrier(barrier_id=MMA_BARRIER_ID, number_of_threads=NUM_MMA_THREADS)
+        wg_tidx = mma_tidx % 128
+        wg_barrier = WARPGROUP_BARRIER_ID + mma_wg
 
         # MMA partitions: this warpgroup's 64 rows (smem descriptors), this thread's accumulators
         wg_layout = cute.make_layout(NUM_MMA_WARPGROUPS, stride=128)
@@ -677,130 +780,157 @@ def prefill_kernel(
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))            # (MMA, N, K, stages)
         thr_qk = mma_qk.get_slice(mma_tidx)
         thr_pv = mma_pv.get_slice(mma_tidx)
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_M, head_dim)), Float32)
-        acc_o.fill(0.0)
-        o_mn = _acc_mn(acc_o)
+        o_shape = thr_pv.partition_shape_C((TILE_M, head_dim))
+        s_shape = thr_qk.partition_shape_C((TILE_M, PAGE_SIZE))
         tScS_mn = _acc_mn(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, PAGE_SIZE))))
         tOcO_mn = _acc_mn(thr_pv.partition_C(cute.make_identity_tensor((TILE_M, head_dim))))
         rows = const_expr(cute.size(tScS_mn.shape[0]))
-        row_max = cute.make_rmem_tensor((rows,), Float32)    # running max of S * scale_log2
-        row_sum = cute.make_rmem_tensor((rows,), Float32)    # running sum of exp2, this thread's columns
-        row_scale = cute.make_rmem_tensor((rows,), Float32)  # the block's correction for O
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
-        s_shape = thr_qk.partition_shape_C((TILE_M, PAGE_SIZE))
-        wg_tidx = mma_tidx % 128
-        stale_barrier = STALE_V_BARRIER_ID + mma_wg
-        # FA3's pingpong: the consumer warpgroups take turns issuing their GEMMs, so one's softmax
-        # runs under the other's wgmmas. Turn barrier w (256 threads) completes when warpgroup w
-        # syncs on it (128) and the other warpgroup has arrived (128) after issuing its own GEMMs
-        # of the previous turn; warpgroup 0's first turn is its own arrive. Per block each
-        # warpgroup syncs once on its barrier and arrives once on the other's, except warpgroup 1
-        # after its last block (warpgroup 0 has no next turn): with n blocks, barrier 0 gets
-        # (1 + n + n - 1) x 128 arrivals and barrier 1 (n + n) x 128, whole phases of 2 x 128
-        # threads, nothing left pending at exit (none at all when n is 0). Turns strictly alternate
-        # (w0 b0, w1 b0, w0 b1, w1 b1, ..), so an arrive never lands in the wrong phase. Between
-        # two turns a warpgroup waits only on its own wgmmas and on the TMA ring: block j + 1 needs
-        # block j + 1 - stages <= j - 1 released, which each warpgroup does in its block j right
-        # after its own P V, needing no further turn; so no cycle can form. The last block's P V
-        # is issued outside the turns.
-        my_turn = SCHEDULER_BARRIER_ID + mma_wg
-        other_turn = SCHEDULER_BARRIER_ID + 1 - mma_wg
-
-        # FA3's intra-warpgroup overlap: block j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back
-        # to back, waits for S_j only (wait_group(1)), masks and softmaxes it while P V runs, then
-        # waits for P V (wait_group(0)), releases stage j-1, rescales O and keeps P_j in registers
-        # for block j + 1. K_j and V_j share stage j: it is released after P_j V_j, one block
-        # later than its S. A stage's stale V rows are zeroed right after its wait, before any
-        # P V that reads it is issued. S is a fresh fragment per block (its registers are dead
-        # between blocks: nothing keeps the last P alive into the next S's wgmma).
-        consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-        if n_blocks > 0:
-            if mma_wg == 0:
-                cute.arch.barrier_arrive(barrier_id=my_turn, number_of_threads=2 * 128)   # warpgroup 0 starts
-            # -- block 0: S_0 and its softmax (O is 0: nothing to rescale)
-            block = 0
-            chosen = 0
-            if const_expr(sparse):
-                block = sBlocks[0]
-                chosen = sChosen[0]
-            ring.consumer_wait(consume)
-            _zero_stale_v(sV[None, None, consume.index], seq_len - block * PAGE_SIZE, wg_tidx, stale_barrier,
-                          head_dim)
-            acc_s = cute.make_rmem_tensor(s_shape, Float32)
-            cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
-            _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)
-            if (mma_wg == 0) | (n_blocks > 1):
-                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
-            warpgroup.wait_group(0)
-            _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen, pos0, scale_log2,
-                            heads_pad, sparse)
-            tOrP = cute.make_rmem_tensor_like(_acc_as_a(acc_s), mQ.element_type)   # P in q's dtype, registers
-            tOrP.store(_acc_as_a(acc_s).load().to(mQ.element_type))
-
-            for j in cutlass.range(1, n_blocks, unroll=1):
-                block = j
-                chosen = 0
-                if const_expr(sparse):
-                    block = sBlocks[j]
-                    chosen = sChosen[j]
-                previous = consume.clone()
-                consume.advance()
-                ring.consumer_wait(consume)
-                _zero_stale_v(sV[None, None, consume.index], seq_len - block * PAGE_SIZE, wg_tidx, stale_barrier,
-                              head_dim)
-                acc_s = cute.make_rmem_tensor(s_shape, Float32)
-                cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
-                _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)    # S_j
-                _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, previous.index], True)   # O += P_{j-1} V_{j-1}
-                if (mma_wg == 0) | (j < n_blocks - 1):
-                    cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
-                warpgroup.wait_group(1)                   # S_j is in; P V may still run
-                _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen, pos0,
-                                scale_log2, heads_pad, sparse)
-                warpgroup.wait_group(0)                   # P V is done: O, tOrP and stage j-1 are free
-                ring.consumer_release(previous)
-                for r in cutlass.range_constexpr(rows):
-                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
-                        o_mn[r, c] = o_mn[r, c] * row_scale[r]
-                tOrP.store(_acc_as_a(acc_s).load().to(mQ.element_type))
-
-            # -- the last block's P V
-            _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, consume.index], True)
-            warpgroup.wait_group(0)
-            ring.consumer_release(consume)
-
-        # -- epilogue: O / l (0 for rows that see nothing), stored through the output's strides. A
-        # thread holds pairs of adjacent columns (2c, 2c + 1): one 4-byte store per pair when the
-        # output's rows are contiguous and every row starts 4-byte aligned, else element by element.
+        # the epilogue's store: a thread holds pairs of adjacent columns (2c, 2c + 1), one 4-byte store
+        # per pair when the output's rows are contiguous and every row starts 4-byte aligned
         elem_bytes = const_expr(mO.element_type.width // 8)
         pairs = ((mO.stride[2] == 1) & (mO.iterator.toint() % 4 == 0)
                  & (mO.stride[0] % 2 == 0) & (mO.stride[1] % 2 == 0))
-        for r in cutlass.range_constexpr(rows):
-            total = row_sum[r]
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-            inv = Float32(0.0)
-            if total > Float32(0.0):
-                inv = Float32(1.0) / total
-            m = tOcO_mn[r, 0][0]
-            tok = m // heads_pad
-            head = m % heads_pad
-            if (tok < ntok) & (head < group):
-                row = mO[tok0 + tok, kv_head * group + head, None]                         # (D,)
-                if pairs:
-                    row_base = row.iterator.toint()
-                    for c in cutlass.range_constexpr(0, cute.size(o_mn.shape[1]), 2):
-                        pair = cute.make_rmem_tensor((2,), Float32)
-                        pair[0] = o_mn[r, c] * inv
-                        pair[1] = o_mn[r, c + 1] * inv
-                        dst = cute.make_tensor(cute.make_ptr(mO.element_type, row_base + tOcO_mn[r, c][1] * elem_bytes,
-                                                             cute.AddressSpace.gmem, assumed_align=4),
-                                               cute.make_layout(2))
-                        dst.store(pair.load().to(mO.element_type))
-                else:
-                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
-                        row[tOcO_mn[r, c][1]] = mO.element_type(o_mn[r, c] * inv)
+
+        # FA3's pingpong: the consumer warpgroups take turns issuing their GEMMs, so one's softmax
+        # (or epilogue, or query rows) runs under the other's wgmmas. A turn is one block of one item;
+        # both warpgroups walk the same items, so the same turns, as one sequence over all the CTA's
+        # items. Turn barrier w (256 threads) completes when warpgroup w syncs on it (128) and the
+        # other warpgroup has arrived (128) after issuing its GEMMs of its previous turn; warpgroup
+        # 0's first turn takes its own arrive, made once below, and after its last turn it syncs once
+        # more, taking warpgroup 1's arrive after its last turn. With N turns, barrier 0 gets (1 + N +
+        # 1 + N) x 128 arrivals and barrier 1 (N + N) x 128: whole phases of 2 x 128 threads, nothing
+        # left pending at exit (N may be 0). Turns strictly alternate (w0 t0, w1 t0, w0 t1, w1 t1, ..,
+        # across items too), so an arrive never lands in the wrong phase. Between two turns a
+        # warpgroup waits only on its own wgmmas, on its own barrier, on the TMA ring and (sparse)
+        # on the block list of its next item: block g + 1 of the CTA's sequence needs block g + 1 -
+        # stages <= g - 1 released, which each warpgroup does in its turn g, or before it, right
+        # after its own P V; the list of item k needs both warpgroups done with item k - 2's list,
+        # which each releases after its last turn of item k - 2, needing no turn of a later item. So
+        # no cycle can form. An item's last P V is issued outside the turns.
+        my_turn = SCHEDULER_BARRIER_ID + mma_wg
+        other_turn = SCHEDULER_BARRIER_ID + 1 - mma_wg
+        if mma_wg == 0:
+            cute.arch.barrier_arrive(barrier_id=my_turn, number_of_threads=2 * 128)   # warpgroup 0 starts
+
+        consume = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)   # the next block's
+        if const_expr(sparse):
+            list_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, LIST_SLOTS)
+        num_items = mTileMap.shape[0] * num_kv_heads               # the CTA's work items, as the producer's
+        for k in cutlass.range((num_items + num_ctas - 1) // num_ctas, unroll=1):
+            item = _work_item(k, cta, num_ctas)
+            if item < num_items:
+                kv_head, req, tok0, ntok, seq_len, pos0, n_blocks = _item_tile(mTileMap, mLens, max_blocks,
+                                                                                num_kv_heads, item)
+                slot = 0
+                if const_expr(sparse):
+                    lists.consumer_wait(list_state)
+                    slot = list_state.index
+                    n_blocks = sCount[0, slot]
+                _load_query_rows(mQ, sQ, tok0, ntok, kv_head, mma_wg * (TILE_M // NUM_MMA_WARPGROUPS), wg_tidx,
+                                 wg_barrier, group, heads_pad, head_dim)
+                acc_o = cute.make_rmem_tensor(o_shape, Float32)
+                acc_o.fill(0.0)
+                o_mn = _acc_mn(acc_o)
+                row_max = cute.make_rmem_tensor((rows,), Float32)    # running max of S * scale_log2
+                row_sum = cute.make_rmem_tensor((rows,), Float32)    # running sum of exp2, this thread's columns
+                row_scale = cute.make_rmem_tensor((rows,), Float32)  # the block's correction for O
+                row_max.fill(-Float32.inf)
+                row_sum.fill(0.0)
+
+                # FA3's intra-warpgroup overlap: block j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}
+                # back to back, waits for S_j only (wait_group(1)), masks and softmaxes it while P V
+                # runs, then waits for P V (wait_group(0)), releases stage j-1, rescales O and keeps
+                # P_j in registers for block j + 1. K_j and V_j share stage j: it is released after
+                # P_j V_j, one block later than its S. A stage's stale V rows are zeroed right after
+                # its wait, before any P V that reads it is issued. S is a fresh fragment per block
+                # (its registers are dead between blocks: nothing keeps the last P alive into the next
+                # S's wgmma). ``consume`` is the ring's next stage, carried from item to item.
+                if n_blocks > 0:
+                    # -- block 0: S_0 and its softmax (O is 0: nothing to rescale)
+                    block = 0
+                    chosen = 0
+                    if const_expr(sparse):
+                        block = sBlocks[0, slot]
+                        chosen = sChosen[0, slot]
+                    ring.consumer_wait(consume)
+                    _zero_stale_v(sV[None, None, consume.index], seq_len - block * PAGE_SIZE, wg_tidx, wg_barrier,
+                                  head_dim)
+                    acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                    cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
+                    _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)
+                    cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
+                    warpgroup.wait_group(0)
+                    _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen, pos0,
+                                    scale_log2, heads_pad, sparse)
+                    tOrP = cute.make_rmem_tensor_like(_acc_as_a(acc_s), mQ.element_type)   # P in q's dtype
+                    tOrP.store(_acc_as_a(acc_s).load().to(mQ.element_type))
+
+                    for j in cutlass.range(1, n_blocks, unroll=1):
+                        block = j
+                        chosen = 0
+                        if const_expr(sparse):
+                            block = sBlocks[j, slot]
+                            chosen = sChosen[j, slot]
+                        previous = consume.clone()
+                        consume.advance()
+                        ring.consumer_wait(consume)
+                        _zero_stale_v(sV[None, None, consume.index], seq_len - block * PAGE_SIZE, wg_tidx,
+                                      wg_barrier, head_dim)
+                        acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                        cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
+                        _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)    # S_j
+                        _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, previous.index], True)   # += P V
+                        cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
+                        warpgroup.wait_group(1)                   # S_j is in; P V may still run
+                        _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen,
+                                        pos0, scale_log2, heads_pad, sparse)
+                        warpgroup.wait_group(0)                   # P V is done: O, tOrP and stage j-1 are free
+                        ring.consumer_release(previous)
+                        for r in cutlass.range_constexpr(rows):
+                            for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                                o_mn[r, c] = o_mn[r, c] * row_scale[r]
+                        tOrP.store(_acc_as_a(acc_s).load().to(mQ.element_type))
+
+                    # -- the last block's P V
+                    _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, consume.index], True)
+                    warpgroup.wait_group(0)
+                    ring.consumer_release(consume)
+                    consume.advance()
+                if const_expr(sparse):
+                    lists.consumer_release(list_state)       # this warpgroup is done with the item's list
+                    list_state.advance()
+
+                # -- epilogue: O / l (0 for rows that see nothing), stored through the output's strides:
+                # one 4-byte store per pair of columns (``pairs``), else element by element
+                for r in cutlass.range_constexpr(rows):
+                    total = row_sum[r]
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+                    inv = Float32(0.0)
+                    if total > Float32(0.0):
+                        inv = Float32(1.0) / total
+                    m = tOcO_mn[r, 0][0]
+                    tok = m // heads_pad
+                    head = m % heads_pad
+                    if (tok < ntok) & (head < group):
+                        row = mO[tok0 + tok, kv_head * group + head, None]                         # (D,)
+                        if pairs:
+                            row_base = row.iterator.toint()
+                            for c in cutlass.range_constexpr(0, cute.size(o_mn.shape[1]), 2):
+                                pair = cute.make_rmem_tensor((2,), Float32)
+                                pair[0] = o_mn[r, c] * inv
+                                pair[1] = o_mn[r, c + 1] * inv
+                                dst = cute.make_tensor(cute.make_ptr(mO.element_type,
+                                                                     row_base + tOcO_mn[r, c][1] * elem_bytes,
+                                                                     cute.AddressSpace.gmem, assumed_align=4),
+                                                       cute.make_layout(2))
+                                dst.store(pair.load().to(mO.element_type))
+                        else:
+                            for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                                row[tOcO_mn[r, c][1]] = mO.element_type(o_mn[r, c] * inv)
+        if mma_wg == 0:
+            # the turn after the last: takes warpgroup 1's arrive after its last turn
+            cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
 
 
 def _as_element_type(ptr: cute.Pointer, element_type) -> cute.Pointer:
@@ -832,16 +962,17 @@ def dense_prefill_xla(
     heads_pad: cutlass.Constexpr,
     head_dim: cutlass.Constexpr,
     stages: cutlass.Constexpr,
+    num_sms: cutlass.Constexpr,
 ):
     """``cutlass.jax.cutlass_call`` entry: dense row-major arrays (sizes from their runtime shapes)
     and each K/V cache as (flat buffer, static offset/strides in elements of q's dtype: a byte
-    pool's sub-pages are read as that dtype) -> ``dense_prefill_launch``."""
+    pool's sub-pages are read as that dtype), the GPU's SM count -> ``dense_prefill_launch``."""
     dense_prefill_launch(
         q.iterator, _as_element_type(k_cache.iterator, q.element_type) + k_offset,
         _as_element_type(v_cache.iterator, q.element_type) + v_offset, block_table.iterator, seq_lens.iterator,
         tile_map.iterator, out.iterator,
         q.shape[0], block_table.shape[0], block_table.shape[1], num_pages, tile_map.shape[0], num_kv_heads,
-        Float32(sm_scale),
+        Int32(num_sms), Float32(sm_scale),
         q.layout.stride[0], q.layout.stride[1], q.layout.stride[2],
         *k_strides, *v_strides,
         block_table.layout.stride[0], block_table.layout.stride[1],
@@ -875,6 +1006,7 @@ def sparse_prefill_xla(
     head_dim: cutlass.Constexpr,
     stages: cutlass.Constexpr,
     topk: cutlass.Constexpr,
+    num_sms: cutlass.Constexpr,
 ):
     """``cutlass.jax.cutlass_call`` entry of the sparse mode: as :func:`dense_prefill_xla`, with the
     block ids -> ``sparse_prefill_launch``."""
@@ -883,7 +1015,7 @@ def sparse_prefill_xla(
         _as_element_type(v_cache.iterator, q.element_type) + v_offset, block_table.iterator, seq_lens.iterator,
         tile_map.iterator, out.iterator, block_ids.iterator,
         q.shape[0], block_table.shape[0], block_table.shape[1], num_pages, tile_map.shape[0], num_kv_heads,
-        Float32(sm_scale),
+        Int32(num_sms), Float32(sm_scale),
         q.layout.stride[0], q.layout.stride[1], q.layout.stride[2],
         *k_strides, *v_strides,
         block_table.layout.stride[0], block_table.layout.stride[1],

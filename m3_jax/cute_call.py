@@ -26,8 +26,8 @@ COMPILE_OPTIONS: str | None = None
 # Names the kernel for cutlass_call's compile cache (which adds the shapes, dtypes and keyword
 # constants itself), so a cache hit under a new trace skips regenerating the kernel's IR.
 _COMPILE_KEY = ("m3_kernels.cute_index.index_scores_xla", 2)
-_PREFILL_COMPILE_KEY = ("m3_kernels.cute_prefill.dense_prefill_xla", 1)
-_SPARSE_PREFILL_COMPILE_KEY = ("m3_kernels.cute_prefill.sparse_prefill_xla", 1)
+_PREFILL_COMPILE_KEY = ("m3_kernels.cute_prefill.dense_prefill_xla", 2)
+_SPARSE_PREFILL_COMPILE_KEY = ("m3_kernels.cute_prefill.sparse_prefill_xla", 2)
 
 
 def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, tile: maps.RowTile):
@@ -67,6 +67,18 @@ def _check_kv(q, k_cache: PagedView, v_cache: PagedView):
                              f"{cache.strides} at element offset {cache.offset}; use backend='triton'")
 
 
+def sm_count() -> int:
+    """The streaming multiprocessors of the GPU JAX computes on (its default device): the prefill
+    kernel's persistent grid has at most one CTA on each."""
+    device = jax.config.jax_default_device
+    device = device if device is not None and not isinstance(device, str) else jax.devices()[0]
+    count = getattr(device, "core_count", None)
+    if not count:
+        raise RuntimeError(f"backend='cutedsl': the prefill kernel's grid needs the GPU's SM count, JAX's device "
+                           f"{device} gives core_count={count!r}")
+    return int(count)
+
+
 def _prefill_constants(q, k_cache: PagedView, v_cache: PagedView, tile: maps.RowTile, sm_scale: float) -> dict:
     """The keyword constants both prefill entries of ``cute_prefill`` take."""
     num_heads, head_dim = int(q.shape[1]), int(q.shape[2])
@@ -74,7 +86,7 @@ def _prefill_constants(q, k_cache: PagedView, v_cache: PagedView, tile: maps.Row
     return dict(sm_scale=float(sm_scale), k_offset=k_cache.offset, k_strides=k_cache.strides[:3],
                 v_offset=v_cache.offset, v_strides=v_cache.strides[:3], num_pages=int(k_cache.shape[0]),
                 num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads, heads_pad=tile.heads_pad,
-                head_dim=head_dim, stages=tuning.CUTEDSL_PREFILL_STAGES[head_dim])
+                head_dim=head_dim, stages=tuning.CUTEDSL_PREFILL_STAGES[head_dim], num_sms=sm_count())
 
 
 def dense_prefill(q, k_cache: PagedView, v_cache: PagedView, block_table, seq_lens, tile_map, tile: maps.RowTile,

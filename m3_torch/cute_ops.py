@@ -176,7 +176,7 @@ def compile_sparse_prefill(key: tuple, arch: str | None = None):
     types = dict(q=elem, k=elem, v=elem, table=cutlass.Int32, lens=cutlass.Int32, tile_map=cutlass.Int32, out=elem,
                  ids=cutlass.Int32)
     ptrs = [make_ptr(types[n], 1 << 16, gmem, assumed_align=a) for n, a in _SPARSE_PREFILL_ALIGN.items()]
-    sizes = [1] * 6                    # num_tokens .. num_kv_heads (runtime values)
+    sizes = [1] * 7                    # num_tokens .. num_kv_heads, num_sms (runtime values)
     strides = [1] * 18
     kwargs = {} if arch is None else dict(options=f"--gpu-arch {arch}")
     return cute.compile(cp.sparse_prefill_launch, *ptrs, *sizes, cutlass.Float32(1.0), *strides, cuda.CUstream(0),
@@ -199,11 +199,17 @@ def compile_dense_prefill(key: tuple, arch: str | None = None):
     elem = cp.dtype_of(dtype)
     types = dict(q=elem, k=elem, v=elem, table=cutlass.Int32, lens=cutlass.Int32, tile_map=cutlass.Int32, out=elem)
     ptrs = [make_ptr(types[n], 1 << 16, gmem, assumed_align=a) for n, a in _PREFILL_ALIGN.items()]
-    sizes = [1] * 6                    # num_tokens .. num_kv_heads (runtime values)
+    sizes = [1] * 7                    # num_tokens .. num_kv_heads, num_sms (runtime values)
     strides = [1] * 15
     kwargs = {} if arch is None else dict(options=f"--gpu-arch {arch}")
     return cute.compile(cp.dense_prefill_launch, *ptrs, *sizes, cutlass.Float32(1.0), *strides, cuda.CUstream(0),
                         group=group, heads_pad=heads_pad, head_dim=head_dim, stages=stages, **kwargs)
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of ``device``: the prefill kernel's persistent grid has at most
+    one CTA on each."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_kv_cache(name: str, cache: torch.Tensor):
@@ -244,7 +250,7 @@ def _dense_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ptrs = [make_ptr(types[n], tensors[n].data_ptr(), gmem, assumed_align=a) for n, a in _PREFILL_ALIGN.items()]
     with torch.cuda.device(device):
         stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-        fn(*ptrs, num_tokens, num_requests, max_blocks, k_cache.shape[0], num_tiles, num_kv_heads,
+        fn(*ptrs, num_tokens, num_requests, max_blocks, k_cache.shape[0], num_tiles, num_kv_heads, sm_count(device),
            cutlass.Float32(sm_scale), *q.stride(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *block_table.stride(), seq_lens.stride(0),
            *out.stride(), stream)
@@ -282,7 +288,7 @@ def _sparse_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             for n, a in _SPARSE_PREFILL_ALIGN.items()]
     with torch.cuda.device(device):
         stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-        fn(*ptrs, num_tokens, num_requests, max_blocks, k_cache.shape[0], num_tiles, num_kv_heads,
+        fn(*ptrs, num_tokens, num_requests, max_blocks, k_cache.shape[0], num_tiles, num_kv_heads, sm_count(device),
            cutlass.Float32(sm_scale), *q.stride(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *block_table.stride(), seq_lens.stride(0),
            *out.stride(), *block_ids.stride(), stream)

@@ -34,6 +34,11 @@ ids (the reference selection) to one kernel launch over the indexer's tiles of t
 GPU: msa_prefill's block ids equal the Triton route's, its output within tolerance of it and of the
 reference, at the sparse cases' lengths and poisoning; JAX's msa_prefill gives torch's bits; the
 MSA layers' step runs the kernel in both frameworks.
+
+The persistent schedule (GPU, both modes): with the SM count forced down to
+1, 2, 3 and 7, every CTA runs many work items of 0, 1 and up to 8 blocks in
+turn, and the output is the full grid's bit for bit (the cases of one tile
+have fewer work items than SMs).
 """
 
 from __future__ import annotations
@@ -302,6 +307,7 @@ def test_compiles_for_hopper_jax_path(monkeypatch):
     from m3_jax import cute_call
     from m3_jax.views import PagedView
     monkeypatch.setattr(cute_call, "COMPILE_OPTIONS", "--gpu-arch sm_90a")
+    monkeypatch.setattr(cute_call, "sm_count", lambda: 132)      # an H100's (no GPU to ask)
     T, Hq, Hk, D, R, MB, pages = 40, 64, 4, 128, 3, 10, 20
     tile = maps.index_tile(Hq // Hk, maps.MAX_TILE_ROWS)
     page = Hk * PAGE * D                          # elements of one K (or V) page of one layer
@@ -607,3 +613,34 @@ def test_msa_layer_step_runs_the_kernel_in_both_frameworks(monkeypatch):
     assert calls == [cute_ops, cute_call]
     assert_same_bits(to_torch(got), out.cpu())
     assert torch.equal(to_torch(got_ids), ids.cpu())
+
+# -- GPU: the persistent schedule ----------------------------------------------------------------
+
+# 126 tiles x 4 KV heads = 504 work items: tiles that see no block (request 0's first, all of request
+# 5), of one block (shorter than the ring), up to 8 blocks
+PERSISTENT_CASE = prefill("cute_persist", (17, 1, 127, 129, 700, 3), (5, 1, 127, 1000, 700, 0), **SPARSE_M3)
+
+
+@on_gpu
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_few_ctas_give_the_full_grids_bits(sparse, monkeypatch):
+    """The SM count forced down to 1, 2, 3 and 7 CTAs: each CTA runs many work items in turn (of 0, 1
+    and up to 8 blocks), carrying the ring's stages and phases, the pingpong turns, its warpgroups'
+    query rows and (sparse) the two block-list slots from one item to the next; the output is the
+    full grid's (one CTA per SM: 132 on an H200, 3 or 4 items each), bit for bit, and that is within
+    the tolerance of the reference. Fewer items than SMs: the one-tile cases above."""
+    from m3_torch import cute_ops
+    case = PERSISTENT_CASE
+    x = _poisoned(case)
+    ids = _sparse_ids(case, x["block_table"].shape[1]) if sparse else None
+
+    def run():
+        return _run_sparse(x, ids, "cutedsl") if sparse else _run(x, "cutedsl")
+
+    want = run()
+    torch.cuda.synchronize()
+    check_attention(case, want.cpu(), attention_reference(case, ids))
+    for ctas in (1, 2, 3, 7):
+        monkeypatch.setattr(cute_ops, "sm_count", lambda device, n=ctas: n)
+        assert torch.equal(run(), want), f"{ctas} CTAs"
+
