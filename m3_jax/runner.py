@@ -307,15 +307,23 @@ class JaxRunner:
         masked = dataclasses.replace(plain, late_token_bitmask=lambda: bitmask)
         steps = [builder.dummy(shape) for shape in self.buckets.shapes()]
 
-        def compile_forward(step: Step) -> None:
+        def compile_forward(step: Step) -> tuple:
+            """Trace, lower and compile ``step``'s forward -> the seconds each phase took."""
             forward = self._forward_inputs(step, None)
             with self._on_device():
-                self._forward.lower(*forward.args, **forward.static).compile()
+                t0 = time.perf_counter()
+                traced = self._forward.trace(*forward.args, **forward.static)
+                t1 = time.perf_counter()
+                lowered = traced.lower()
+                t2 = time.perf_counter()
+                lowered.compile()   # XLA, or a read of its persistent cache
+            return t1 - t0, t2 - t1, time.perf_counter() - t2
 
         threads = max(1, min(len(steps), os.cpu_count() or 1, WARM_UP_THREADS))
         with ThreadPoolExecutor(threads) as pool:
-            list(tqdm(pool.map(compile_forward, steps), total=len(steps),
-                      desc=f"Compiling the forwards (jax, {threads} threads)", unit="program"))
+            phases = list(tqdm(pool.map(compile_forward, steps), total=len(steps),
+                               desc=f"Compiling the forwards (jax, {threads} threads)", unit="program"))
+        trace, lower, xla = (sum(p[i] for p in phases) for i in range(3))
         compiled = time.perf_counter()
         for step in tqdm(steps, desc="Running each shape once, plain and masked (jax)", unit="shape"):
             self.execute(step, plain)
@@ -323,8 +331,10 @@ class JaxRunner:
         self._last = None
         programs = len(self.compiled_forwards) + len(self.compiled_sampling) - before
         done = time.perf_counter()
-        logger.info("jax warm-up: %d forwards compiled in %.1f s on %d threads; each shape run once with plain "
-                    "and masked sampling in %.1f s", len(steps), compiled - start, threads, done - compiled)
+        logger.info("jax warm-up: %d forwards compiled in %.1f s on %d threads (summed over the threads: trace "
+                    "%.1f s, lower %.1f s, XLA compile or cache read %.1f s); each shape run once with plain and "
+                    "masked sampling in %.1f s", len(steps), compiled - start, threads, trace, lower, xla,
+                    done - compiled)
         return dict(programs=programs, compile=done - start, capture=0.0)
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
