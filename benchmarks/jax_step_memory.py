@@ -3,8 +3,8 @@
     python3 -m benchmarks.jax_step_memory [--pages N] [--layers 4] [--vocab 200064] [--no-async-scheduling]
 
 Builds ``m3_jax.LLM`` as ``benchmarks.structured`` does (M3 layer shapes, random weights, 64
-sequences, ``max_model_len`` 208, async scheduling unless ``--no-async-scheduling``; the pool from ``gpu_memory_utilization`` unless
-``--pages``), then for the first prefill step of that benchmark (16 prompts of 128 tokens: the
+sequences, ``max_model_len`` 208, async scheduling unless ``--no-async-scheduling``; the pool from
+``gpu_memory_utilization`` unless ``--pages``), then for the first prefill step of that benchmark (16 prompts of 128 tokens: the
 padded shape of 2048 context tokens):
 
 * compiles its step program ahead of time and prints ``memory_analysis()`` (temporaries, outputs,

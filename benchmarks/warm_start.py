@@ -50,7 +50,6 @@ TINY = dict(prompts=4, prompt_len=16, new_tokens=4, options=dict(max_num_seqs=2,
 def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, workload: dict) -> dict:
     """Build the engine, generate the workload twice -> the start's row (run in a fresh process)."""
     import importlib
-
     import os
 
     from m3_engine import step_timeline
