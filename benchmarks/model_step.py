@@ -176,7 +176,7 @@ def plan_grid(c: M3TextConfig, batches, contexts, memory: int | None) -> tuple[d
             if budget is None or need <= budget:
                 runs[context].append(batch)
             else:
-                skipped[batch, context] = (f"skipped: the KV pool of {batch} x {_tokens(context)} needs "
+                skipped[batch, context] = (f"skipped: the KV pool of {batch} x {token_count(context)} needs "
                                            f"{need / 1e9:.1f} GB, {max(budget, 0) / 1e9:.1f} GB fit beside "
                                            f"{weight_bytes(c) / 1e9:.1f} GB of weights")
     return runs, skipped
@@ -410,7 +410,7 @@ def torch_context(model_dir, context: int, batches, reps: int, device: str, piec
         for batch in batches:
             step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
             rows[batch] = torch_step(llm, step, reps)
-            _print(f"torch {_quant(quantization)} batch {batch:3d} context {_tokens(context):>4}", rows[batch])
+            _print(f"torch {_quant(quantization)} batch {batch:3d} context {token_count(context):>4}", rows[batch])
         pieces = [p for t in piece_tokens if t <= max(batches)
                   for p in torch_pieces(llm, t, context, reps, quantization)]
         for p in pieces:
@@ -566,7 +566,7 @@ def jax_context(model_dir, context: int, batches, reps: int, device: str, quanti
             for batch in batches:
                 step = decode_step(llm.planner, llm.scheduler_config.max_blocks, batch, context, seed=batch)
                 rows[batch] = jax_step(llm, step, reps)
-                _print(f"jax   {_quant(quantization)} batch {batch:3d} context {_tokens(context):>4}", rows[batch])
+                _print(f"jax   {_quant(quantization)} batch {batch:3d} context {token_count(context):>4}", rows[batch])
         return rows
     finally:
         llm.close()
@@ -693,7 +693,7 @@ def fp8_speedups(rows: list) -> list:
 
 def write_result(out_dir, result: dict, final: bool):
     """``<date>-<gpu>-model-step.{json,md}`` in ``out_dir``; the final one's markdown is also printed."""
-    name = f"{result['date']}-{_slug(result['device'])}-model-step"
+    name = f"{result['date']}-{slug(result['device'])}-model-step"
     if final:
         save_results(out_dir, name, result, markdown(result))
         return
@@ -776,7 +776,7 @@ def markdown(r: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in r["rows"]:
         if "skipped" in row:
-            lines.append(f"| {_quant(row['quantization'])} | {row['batch']} | {_tokens(row['context'])} | "
+            lines.append(f"| {_quant(row['quantization'])} | {row['batch']} | {token_count(row['context'])} | "
                          f"{row['skipped']} |" + " |" * 9)
             continue
         kernels = (f"{_num(row.get('torch_kernels'))} ({_num(row.get('torch_dense_layer_kernels'))} / "
@@ -784,14 +784,14 @@ def markdown(r: dict) -> str:
         launches = f"{_num(row.get('jax_launches'))} ({_num(row.get('jax_launches_per_layer'))})"
         experts = f"{row['experts_expected']:.0f} / " + ", ".join(map(str, row.get("experts_touched", ["-"])))
         extrap = f"{_num(row.get('extrap_60l_tp8_us'))} ({_num(row.get('floor_60l_tp8_us'))})"
-        lines.append(f"| {_quant(row['quantization'])} | {row['batch']} | {_tokens(row['context'])} | "
+        lines.append(f"| {_quant(row['quantization'])} | {row['batch']} | {token_count(row['context'])} | "
                      f"{_num(row.get('torch_step_us'))} | {kernels} | "
                      f"{_pct(row.get('torch_step_pct_floor'))} | {_num(row.get('jax_step_us'))} | "
                      f"{_num(row.get('jax_pipelined_us'))} | {launches} | {_pct(row.get('jax_step_pct_floor'))} | "
                      f"{_num(row['floor_us'])} | {experts} | {extrap} |")
     if r["pieces"]:
         lines += ["", "Pieces (torch, each in its own CUDA graph; MSA layer unless named; attention at "
-                  f"{_tokens(r['pieces'][0]['context'])}; MoE floor with the experts its router chose):", "",
+                  f"{token_count(r['pieces'][0]['context'])}; MoE floor with the experts its router chose):", "",
                   "| weights | piece | tokens | us | kernels | floor us | % floor |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for p in r["pieces"]:
@@ -803,7 +803,7 @@ def markdown(r: dict) -> str:
                   "| batch | context | torch | JAX blocking | JAX pipelined | 60L TP8 extrap. | JAX / torch bf16 | "
                   "JAX / torch FP8 |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for s in r["fp8_speedups"]:
-            lines.append(f"| {s['batch']} | {_tokens(s['context'])} | {_x(s.get('torch_step_speedup'))} | "
+            lines.append(f"| {s['batch']} | {token_count(s['context'])} | {_x(s.get('torch_step_speedup'))} | "
                          f"{_x(s.get('jax_step_speedup'))} | {_x(s.get('jax_pipelined_speedup'))} | "
                          f"{_x(s.get('extrap_60l_tp8_speedup'))} | {_x(s.get('jax_over_torch_bf16'))} | "
                          f"{_x(s.get('jax_over_torch_fp8'))} |")
@@ -836,7 +836,8 @@ def _ints(text: str) -> list:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _tokens(n: int) -> str:
+def token_count(n: int) -> str:
+    """32768 -> "32k" (a whole number of 1024s), else the number."""
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
@@ -850,7 +851,8 @@ def _pct(v) -> str:
     return "-" if v is None else f"{v:.0%}"
 
 
-def _slug(device: str) -> str:
+def slug(device: str) -> str:
+    """"NVIDIA H200" -> "h200" (the results' file names)."""
     m = re.search(r"\b([A-Z]\d{2,4}\w*)", device)
     return m[1].lower() if m else device.split()[0].lower()
 
@@ -868,7 +870,7 @@ def wall_us(fn, reps: int) -> float:
 
 
 def _error(framework: str, context: int, e: Exception) -> str:
-    message = f"{framework} context {_tokens(context)}: {type(e).__name__}: {e}"
+    message = f"{framework} context {token_count(context)}: {type(e).__name__}: {e}"
     print("  " + message, flush=True)
     return message
 

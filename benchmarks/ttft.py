@@ -93,7 +93,6 @@ import contextlib
 import datetime
 import gc
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -347,7 +346,7 @@ def main(argv=None) -> dict:
                   copy_bandwidth_TBps=info["copy_bandwidth"] / 1e12, matmul_TFLOPs=info["matmul_rate"] / 1e12,
                   config=dict(shapes="tiny test config" if args.tiny else "MiniMax-M3", layers=LAYERS, **dims),
                   weights_GB=model_step.weight_bytes(c) / 1e9, rows=[], errors=[])
-    name = f"{result['date']}-{slug(result['device'])}-ttft"
+    name = f"{result['date']}-{model_step.slug(result['device'])}-ttft"
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = model_step.write_config(Path(tmp), text)
         for backend in args.prefill_backends:
@@ -387,7 +386,8 @@ def markdown(r: dict) -> str:
             f"{p['kernel_ms']:.1f}", f"{p['attention_ms']:.1f} ({_pct(p['attention_pct'])})",
             " / ".join(f"{p[k + '_ms']:.1f}" for k in SPLIT),
             f"{p['extrap_60l_tp8_ms']:.1f} ({_pct(p['attention_pct_60l'])})"]
-        lines.append(f"| {backends_used} | {row['framework']} | {_tokens(row['length'])} | {row['ttft_ms']:.1f} | "
+        lines.append(f"| {backends_used} | {row['framework']} | {model_step.token_count(row['length'])} | "
+                     f"{row['ttft_ms']:.1f} | "
                      f"{row['prompt_tok_s']:.0f} | {row['chunks']} ({row['prefill_chunk']}) | "
                      f"{row['ms_per_chunk']:.2f} | " + " | ".join(profile) + " |")
     profiled = [row for row in r["rows"] if "profile" in row]
@@ -398,16 +398,6 @@ def markdown(r: dict) -> str:
     if r["errors"]:
         lines += ["", "Errors:", *[f"- {e}" for e in r["errors"]]]
     return "\n".join(lines) + "\n"
-
-
-def slug(device: str) -> str:
-    """"NVIDIA H200" -> "h200" (the results' file names)."""
-    m = re.search(r"\b([A-Z]\d{2,4}\w*)", device)
-    return m[1].lower() if m else device.split()[0].lower()
-
-
-def _tokens(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def _pct(v) -> str:
