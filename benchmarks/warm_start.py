@@ -23,7 +23,10 @@ EOS. Reported per start:
   device, per step) and ``wait_ms`` (that wait, per step). A pass slower on the host shows in
   ``host_ms``, one slower on the GPU in ``wait_ms``. Torch on a GPU adds its caching allocator's
   counts over the pass (``torch.cuda.memory_stats``): ``cuda_mallocs``, ``cuda_frees`` and
-  ``alloc_retries`` (a retry frees the cached blocks and synchronizes the device).
+  ``alloc_retries`` (a retry frees the cached blocks and synchronizes the device);
+* JAX: ``kernels_compiled`` / ``kernels_read``: the Triton kernels its start-up compiled to PTX and
+  read back from the cache folder (``m3_jax._triton_call.kernel_cache_stats``; a second start
+  compiles none).
 
 Writes warm_start.json and warm_start.md to --out. About 3-4 minutes on an H200 for both engines
 (the JAX cold start compiles ~40 forwards). ``--tiny``: the tiny test model on the CPU (Triton's
@@ -73,7 +76,10 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
     if framework == "torch":
         ready[0] = True
     else:
+        from m3_jax._triton_call import kernel_cache_stats
+
         made_at_ready = len(llm.runner.compiled_forwards) + len(llm.runner.compiled_sampling)
+        kernels = kernel_cache_stats()   # jax-triton's kernels made by the start-up: compiled, read back
     rng = np.random.default_rng(0)
     vocab = llm.config.vocab_size
     prompts = [{"prompt_token_ids": rng.integers(3, vocab, workload["prompt_len"]).tolist()}
@@ -94,11 +100,12 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
     else:
         late_programs = len(llm.runner.compiled_forwards) + len(llm.runner.compiled_sampling) - made_at_ready
     llm.close()
+    extra = {} if framework == "torch" else dict(kernels_compiled=kernels["compiled"], kernels_read=kernels["read"])
     return dict(load_s=times["load"], compile_s=times["compile"], capture_s=times["capture"],
                 ready_s=times["total"], programs=times["programs"], first_tok_s=rates[0], steady_tok_s=rates[1],
                 first_vs_steady=rates[0] / rates[1], late_programs=late_programs, late_kernels=late[:20],
                 passes=[dict(pass_split(step_timeline.read(timeline), *b), **counts)
-                        for b, counts in zip(bounds, allocator)])
+                        for b, counts in zip(bounds, allocator)], **extra)
 
 
 def allocator_counts(framework: str) -> dict:
@@ -135,6 +142,11 @@ def markdown(result: dict) -> str:
         lines.append(f"| {row['framework']} | {row['start']} | {row['load_s']:.1f} | {row['compile_s']:.1f} | "
                      f"{row['capture_s']:.1f} | {row['ready_s']:.1f} | {row['programs']} | {row['first_tok_s']:.0f} | "
                      f"{row['steady_tok_s']:.0f} | {row['first_vs_steady']:.2f} | {row['late_programs']} | {split} |")
+    kernels = [row for row in result["rows"] if "kernels_compiled" in row]
+    if kernels:
+        lines += ["", "Triton kernels of the JAX start-up, compiled to PTX / read back from the cache folder: " +
+                  ", ".join(f"{row['start']} start {row['kernels_compiled']} / {row['kernels_read']}"
+                            for row in kernels) + "."]
     late = [(row, kernel) for row in result["rows"] for kernel in row["late_kernels"]]
     if late:
         lines += ["", "Kernel variants made after ready (torch, at most 20 a start):", ""]

@@ -7,6 +7,9 @@ Two lowerings, the same kernel source:
   kernel ``m3_kernels.kernel_module(module, interpret=False).<fn>``: its legacy
   ``triton_kernel_call`` custom call, which XLA launches from the host, with a
   lean launch payload (``_LeanKernels``: no TTIR, no debug information).
+  jax-triton compiles each kernel in the process that lowers it and keeps it in
+  memory only; its TTIR -> PTX compile (most of that time) is kept in Triton's
+  cache folder (``_disk_cached``), so a second process reads the PTX back.
   ``LAUNCH_TARGET = "triton_kernel_call_ffi"`` lowers the same compiled kernel
   to jaxlib's FFI custom call (jax >= 0.10.1), which XLA records into its
   command buffers (CUDA graphs); measured slower for a blocking step (see
@@ -31,8 +34,11 @@ scales): anything that varies per step must be an array.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import json
 import warnings
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -98,6 +104,9 @@ def _jax_triton():
     lib = jax_triton.triton_lib
     if not isinstance(lib.triton_kernel_call_lib, _LeanKernels):
         lib.triton_kernel_call_lib = _LeanKernels(lib.triton_kernel_call_lib)
+    if not hasattr(lib.compile_ttir_inplace, "stats"):
+        lib.compile_ttir_inplace = _disk_cached(lib.compile_ttir_inplace, lib.CompilationResult,
+                                                dumping=lambda: bool(lib._JAX_TRITON_DUMP_DIR))
     params = inspect.signature(jax_triton.triton_call).parameters
     # 0.3.x: `out_shape`, alias keys index the ARRAY operands only;
     # later releases: `out_type`, alias keys index all non-constexpr operands.
@@ -124,6 +133,86 @@ class _LeanKernels:
 
     def __getattr__(self, name):
         return getattr(self.lib, name)
+
+
+def _disk_cached(compile_ttir, result_type, dumping=lambda: False):
+    """jax-triton's ``compile_ttir_inplace(ttir, backend, options, compute_capability, platform)`` (TTIR ->
+    PTX: Triton's LLVM passes) with its result kept in Triton's cache folder (``triton.knobs.cache.dir``:
+    the engine's ``compile_cache_dir``/triton, beside torch's kernels), keyed as Triton keys its own
+    compiles (``get_cache_key``: Triton's version and sources, the backend with its ptxas, the compile
+    options, the cache-invalidating environment) over the TTIR text itself.
+
+    jax-triton 0.3.1 compiles every kernel again in each process (its cache is a dict) and, when several
+    threads lower steps at once (the engine's warm-up), each thread that misses that dict compiles the
+    kernel again: here one thread compiles a key while the others wait for it and read its result. The
+    46 kernels of the 4-layer benchmark engine's step shapes took 19 s of a CPU core to compile, 16 s
+    of it in these passes, and 4 s with the passes read back (docs/PERF.md, "JAX warm start").
+    ``stats`` counts the kernels compiled and read back. Off (always compiled) under
+    ``TRITON_ALWAYS_COMPILE`` and while jax-triton dumps its stages (``JAX_TRITON_DUMP_DIR``: a read-back
+    has no TTGIR or LLIR to write)."""
+    import threading
+    from collections import defaultdict
+
+    import triton
+    from triton.compiler.compiler import get_cache_invalidating_env_vars
+    from triton.runtime.cache import get_cache_key, get_cache_manager
+
+    stats = {"compiled": 0, "read": 0}
+    guard, locks = threading.Lock(), defaultdict(threading.Lock)   # guard: stats and locks; one lock per key
+
+    def count(what: str):
+        with guard:
+            stats[what] += 1
+
+    @functools.wraps(compile_ttir)
+    def cached(ttir, backend, options, compute_capability, platform):
+        if dumping() or triton.knobs.compilation.always_compile:
+            count("compiled")
+            return compile_ttir(ttir, backend, options, compute_capability, platform)
+        text = str(ttir)   # before the passes, which rewrite the module in place
+        source = _Text(f"jax-triton ttir {platform} {compute_capability}\n{text}")
+        key = hashlib.sha256(get_cache_key(source, backend, options, get_cache_invalidating_env_vars()).encode())
+        with guard:
+            lock = locks[key.hexdigest()]
+        with lock:
+            cache = get_cache_manager(key.hexdigest())
+            path = cache.get_file(_CACHED_PTX)
+            if path is not None:
+                count("read")
+                entry = json.loads(Path(path).read_text())
+                return result_type(binary=entry["ptx"], name=entry["name"],
+                                   shared_mem_bytes=entry["shared_mem_bytes"], ttgir=None, llir=None)
+            result = compile_ttir(ttir, backend, options, compute_capability, platform)
+            count("compiled")
+            cache.put(json.dumps(dict(ptx=result.binary, name=result.name,
+                                      shared_mem_bytes=result.shared_mem_bytes)), _CACHED_PTX)
+            return result
+
+    cached.stats = stats
+    return cached
+
+
+_CACHED_PTX = "jax_triton_ptx.json"
+
+
+class _Text:
+    """A compile source for Triton's ``get_cache_key``: text whose ``hash()`` is its SHA-256."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def hash(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def kernel_cache_stats() -> dict:
+    """{"compiled": n, "read": n}: the GPU kernels this process compiled to PTX and read back from the
+    cache folder so far (zeros before the first GPU lowering)."""
+    import sys
+
+    lib = getattr(sys.modules.get("jax_triton"), "triton_lib", None)
+    stats = getattr(getattr(lib, "compile_ttir_inplace", None), "stats", None)
+    return dict(stats) if stats is not None else {"compiled": 0, "read": 0}
 
 
 def lean_ptx(ptx: str) -> str:

@@ -92,6 +92,7 @@ from m3_engine.structured_outputs import bitmask_width
 from m3_kernels.maps import next_pow2
 
 from . import eagle3, fp8, model, tp
+from ._triton_call import kernel_cache_stats
 from .api import StepSpec, step_inputs
 from .cache import allocate_pool
 from .dummy_weights import dummy_params
@@ -331,9 +332,11 @@ class JaxRunner:
         self._last = None
         programs = len(self.compiled_forwards) + len(self.compiled_sampling) - before
         done = time.perf_counter()
+        kernels = kernel_cache_stats()
         logger.info("jax warm-up: %d forwards compiled in %.1f s on %d threads (summed over the threads: trace "
-                    "%.1f s, lower %.1f s, XLA compile or cache read %.1f s); each shape run once with plain and "
-                    "masked sampling in %.1f s", len(steps), compiled - start, threads, trace, lower, xla,
+                    "%.1f s, lower %.1f s, XLA compile or cache read %.1f s; Triton kernels so far: %d compiled, "
+                    "%d read from the cache); each shape run once with plain and masked sampling in %.1f s",
+                    len(steps), compiled - start, threads, trace, lower, xla, kernels["compiled"], kernels["read"],
                     done - compiled)
         return dict(programs=programs, compile=done - start, capture=0.0)
 

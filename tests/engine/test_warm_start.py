@@ -5,6 +5,7 @@ start in a new process reads what the first wrote. CPU, the tiny checkpoint, few
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -135,6 +136,113 @@ def test_second_start_reads_the_jax_cache(model_dir, tmp_path):
     assert first["dir"] == str(cache / "jax") and entries
     second = json.loads(subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
     assert second["hits"] >= len([e for e in entries if e.endswith("-cache")]) > 0 and first["hits"] == 0
+
+
+class _Ttir:
+    """An MLIR module as jax-triton's compile takes it: its text is ``str()``, and the passes rewrite it."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __str__(self):
+        return self.text
+
+
+class _Hashed:
+    """A Triton backend or its compile options, as ``get_cache_key`` reads them."""
+
+    def __init__(self, digest):
+        self.digest = digest
+
+    def hash(self):
+        return self.digest
+
+
+@dataclasses.dataclass
+class _Compiled:   # jax_triton.triton_lib.CompilationResult's fields
+    binary: str
+    name: str
+    shared_mem_bytes: int
+    ttgir: object
+    llir: object
+
+
+def test_jax_triton_compiles_are_read_back_by_a_new_process(tmp_path, monkeypatch):
+    """``m3_jax._triton_call._disk_cached`` around jax-triton's TTIR -> PTX compile: a second wrapper (a new
+    process's) reads the first one's PTX back instead of compiling; another TTIR, compile option, backend or
+    capability compiles; the key is the TTIR before the passes rewrite it; ``TRITON_ALWAYS_COMPILE`` and
+    jax-triton's stage dumps compile every time; threads asking for one key compile it once."""
+    import threading
+    import time
+
+    import triton
+
+    from m3_jax._triton_call import _disk_cached
+
+    compiles = []
+
+    def compile_ttir(ttir, backend, options, capability, platform):
+        compiles.append(str(ttir))
+        time.sleep(0.05)   # long enough for waiting threads to pile up on one key
+        result = _Compiled(f"ptx of {ttir} {options.hash()} {capability}", "kern", 4096 + len(compiles), "g", "l")
+        ttir.text = "rewritten by the passes"
+        return result
+
+    backend, options = _Hashed("ptxas-12.8-90"), _Hashed("nw4")
+    with triton.knobs.cache.scope():
+        triton.knobs.cache.dir = str(tmp_path / "triton")
+        first = _disk_cached(compile_ttir, _Compiled)
+        made = first(_Ttir("module A"), backend, options, 90, "cuda")
+        assert made.binary == "ptx of module A nw4 90" and first.stats == {"compiled": 1, "read": 0}
+        second = _disk_cached(compile_ttir, _Compiled)
+        read = second(_Ttir("module A"), backend, options, 90, "cuda")
+        assert (read.binary, read.name, read.shared_mem_bytes) == (made.binary, "kern", made.shared_mem_bytes)
+        assert read.ttgir is None and len(compiles) == 1 and second.stats == {"compiled": 0, "read": 1}
+        for call in [("module B", backend, options, 90), ("module A", backend, _Hashed("nw8"), 90),
+                     ("module A", _Hashed("ptxas-13.0-90"), options, 90), ("module A", backend, options, 100)]:
+            second(_Ttir(call[0]), *call[1:], "cuda")
+        assert len(compiles) == 5 and second.stats == {"compiled": 4, "read": 1}
+        monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")
+        second(_Ttir("module A"), backend, options, 90, "cuda")
+        monkeypatch.delenv("TRITON_ALWAYS_COMPILE")
+        _disk_cached(compile_ttir, _Compiled, dumping=lambda: True)(_Ttir("module A"), backend, options, 90, "cuda")
+        assert len(compiles) == 7
+
+        compiles.clear()
+        triton.knobs.cache.dir = str(tmp_path / "empty")
+        threaded = _disk_cached(compile_ttir, _Compiled)
+        results = []
+        workers = [threading.Thread(target=lambda: results.append(
+            threaded(_Ttir("module C"), backend, options, 90, "cuda").binary)) for _ in range(6)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    assert compiles == ["module C"] and threaded.stats == {"compiled": 1, "read": 5}
+    assert results == ["ptx of module C nw4 90"] * 6
+
+
+GPU_START = """
+import json, sys
+import m3_jax
+from m3_jax._triton_call import kernel_cache_stats
+llm = m3_jax.LLM(sys.argv[1], max_num_seqs=2, max_model_len=128, max_num_batched_tokens=8, load_format="dummy",
+                 compile_cache_dir=sys.argv[2], precompile=True)
+print(json.dumps(kernel_cache_stats()))
+"""
+
+
+@pytest.mark.gpu
+def test_second_jax_start_compiles_no_triton_kernel(model_dir, tmp_path):
+    """On a GPU: two JAX engines in two processes over one cache folder; the first compiles its Triton
+    kernels to PTX (its threads that wait for a kernel another compiles read it back), the second reads
+    every one back (jax-triton alone compiles them again in each process)."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests' / 'helpers'}")
+    run = [sys.executable, "-c", GPU_START, str(model_dir), str(tmp_path / "cache")]
+    first, second = (json.loads(subprocess.run(run, env=env, capture_output=True, text=True, check=True)
+                                .stdout.splitlines()[-1]) for _ in range(2))
+    assert first["compiled"] > 0
+    assert second["compiled"] == 0 and second["read"] >= first["compiled"]
 
 
 def test_precompile_and_cache_flags():

@@ -24,6 +24,12 @@ def test_markdown_names_the_command_and_every_start():
             "cudaMalloc 7, free 3, retries 1) | 1.50 / 1.00 (290 steps) |") in md
     assert "- torch first: `align_kernel[num_warps=4](ids_ptr: *i32)`" in md
     assert "| torch | second |" in md and "precompile True" in md
+    assert "Triton kernels of the JAX start-up" not in md   # torch rows have no such counts
+    jax_rows = [dict(ROW, framework="jax", kernels_compiled=46, kernels_read=0),
+                dict(ROW, framework="jax", start="second", kernels_compiled=0, kernels_read=46)]
+    md = warm_start.markdown(dict(result, rows=jax_rows))
+    assert ("Triton kernels of the JAX start-up, compiled to PTX / read back from the cache folder: "
+            "first start 46 / 0, second start 0 / 46.") in md
 
 
 @pytest.mark.long   # two engine starts in fresh processes
