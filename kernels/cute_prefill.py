@@ -88,14 +88,18 @@ inside each block (SPEC.md, ``sparse_prefill``). The tile is the same, 8
 tokens x 16 heads at M3: the 16 query heads of a KV head share its choices,
 so one token's heads alone fill 16 MMA rows and a tile of 8 tokens computes
 its 128 rows against the union of their blocks, each block's K/V pages read
-once per tile. The price is rows x union score and P V work where each row
-needs rows x topk: work efficiency ``topk / union``, while the K/V pages read
-drop from ``tokens x topk`` (one token per tile) to ``union``. Measured
-unions of 8 tokens (H200 benchmark of 2026-12-04, M3, topk 16): 31 / 72 / 101
-blocks at 8k / 32k / 128k with random index queries, 23.5 / 37 / 46.5 with
-neighbouring tokens sharing their queries; so 52% / 22% / 16% and 68% / 43% /
-34% of the MMA work is useful (against the dense kernel's ~620 TFLOP/s, an
-estimate of 140 TFLOP/s of useful work at 32k random, 270 shared; unmeasured).
+once per tile. The price is score and P V work over the union where each
+row needs topk blocks, while the K/V pages read drop from ``tokens x topk``
+(one token per tile) to ``union``. Measured unions of 8 tokens (H200
+benchmark of 2026-12-04, M3, topk 16): 31 / 72 / 101 blocks at 8k / 32k /
+128k with random index queries, 23.5 / 37 / 46.5 with neighbouring tokens
+sharing their queries. So each consumer warpgroup (64 rows: 4 tokens x 16
+heads, the wgmma's M) computes only the blocks its own tokens chose and
+passes over the others: the union of 4 tokens, 33 / 48 (random) and 25 / 31
+(shared) blocks at 8k / 32k against the 8 tokens' 39 / 76 and 29 / 39 in a
+CPU simulation of the benchmark's selections (tokens past the first 16
+blocks), i.e. 1.2-1.6x less MMA work, while the producer loads the 8 tokens'
+union once for both.
 
 * **the block list**: per item, the producer warpgroup (all 128 threads)
   builds the tile's distinct valid blocks (``_tile_block_list``: the ids of
@@ -119,6 +123,13 @@ estimate of 140 TFLOP/s of useful work at 32k random, 270 shared; unmeasured).
   KiB, the barriers and two lists of 128 blocks another 2.1 KiB after them
   (the query tile first, at the 1 KiB-aligned start: 226.1 KiB, rounded up
   to the storage's 1 KiB alignment 227 KiB, the most a CTA may have).
+* **per-warpgroup blocks**: both consumer warpgroups walk the whole list (the
+  ring's stages are released by both); a warpgroup whose tokens did not
+  choose a block waits for its stage, takes an empty turn of the pingpong
+  and releases the stage. Between its own blocks the intra-warpgroup overlap
+  is dense mode's; the P V of its last own block is issued under its next
+  own block's S, or earlier, outside the turns, when the next list block
+  needs that P V's stage (the producer refills it only once released).
 * **the mask**: row ``m`` (token ``t``) sees token ``n`` of list block ``b``
   iff bit ``t`` of its mask is set and ``b * 128 + n <= pos0 + t``, applied
   to every block (rows differ in their choices); a row that chose nothing
@@ -785,6 +796,7 @@ def prefill_kernel(
         tScS_mn = _acc_mn(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, PAGE_SIZE))))
         tOcO_mn = _acc_mn(thr_pv.partition_C(cute.make_identity_tensor((TILE_M, head_dim))))
         rows = const_expr(cute.size(tScS_mn.shape[0]))
+        tokens_per_wg = const_expr((TILE_M // NUM_MMA_WARPGROUPS) // heads_pad)   # sparse: its tokens' mask bits
         # the epilogue's store: a thread holds pairs of adjacent columns (2c, 2c + 1), one 4-byte store
         # per pair when the output's rows are contiguous and every row starts 4-byte aligned
         elem_bytes = const_expr(mO.element_type.width // 8)
@@ -845,13 +857,67 @@ def prefill_kernel(
                 # its wait, before any P V that reads it is issued. S is a fresh fragment per block
                 # (its registers are dead between blocks: nothing keeps the last P alive into the next
                 # S's wgmma). ``consume`` is the ring's next stage, carried from item to item.
-                if n_blocks > 0:
+                if const_expr(sparse):
+                    # -- sparse: a warpgroup computes only the blocks its own tokens chose (``own``: their
+                    # bits of the mask), the list's other blocks are empty turns: it waits for the block's
+                    # stage (so its release lands in the stage's current phase), takes its turn without
+                    # GEMMs (the turns stay in step) and releases the stage at once. The intra-warpgroup
+                    # overlap is FA3's as in dense mode, between the warpgroup's own blocks: the P of its
+                    # last block (``held``, its stage ``previous``) waits for its P V under the next own
+                    # block's S. Before waiting for list block j it finishes that P V if block j takes the
+                    # held stage (j - held >= stages), which the producer can only refill once released.
+                    own = ((1 << tokens_per_wg) - 1) << (tokens_per_wg * mma_wg)
+                    pending = Int32(0)            # 1: block ``held``'s P waits for its P V
+                    held = Int32(0)
+                    previous = consume.clone()
+                    tOrP = cute.make_rmem_tensor_like(_acc_as_a(cute.make_rmem_tensor(s_shape, Float32)),
+                                                      mQ.element_type)
+                    for j in cutlass.range(n_blocks, unroll=1):
+                        block = sBlocks[j, slot]
+                        chosen = sChosen[j, slot]
+                        if (pending != 0) & (j - held >= stages):
+                            _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, previous.index], True)
+                            warpgroup.wait_group(0)
+                            ring.consumer_release(previous)
+                            pending = Int32(0)
+                        ring.consumer_wait(consume)
+                        if (chosen & own) != 0:
+                            _zero_stale_v(sV[None, None, consume.index], seq_len - block * PAGE_SIZE, wg_tidx,
+                                          wg_barrier, head_dim)
+                            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                            cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
+                            _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)    # S_j
+                            if pending != 0:
+                                _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, previous.index], True)
+                            cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
+                            if pending != 0:
+                                warpgroup.wait_group(1)   # S_j is in; P V may still run
+                            else:
+                                warpgroup.wait_group(0)
+                            _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen,
+                                            pos0, scale_log2, heads_pad, sparse)
+                            if pending != 0:
+                                warpgroup.wait_group(0)   # P V is done: O, tOrP and the held stage are free
+                                ring.consumer_release(previous)
+                            for r in cutlass.range_constexpr(rows):   # O to the new max (0 x 0 before any P V)
+                                for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                                    o_mn[r, c] = o_mn[r, c] * row_scale[r]
+                            tOrP.store(_acc_as_a(acc_s).load().to(mQ.element_type))
+                            previous = consume.clone()
+                            held = j
+                            pending = Int32(1)
+                        else:
+                            cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
+                            cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
+                            ring.consumer_release(consume)
+                        consume.advance()
+                    if pending != 0:   # the last own block's P V, outside the turns
+                        _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, previous.index], True)
+                        warpgroup.wait_group(0)
+                        ring.consumer_release(previous)
+                elif n_blocks > 0:
                     # -- block 0: S_0 and its softmax (O is 0: nothing to rescale)
                     block = 0
-                    chosen = 0
-                    if const_expr(sparse):
-                        block = sBlocks[0, slot]
-                        chosen = sChosen[0, slot]
                     ring.consumer_wait(consume)
                     _zero_stale_v(sV[None, None, consume.index], seq_len - block * PAGE_SIZE, wg_tidx, wg_barrier,
                                   head_dim)
@@ -860,17 +926,13 @@ def prefill_kernel(
                     _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)
                     cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
                     warpgroup.wait_group(0)
-                    _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen, pos0,
+                    _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, 0, pos0,
                                     scale_log2, heads_pad, sparse)
                     tOrP = cute.make_rmem_tensor_like(_acc_as_a(acc_s), mQ.element_type)   # P in q's dtype
                     tOrP.store(_acc_as_a(acc_s).load().to(mQ.element_type))
 
                     for j in cutlass.range(1, n_blocks, unroll=1):
                         block = j
-                        chosen = 0
-                        if const_expr(sparse):
-                            block = sBlocks[j, slot]
-                            chosen = sChosen[j, slot]
                         previous = consume.clone()
                         consume.advance()
                         ring.consumer_wait(consume)
@@ -882,7 +944,7 @@ def prefill_kernel(
                         _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, previous.index], True)   # += P V
                         cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
                         warpgroup.wait_group(1)                   # S_j is in; P V may still run
-                        _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen,
+                        _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, 0,
                                         pos0, scale_log2, heads_pad, sparse)
                         warpgroup.wait_group(0)                   # P V is done: O, tOrP and stage j-1 are free
                         ring.consumer_release(previous)
