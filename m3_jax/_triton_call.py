@@ -142,11 +142,11 @@ def _disk_cached(compile_ttir, result_type, dumping=lambda: False):
     compiles (``get_cache_key``: Triton's version and sources, the backend with its ptxas, the compile
     options, the cache-invalidating environment) over the TTIR text itself.
 
-    jax-triton 0.3.1 compiles every kernel again in each process (its cache is a dict) and, when several
-    threads lower steps at once (the engine's warm-up), each thread that misses that dict compiles the
-    kernel again: here one thread compiles a key while the others wait for it and read its result. The
-    46 kernels of the 4-layer benchmark engine's step shapes took 19 s of a CPU core to compile, 16 s
-    of it in these passes, and 4 s with the passes read back (docs/PERF.md, "JAX warm start").
+    jax-triton 0.3.1 compiles every kernel again in each process (its cache is a dict). The 46 kernels
+    of the 4-layer benchmark engine's step shapes took 19 s of a CPU core to compile, 16 s of it in
+    these passes (which hold the interpreter lock: the warm-up's threads compile one at a time), and
+    4 s with the passes read back (docs/PERF.md, "JAX warm start"). Threads that miss jax-triton's
+    dict for one kernel at once (it is checked before the compile) wait here for one compile.
     ``stats`` counts the kernels compiled and read back. Off (always compiled) under
     ``TRITON_ALWAYS_COMPILE`` and while jax-triton dumps its stages (``JAX_TRITON_DUMP_DIR``: a read-back
     has no TTGIR or LLIR to write)."""
