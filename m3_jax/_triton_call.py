@@ -144,9 +144,10 @@ def _disk_cached(compile_ttir, result_type, dumping=lambda: False):
 
     jax-triton 0.3.1 compiles every kernel again in each process (its cache is a dict). The 46 kernels
     of the 4-layer benchmark engine's step shapes took 19 s of a CPU core to compile, 16 s of it in
-    these passes (which hold the interpreter lock: the warm-up's threads compile one at a time), and
-    4 s with the passes read back (docs/PERF.md, "JAX warm start"). Threads that miss jax-triton's
-    dict for one kernel at once (it is checked before the compile) wait here for one compile.
+    these passes, and 4 s with the passes read back (docs/PERF.md, "JAX warm start"). The passes
+    release the interpreter lock, so the warm-up's threads compile side by side; threads that miss
+    jax-triton's dict for one kernel at once (it is checked before the compile) each compiled it
+    (4 threads: 16 compiles of 12 kernels): here they wait for one compile and read its result.
     ``stats`` counts the kernels compiled and read back. Off (always compiled) under
     ``TRITON_ALWAYS_COMPILE`` and while jax-triton dumps its stages (``JAX_TRITON_DUMP_DIR``: a read-back
     has no TTGIR or LLIR to write)."""
