@@ -227,7 +227,7 @@ import json, sys
 import m3_jax
 from m3_jax._triton_call import kernel_cache_stats
 llm = m3_jax.LLM(sys.argv[1], max_num_seqs=2, max_model_len=128, max_num_batched_tokens=8, load_format="dummy",
-                 compile_cache_dir=sys.argv[2], precompile=True)
+                 num_gpu_blocks_override=8, compile_cache_dir=sys.argv[2], precompile=True)   # a small pool
 print(json.dumps(kernel_cache_stats()))
 """
 
