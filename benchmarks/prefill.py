@@ -28,8 +28,10 @@ tend to be). Each row says how many distinct blocks an 8-token tile reads
 ``--sparse-backend cutedsl`` also times ``sparse_prefill(backend="cutedsl")``
 (the CuTeDSL kernel's sparse mode, tiles of 8 tokens x 16 heads) on the same
 block ids, with the same FLOPs (the chosen blocks' visible positions: the
-work a tile spends on the rest of its union counts as waste) and its largest
-difference from the Triton backend's output, and ``msa_prefill`` as a whole on
+work a tile spends on the rest of its union counts as waste), the rate of the
+MMA work it issues (``issued_tflops``: each consumer warpgroup's 4 tokens x 16
+heads against the union of its tokens' blocks, ``union_per_warpgroup``) and
+its largest difference from the Triton backend's output, and ``msa_prefill`` as a whole on
 that backend (``M3_SPARSE_PREFILL=cutedsl``: indexer, selection launch, CuTeDSL
 kernel), whose block ids must equal the Triton route's.
 """
@@ -147,8 +149,12 @@ def run_length(T, rate, reps, dense_backend="triton", sparse_backend="triton"):
                                                    backend="cutedsl")
             err = (cute().float() - m3_torch.sparse_prefill(q, k, v, ids, bt, sl, cu_seqlens_q=cu,
                                                             plan=plan).float()).abs().max().item()
-            row(f"  sparse_prefill_cutedsl[{kind}]", time_fn(cute, reps) * 1e3, sparse_flops, union=union,
-                chosen=TOPK * 8, max_abs_diff_vs_triton=err)
+            us = time_fn(cute, reps) * 1e3
+            # the MMA work it issues: each warpgroup (4 tokens x 16 heads) against its tokens' union
+            own = union_per_tile(ids, 4)
+            mma_flops = own * (T / 4) * HK * 64 * PAGE * D * 4
+            row(f"  sparse_prefill_cutedsl[{kind}]", us, sparse_flops, union=union, union_per_warpgroup=own,
+                chosen=TOPK * 8, issued_tflops=mma_flops / us / 1e6, max_abs_diff_vs_triton=err)
         del scores, ids
     return rows
 
