@@ -342,6 +342,25 @@ def matmul_rate():
     return 2 * 8192 ** 3 / (ms * 1e-3)
 
 
+def profiled_kernels(fn, cuda: bool) -> list:
+    """(name, microseconds) of the kernels ``fn()`` runs, in launch order: on a GPU torch.profiler's CUDA
+    kernels (memcpy / memset not counted); on the CPU the top-level CPU ops (the ``m3::`` custom ops run the
+    kernels in Triton's interpreter)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+                  and not e.name.startswith(("Memcpy", "Memset"))]
+    else:
+        events = [e for e in prof.events() if e.device_type == DeviceType.CPU and e.cpu_parent is None]
+    return [(e.name, e.time_range.elapsed_us()) for e in sorted(events, key=lambda e: e.time_range.start)]
+
+
 def save_results(out_dir, name: str, result: dict, markdown: str):
     """``result`` as ``<out_dir>/<name>.json`` and its ``markdown`` as ``<name>.md``; the markdown is printed."""
     os.makedirs(out_dir, exist_ok=True)

@@ -109,7 +109,7 @@ from m3_kernels.planner import PAGE_SIZE
 
 from benchmarks import model_step
 from benchmarks.e2e import in_fresh_process
-from benchmarks.run import save_results
+from benchmarks.run import profiled_kernels, save_results
 
 LAYERS = 4                                   # 1 dense + 3 MSA/MoE, as benchmarks.model_step
 LENS, TINY_LENS = (32768, 131072), (300,)
@@ -155,26 +155,6 @@ def attention_split(kernels) -> dict:
         us[kind] += t
     us["total"] = sum(us.values())
     return us
-
-
-def profiled_kernels(llm, prompt, params, device: str) -> list:
-    """(name, microseconds) of the kernels of one ``generate`` in launch order: on a GPU torch.profiler's
-    CUDA kernels (memcpy / memset not counted); on the CPU the top-level CPU ops (the ``m3::`` custom ops
-    run the kernels in Triton's interpreter)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        llm.generate([prompt], params, use_tqdm=False)
-        if cuda:
-            torch.cuda.synchronize()
-    if cuda:
-        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA
-                  and not e.name.startswith(("Memcpy", "Memset"))]
-    else:
-        events = [e for e in prof.events() if e.device_type == DeviceType.CPU and e.cpu_parent is None]
-    return [(e.name, e.time_range.elapsed_us()) for e in sorted(events, key=lambda e: e.time_range.start)]
 
 
 def attention_share(kernels, c: M3TextConfig) -> dict:
@@ -260,7 +240,8 @@ def measure_length(framework: str, model_dir, length: int, reps: int, device: st
         row.update(ttft_ms=1e3 * statistics.median(times), ttft_all_ms=[1e3 * t for t in times])
         row.update(prompt_tok_s=length / (row["ttft_ms"] / 1e3), ms_per_chunk=row["ttft_ms"] / row["chunks"])
         if framework == "torch":
-            row["profile"] = attention_share(profiled_kernels(llm, prompt(), params, device), c)
+            kernels = profiled_kernels(lambda: llm.generate([prompt()], params, use_tqdm=False), device == "cuda")
+            row["profile"] = attention_share(kernels, c)
             row["profile"]["kernel_pct_of_ttft"] = 100 * row["profile"]["kernel_ms"] / row["ttft_ms"]
         print(f"  {framework} dense {row['dense_prefill_backend']} sparse {row['sparse_prefill_backend']} {length}: "
               f"TTFT {row['ttft_ms']:.1f} ms, {row['prompt_tok_s']:.0f} tok/s, {row['chunks']} chunks"

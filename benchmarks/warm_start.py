@@ -24,6 +24,9 @@ EOS. Reported per start:
   ``host_ms``, one slower on the GPU in ``wait_ms``. Torch on a GPU adds its caching allocator's
   counts over the pass (``torch.cuda.memory_stats``): ``cuda_mallocs``, ``cuda_frees`` and
   ``alloc_retries`` (a retry frees the cached blocks and synchronizes the device);
+* torch: ``kernel_profile``: one more generate after the passes (64 of the prompts, 32 new tokens
+  each) under torch.profiler, its kernels' total ms and the longest kernels' calls and mean us
+  (:func:`kernel_profile`): whether the same kernels run slower in one start's process;
 * JAX: ``kernels_compiled`` / ``kernels_read``: the Triton kernels its start-up compiled to PTX and
   read back from the cache folder (``m3_jax._triton_call.kernel_cache_stats``; a second start
   compiles none).
@@ -94,18 +97,44 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
         rates.append(tokens / (time.perf_counter() - start))
         bounds.append((wall, time.time()))
         allocator.append({k: v - before[k] for k, v in allocator_counts(framework).items()})
+    profile = kernel_profile(llm, prompts[:PROFILED_PROMPTS], workload) if framework == "torch" else None
     times = dict(llm.startup_times)
     if framework == "torch":
         late_programs = len(late)
     else:
         late_programs = len(llm.runner.compiled_forwards) + len(llm.runner.compiled_sampling) - made_at_ready
     llm.close()
-    extra = {} if framework == "torch" else dict(kernels_compiled=kernels["compiled"], kernels_read=kernels["read"])
+    extra = dict(kernel_profile=profile) if framework == "torch" else \
+        dict(kernels_compiled=kernels["compiled"], kernels_read=kernels["read"])
     return dict(load_s=times["load"], compile_s=times["compile"], capture_s=times["capture"],
                 ready_s=times["total"], programs=times["programs"], first_tok_s=rates[0], steady_tok_s=rates[1],
                 first_vs_steady=rates[0] / rates[1], late_programs=late_programs, late_kernels=late[:20],
                 passes=[dict(pass_split(step_timeline.read(timeline), *b), **counts)
                         for b, counts in zip(bounds, allocator)], **extra)
+
+
+PROFILED_PROMPTS, PROFILED_TOKENS, PROFILED_TOP = 64, 32, 8
+
+
+def kernel_profile(llm, prompts, workload) -> dict:
+    """Torch: one more generate (``prompts``, ``PROFILED_TOKENS`` new tokens each) under torch.profiler ->
+    its kernels' total time and the ``PROFILED_TOP`` longest kernels by total: calls and mean
+    microseconds (on the CPU the top-level ops). Two starts' profiles side by side say whether the
+    same work runs slower on the GPU in one of the processes."""
+    import torch
+
+    from benchmarks.run import profiled_kernels
+    from m3_engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=min(PROFILED_TOKENS, workload["new_tokens"]), ignore_eos=True)
+    kernels = profiled_kernels(lambda: llm.generate(prompts, params, use_tqdm=False), torch.cuda.is_available())
+    by_name = {}
+    for name, us in kernels:
+        calls, total = by_name.get(name, (0, 0.0))
+        by_name[name] = (calls + 1, total + us)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:PROFILED_TOP]
+    return dict(prompts=len(prompts), new_tokens=params.max_tokens, kernel_ms=sum(us for _, us in kernels) / 1e3,
+                top=[dict(name=name, calls=calls, mean_us=total / calls) for name, (calls, total) in top])
 
 
 def allocator_counts(framework: str) -> dict:
@@ -147,6 +176,20 @@ def markdown(result: dict) -> str:
         lines += ["", "Triton kernels of the JAX start-up, compiled to PTX / read back from the cache folder: " +
                   ", ".join(f"{row['start']} start {row['kernels_compiled']} / {row['kernels_read']}"
                             for row in kernels) + "."]
+    profiled = [row for row in result["rows"] if row.get("kernel_profile")]
+    if profiled:
+        first = profiled[0]["kernel_profile"]
+        lines += ["", f"Kernels of one profiled generate after the passes ({first['prompts']} of the prompts, "
+                  f"{first['new_tokens']} new tokens each; the longest by total time): mean us per call (calls), "
+                  "per start", "",
+                  "| kernel | " + " | ".join(f"{row['framework']} {row['start']}" for row in profiled) + " |",
+                  "|---|" + "---|" * len(profiled),
+                  "| all kernels, ms | " + " | ".join(f"{row['kernel_profile']['kernel_ms']:.1f}"
+                                                    for row in profiled) + " |"]
+        means = [{k["name"]: k for k in row["kernel_profile"]["top"]} for row in profiled]
+        for name in dict.fromkeys(k["name"] for row in profiled for k in row["kernel_profile"]["top"]):
+            cells = [f"{m[name]['mean_us']:.1f} ({m[name]['calls']})" if name in m else "-" for m in means]
+            lines.append(f"| `{name[:80]}` | " + " | ".join(cells) + " |")
     late = [(row, kernel) for row in result["rows"] for kernel in row["late_kernels"]]
     if late:
         lines += ["", "Kernel variants made after ready (torch, at most 20 a start):", ""]

@@ -25,6 +25,14 @@ def test_markdown_names_the_command_and_every_start():
     assert "- torch first: `align_kernel[num_warps=4](ids_ptr: *i32)`" in md
     assert "| torch | second |" in md and "precompile True" in md
     assert "Triton kernels of the JAX start-up" not in md   # torch rows have no such counts
+    assert "Kernels of one profiled generate" not in md       # rows without a profile
+    profiles = [dict(prompts=64, new_tokens=32, kernel_ms=12.5, top=[dict(name="attn", calls=4, mean_us=100.0),
+                                          dict(name="moe", calls=2, mean_us=50.0)]),
+                dict(prompts=64, new_tokens=32, kernel_ms=10.0, top=[dict(name="attn", calls=4, mean_us=80.0)])]
+    md = warm_start.markdown(dict(result, rows=[dict(ROW, kernel_profile=profiles[0]),
+                                                dict(ROW, start="second", kernel_profile=profiles[1])]))
+    assert "(64 of the prompts, 32 new tokens each;" in md and "| kernel | torch first | torch second |" in md and "| all kernels, ms | 12.5 | 10.0 |" in md
+    assert "| `attn` | 100.0 (4) | 80.0 (4) |" in md and "| `moe` | 50.0 (2) | - |" in md
     jax_rows = [dict(ROW, framework="jax", kernels_compiled=46, kernels_read=0),
                 dict(ROW, framework="jax", start="second", kernels_compiled=0, kernels_read=46)]
     md = warm_start.markdown(dict(result, rows=jax_rows))
@@ -40,4 +48,5 @@ def test_tiny_run(tmp_path):
     assert all(r["ready_s"] > 0 and r["steady_tok_s"] > 0 for r in result["rows"])
     assert all(isinstance(r["late_programs"], int) and r["late_kernels"] == [] for r in result["rows"])
     assert all(p["steps"] > 0 and p["host_ms"] > 0 for r in result["rows"] for p in r["passes"])
+    assert all(r["kernel_profile"]["kernel_ms"] > 0 and r["kernel_profile"]["top"] for r in result["rows"])
     assert "--tiny" in result["command"]
