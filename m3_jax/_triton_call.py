@@ -37,6 +37,7 @@ import functools
 import hashlib
 import inspect
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -135,6 +136,9 @@ class _LeanKernels:
         return getattr(self.lib, name)
 
 
+_CACHED_PTX = "jax_triton_ptx.json"   # a compile's PTX, kernel name and shared memory, in its cache entry
+
+
 def _disk_cached(compile_ttir, result_type, dumping=lambda: False):
     """jax-triton's ``compile_ttir_inplace(ttir, backend, options, compute_capability, platform)`` (TTIR ->
     PTX: Triton's LLVM passes) with its result kept in Triton's cache folder (``triton.knobs.cache.dir``:
@@ -172,11 +176,12 @@ def _disk_cached(compile_ttir, result_type, dumping=lambda: False):
             return compile_ttir(ttir, backend, options, compute_capability, platform)
         text = str(ttir)   # before the passes, which rewrite the module in place
         source = _Text(f"jax-triton ttir {platform} {compute_capability}\n{text}")
-        key = hashlib.sha256(get_cache_key(source, backend, options, get_cache_invalidating_env_vars()).encode())
+        key = get_cache_key(source, backend, options, get_cache_invalidating_env_vars())
+        key = hashlib.sha256(key.encode()).hexdigest()
         with guard:
-            lock = locks[key.hexdigest()]
+            lock = locks[key]
         with lock:
-            cache = get_cache_manager(key.hexdigest())
+            cache = get_cache_manager(key)
             path = cache.get_file(_CACHED_PTX)
             if path is not None:
                 count("read")
@@ -193,9 +198,6 @@ def _disk_cached(compile_ttir, result_type, dumping=lambda: False):
     return cached
 
 
-_CACHED_PTX = "jax_triton_ptx.json"
-
-
 class _Text:
     """A compile source for Triton's ``get_cache_key``: text whose ``hash()`` is its SHA-256."""
 
@@ -209,8 +211,6 @@ class _Text:
 def kernel_cache_stats() -> dict:
     """{"compiled": n, "read": n}: the GPU kernels this process compiled to PTX and read back from the
     cache folder so far (zeros before the first GPU lowering)."""
-    import sys
-
     lib = getattr(sys.modules.get("jax_triton"), "triton_lib", None)
     stats = getattr(getattr(lib, "compile_ttir_inplace", None), "stats", None)
     return dict(stats) if stats is not None else {"compiled": 0, "read": 0}
