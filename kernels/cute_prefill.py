@@ -796,7 +796,8 @@ def prefill_kernel(
         tScS_mn = _acc_mn(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, PAGE_SIZE))))
         tOcO_mn = _acc_mn(thr_pv.partition_C(cute.make_identity_tensor((TILE_M, head_dim))))
         rows = const_expr(cute.size(tScS_mn.shape[0]))
-        tokens_per_wg = const_expr((TILE_M // NUM_MMA_WARPGROUPS) // heads_pad)   # sparse: its tokens' mask bits
+        # sparse: its tokens' mask bits (heads_pad 128: the tile's one token spans both warpgroups)
+        tokens_per_wg = const_expr(max(1, (TILE_M // NUM_MMA_WARPGROUPS) // heads_pad))
         # the epilogue's store: a thread holds pairs of adjacent columns (2c, 2c + 1), one 4-byte store
         # per pair when the output's rows are contiguous and every row starts 4-byte aligned
         elem_bytes = const_expr(mO.element_type.width // 8)
@@ -866,12 +867,13 @@ def prefill_kernel(
                     # last block (``held``, its stage ``previous``) waits for its P V under the next own
                     # block's S. Before waiting for list block j it finishes that P V if block j takes the
                     # held stage (j - held >= stages), which the producer can only refill once released.
-                    own = ((1 << tokens_per_wg) - 1) << (tokens_per_wg * mma_wg)
+                    own = ((1 << tokens_per_wg) - 1) << ((mma_wg * (TILE_M // NUM_MMA_WARPGROUPS)) // heads_pad)
                     pending = Int32(0)            # 1: block ``held``'s P waits for its P V
                     held = Int32(0)
                     previous = consume.clone()
                     tOrP = cute.make_rmem_tensor_like(_acc_as_a(cute.make_rmem_tensor(s_shape, Float32)),
                                                       mQ.element_type)
+                    tOrP.fill(0.0)   # defined before any wgmma reads it (else ptxas serializes them)
                     for j in cutlass.range(n_blocks, unroll=1):
                         block = sBlocks[j, slot]
                         chosen = sChosen[j, slot]
@@ -887,18 +889,21 @@ def prefill_kernel(
                             acc_s = cute.make_rmem_tensor(s_shape, Float32)
                             cute.arch.barrier(barrier_id=my_turn, number_of_threads=2 * 128)
                             _gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, consume.index], False)    # S_j
+                            # each branch issues, waits and softmaxes on its own: ptxas follows no path
+                            # through separate ifs, and a wait it cannot prove makes it serialize every wgmma
                             if pending != 0:
                                 _gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, previous.index], True)
-                            cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
-                            if pending != 0:
+                                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
                                 warpgroup.wait_group(1)   # S_j is in; P V may still run
-                            else:
-                                warpgroup.wait_group(0)
-                            _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen,
-                                            pos0, scale_log2, heads_pad, sparse)
-                            if pending != 0:
+                                _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen,
+                                                pos0, scale_log2, heads_pad, sparse)
                                 warpgroup.wait_group(0)   # P V is done: O, tOrP and the held stage are free
                                 ring.consumer_release(previous)
+                            else:
+                                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=2 * 128)
+                                warpgroup.wait_group(0)
+                                _online_softmax(_acc_mn(acc_s), tScS_mn, row_max, row_sum, row_scale, block, chosen,
+                                                pos0, scale_log2, heads_pad, sparse)
                             for r in cutlass.range_constexpr(rows):   # O to the new max (0 x 0 before any P V)
                                 for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
                                     o_mn[r, c] = o_mn[r, c] * row_scale[r]

@@ -44,6 +44,7 @@ have fewer work items than SMs).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -298,6 +299,37 @@ def test_sparse_compiles_for_hopper_torch_path():
 
 
 @needs_cutedsl
+@pytest.mark.parametrize("sparse, group", [(False, 16), (True, 16), (True, 128)],
+                         ids=["dense", "sparse", "sparse-group128"])
+def test_wgmmas_are_not_serialized(sparse, group, tmp_path, monkeypatch):
+    """ptxas waits after every wgmma (the whole FA3 overlap gone, silently) when it cannot prove where an
+    accumulator or operand is complete, e.g. waits chosen in a different ``if`` than the wgmmas they wait
+    for: the kernel's machine code keeps a handful of waits for its 32 wgmmas. At 128 heads per KV head
+    (one token per tile, its rows in both consumer warpgroups) each warpgroup still computes its blocks."""
+    import subprocess
+
+    import cutlass.cute as cute
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from m3_torch import cute_ops
+
+    real = cute.compile
+    monkeypatch.setattr(cute, "compile", lambda *args, options="", **kw: real(
+        *args, options=f"{options} --keep-cubin --dump-dir {tmp_path}", **kw))
+    if sparse:
+        fn = cute_ops.compile_sparse_prefill(cute_ops.sparse_prefill_shape_class("bfloat16", group, 128, 16),
+                                             arch="sm_90a")
+    else:
+        fn = cute_ops.compile_dense_prefill(cute_ops.prefill_shape_class("bfloat16", group, 128), arch="sm_90a")
+    (tmp_path / "k.cubin").write_bytes(fn.artifacts.CUBIN)
+    cuobjdump = Path(get_ptxas(90).path).parent / "cuobjdump"
+    sass = subprocess.run([str(cuobjdump), "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
+                          check=True).stdout
+    wgmmas, waits = sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR")
+    assert wgmmas == 32 and 0 < waits <= 6, (wgmmas, waits)
+
+
+@needs_cutedsl
 def test_compiles_for_hopper_jax_path(monkeypatch):
     """``cutlass_call`` lowers the same kernel for a CUDA platform (no GPU: cross-platform lowering);
     K and V as bf16 views of layer 1 of a byte (uint8) pool, at their own offsets."""
@@ -471,6 +503,8 @@ SPARSE_CASES = [
     prefill("cute_sp_small", (1, 127, 129, 3000), (1, 200, 129, 3000), hq=16, hk=2, d=64, dtype="float16", topk=8),
     # 32 tokens x topk 4 per tile: the choice masks' top bit (token 31) is the int32 sign bit
     prefill("cute_sp_32tok", (33, 127, 700), (33, 300, 1000), hq=8, hk=2, d=128, topk=4, gpu_only=True),
+    # 128 heads of one KV head: one token per tile, its rows in both consumer warpgroups
+    prefill("cute_sp_group128", (129, 300), (129, 700), hq=128, hk=1, d=64, topk=4, gpu_only=True),
 ]
 
 
