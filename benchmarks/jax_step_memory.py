@@ -67,9 +67,9 @@ def main(argv=None) -> dict:
     prompts = runner.buckets.max_num_tokens // PROMPT_LEN   # the prompts of the benchmark's first step
     shape = runner.buckets.shape(prompts, prompts * PROMPT_LEN, 0, 0)
     step = StepBuilder(runner.buckets, llm.args.step_config()).dummy(shape)
-    program = runner._first_program(step, SamplingBatch.greedy(1), None)
+    forward = runner._forward_inputs(step, None)   # the step's forward: the program that writes the pool
     with jax.default_device(gpu):
-        compiled = program.fn.lower(*program.args, **program.static).compile()
+        compiled = runner._forward.lower(*forward.args, **forward.static).compile()
     analysis = compiled.memory_analysis()
     print(f"step {shape}: {analysis}")
     pool_type = f"{np.dtype(runner.pool.dtype).name.replace('bfloat16', 'bf16')}[{runner.pool.size}]"

@@ -30,10 +30,11 @@ Per batch:
   norm, MLP, residual: ``M3Model.hidden_states``' loop body) in a CUDA graph of
   its own: time and kernels per layer. ``torch_rest_us``: the step minus its
   layers (embedding, final norm, lm_head).
-* ``jax_step_us``: the jitted step (model + greedy sampling) compiled ahead of
-  time and called with device-resident inputs, median of ``--reps`` blocking
-  calls; ``jax_pipelined_us``: ``--reps`` calls back to back / reps.
-  ``jax_launches``: static launch sites in the compiled step's optimized HLO
+* ``jax_step_us``: the engine's two jitted programs of a step (the forward,
+  then greedy sampling of its logits) compiled ahead of time and called with
+  device-resident inputs, median of ``--reps`` blocking steps;
+  ``jax_pipelined_us``: ``--reps`` steps back to back / reps.
+  ``jax_launches``: static launch sites in the two programs' optimized HLO
   (fusions, custom calls = Triton kernels and cuBLAS GEMMs, copies, sorts, ...;
   a while body counted once), not a profile; per layer = launches / layers,
   embedding, head and sampling included.
@@ -492,23 +493,30 @@ def _opcode(rhs: str) -> str:
 
 
 def jax_step(llm, step, reps: int) -> dict:
-    """The engine's jitted step (model + greedy sampling; ``JaxRunner.execute`` without its host work),
-    compiled ahead of time, on device-resident inputs; the pool is donated from call to call."""
+    """The engine's two jitted programs of a step (the forward, then greedy sampling of its logits;
+    ``JaxRunner.execute`` without its host work), compiled ahead of time, on device-resident inputs; the
+    pool is donated from call to call."""
     import jax
     from m3_jax.runner import _sampling_arrays, pack_inputs
 
     runner = llm.runner
     batch, spec, maps = runner._layout(step)
-    flat, packing = pack_inputs((batch, maps, _sampling_arrays(SamplingBatch.greedy(len(step.logits_indices)),
-                                                               len(batch.logits_rows)), None))
-    inputs = (runner._put(flat), None)   # no carried tokens (async scheduling off)
+    rows = len(batch.logits_rows)
+    flat, packing = pack_inputs((batch, maps, None))   # no carried tokens (async scheduling off)
+    sampling_flat, sampling_packing = pack_inputs(_sampling_arrays(SamplingBatch.greedy(len(step.logits_indices)),
+                                                                   rows))
+    inputs, sampling_inputs = (runner._put(flat), None), (runner._put(sampling_flat), None)
     t0 = time.perf_counter()
-    compiled = runner._step.lower(runner.params, runner.pool, *inputs, spec=spec, packing=packing,
-                                  num_logprobs=None, prompt=None).compile()
-    row = dict(jax_compile_s=time.perf_counter() - t0, jax_launches=hlo_launches(compiled.as_text()))
+    forward = runner._forward.lower(runner.params, runner.pool, *inputs, spec=spec, packing=packing).compile()
+    logits = jax.ShapeDtypeStruct((rows, llm.config.vocab_size), "float32")   # what the forward returns
+    sample = runner._sample.lower(logits, *sampling_inputs, packing=sampling_packing, num_logprobs=None,
+                                  prompt=None).compile()
+    row = dict(jax_compile_s=time.perf_counter() - t0,
+               jax_launches=hlo_launches(forward.as_text()) + hlo_launches(sample.as_text()))
 
     def call():
-        out, runner.pool = compiled(runner.params, runner.pool, *inputs)
+        (logits, _), runner.pool = forward(runner.params, runner.pool, *inputs)
+        out, _ = sample(logits, *sampling_inputs)
         return out
 
     row["jax_step_us"] = wall_us(lambda: jax.block_until_ready(call()), reps)

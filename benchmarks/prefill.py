@@ -1,6 +1,7 @@
 """Prefill on the GPU: ``dense_prefill`` against torch's SDPA, ``msa_prefill`` and its three launches.
 
     python3 -m benchmarks.prefill [--lens 8192,32768,131072] [--out DIR] [--dense-backend cutedsl]
+                                  [--sparse-backend cutedsl]
 
 One request of T prompt tokens (no cached prefix), M3 shapes (64 q heads,
 4 KV heads, D = Di = 128, 4 index heads, topk 16, bf16), eager timing (each
@@ -24,15 +25,26 @@ queries are one direction plus 30% noise, as neighbouring tokens of a text
 tend to be). Each row says how many distinct blocks an 8-token tile reads
 (``union``) beside its 8 x 16 choices; ``sparse_prefill`` is timed with tiles of
 8 tokens and of one (``default``: the one ``maps.prefill_tile_kind`` picks).
+``--sparse-backend cutedsl`` also times ``sparse_prefill(backend="cutedsl")``
+(the CuTeDSL kernel's sparse mode, tiles of 8 tokens x 16 heads) on the same
+block ids, with the same FLOPs (the chosen blocks' visible positions: the
+work a tile spends on the rest of its union counts as waste), the rate of the
+MMA work it issues (``issued_tflops``: each consumer warpgroup's 4 tokens x 16
+heads against the union of its tokens' blocks, ``union_per_warpgroup``) and
+its largest difference from the Triton backend's output, and ``msa_prefill`` as a whole on
+that backend (``M3_SPARSE_PREFILL=cutedsl``: indexer, selection launch, CuTeDSL
+kernel), whose block ids must equal the Triton route's.
 """
 import argparse
+import os
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 import m3_torch
 from benchmarks.run import copy_bandwidth, matmul_rate, save_results, sparse_layout, time_fn
-from m3_kernels import maps
+from m3_kernels import backends, maps
 
 PAGE, HQ, HK, D, DI, TOPK = 128, 64, 4, 128, 128, 16
 
@@ -45,7 +57,7 @@ def union_per_tile(ids, tokens):
     return float((distinct.sum(-1) + (x[..., 0] >= 0)).float().mean())
 
 
-def run_length(T, rate, reps, dense_backend="triton"):
+def run_length(T, rate, reps, dense_backend="triton", sparse_backend="triton"):
     g = torch.Generator(device="cuda").manual_seed(T)
     mk = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
     nb = T // PAGE
@@ -113,9 +125,15 @@ def run_length(T, rate, reps, dense_backend="triton"):
         seen = ((pos[None, :, None] - start + 1).clamp(0, PAGE) * (ids >= 0)).sum().item()
         sparse_flops = 4 * seen * D * (HQ // HK)
         union = union_per_tile(ids, 8)
-        row(f"msa_prefill[{kind}]", time_fn(lambda: m3_torch.msa_prefill(
-            q, iq, k, v, ik, bt, sl, cu_seqlens_q=cu, plan=plan, out=out), reps) * 1e3,
-            index_flops + sparse_flops, union_8_tokens=union)
+        msa = lambda: m3_torch.msa_prefill(q, iq, k, v, ik, bt, sl, cu_seqlens_q=cu, plan=plan, out=out)
+        row(f"msa_prefill[{kind}]", time_fn(msa, reps) * 1e3, index_flops + sparse_flops, union_8_tokens=union)
+        if sparse_backend == "cutedsl":
+            with mock.patch.dict(os.environ, {backends.SPARSE_PREFILL_ENV_VAR: "cutedsl"}):
+                if not torch.equal(msa()[1], ids):
+                    raise AssertionError(f"T={T} {kind}: msa_prefill on the cutedsl route chose other blocks "
+                                         "than select_blocks_prefill")
+                row(f"msa_prefill_cutedsl[{kind}]", time_fn(msa, reps) * 1e3, index_flops + sparse_flops,
+                    union_8_tokens=union)
         row(f"  index_scores_prefill[{kind}]", time_fn(index, reps) * 1e3, index_flops)
         row(f"  select_blocks_prefill[{kind}]", time_fn(select, reps) * 1e3, 0.0)
         default = maps.prefill_tile_kind(True, nb, TOPK)
@@ -126,6 +144,17 @@ def run_length(T, rate, reps, dense_backend="triton"):
                                                              out=out), reps) * 1e3
             row(f"  sparse_prefill[{kind}] {tpt} tok/tile", us, sparse_flops, union=union_per_tile(ids, tpt),
                 chosen=TOPK * tpt, default=(default == "token") == (tpt == 1))
+        if sparse_backend == "cutedsl":
+            cute = lambda: m3_torch.sparse_prefill(q, k, v, ids, bt, sl, cu_seqlens_q=cu, plan=plan, out=out,
+                                                   backend="cutedsl")
+            err = (cute().float() - m3_torch.sparse_prefill(q, k, v, ids, bt, sl, cu_seqlens_q=cu,
+                                                            plan=plan).float()).abs().max().item()
+            us = time_fn(cute, reps) * 1e3
+            # the MMA work it issues: each warpgroup (4 tokens x 16 heads) against its tokens' union
+            own = union_per_tile(ids, 4)
+            mma_flops = own * (T / 4) * HK * 64 * PAGE * D * 4
+            row(f"  sparse_prefill_cutedsl[{kind}]", us, sparse_flops, union=union, union_per_warpgroup=own,
+                chosen=TOPK * 8, issued_tflops=mma_flops / us / 1e6, max_abs_diff_vs_triton=err)
         del scores, ids
     return rows
 
@@ -137,15 +166,20 @@ def main():
     ap.add_argument("--name", default="prefill")
     ap.add_argument("--dense-backend", choices=("triton", "cutedsl"), default="triton",
                     help="cutedsl: also time dense_prefill's CuTeDSL backend (Hopper) beside the Triton one and SDPA")
+    ap.add_argument("--sparse-backend", choices=("triton", "cutedsl"), default="triton",
+                    help="cutedsl: also time sparse_prefill's CuTeDSL backend (Hopper) beside the Triton rows, "
+                         "and msa_prefill with M3_SPARSE_PREFILL=cutedsl")
     args = ap.parse_args()
     bw, rate = copy_bandwidth(), matmul_rate()
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
     for T in (int(x) for x in args.lens.split(",")):
-        rows += run_length(T, rate, reps=3 if T > 65536 else 5, dense_backend=args.dense_backend)
+        rows += run_length(T, rate, reps=3 if T > 65536 else 5, dense_backend=args.dense_backend,
+                           sparse_backend=args.sparse_backend)
         torch.cuda.empty_cache()
-    command = f"python3 -m benchmarks.prefill --lens {args.lens} --dense-backend {args.dense_backend}"
+    command = (f"python3 -m benchmarks.prefill --lens {args.lens} --dense-backend {args.dense_backend} "
+               f"--sparse-backend {args.sparse_backend}")
     md = [f"# Prefill on {gpu}", "",
           f"Copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s (same run). "
           f"Command: `{command}`. Eager medians; floor = FLOPs / matmul rate.",

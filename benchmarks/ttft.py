@@ -40,9 +40,8 @@ counted). A kernel is attention's when its name holds one of
   sparse attention kernel and counted there);
 * attention: ``paged_attention`` (``attention.paged_attention_kernel``, dense
   and sparse), ``merge_splits`` (``merge.merge_splits_kernel``, split-K
-  partials), ``prefill_kernel`` (CuTeDSL ``cute_prefill.dense_prefill_kernel``,
-  ``kernel_cutlass_dense_prefill_kernel_...``; also the dense + sparse
-  ``prefill_kernel`` of a checkout with ``M3_SPARSE_PREFILL``).
+  partials), ``prefill_kernel`` (CuTeDSL ``cute_prefill.prefill_kernel``, dense
+  and sparse, ``kernel_cutlass_prefill_kernel_...``).
 
 The Triton attention kernel serves both layer kinds, so dense and sparse are
 told apart by order: an attention kernel is sparse when the indexer or the
@@ -72,10 +71,9 @@ share of it.
 Prefill backends (``--prefill-backends``): each set runs in a fresh process
 per framework with the environment variables ``M3_DENSE_PREFILL`` and
 ``M3_SPARSE_PREFILL`` unset (``triton``: the engine's default) or both
-``cutedsl`` (the Hopper CuTeDSL kernels; ``M3_SPARSE_PREFILL`` is read by the
-checkouts that have the CuTeDSL sparse prefill and ignored by the others: each
-row records the backends the checkout resolves). ``M3_INDEXER_SCORE`` is left
-as the environment sets it (recorded too). JAX bakes the backends into its
+``cutedsl`` (the Hopper CuTeDSL kernels; each row records the backends
+resolved). ``M3_INDEXER_SCORE`` is left as the environment sets it (recorded
+too). JAX bakes the backends into its
 programs when it traces them, torch reads them at each call.
 
 Writes ``<date>-<gpu>-ttft.{json,md}`` to ``--out`` (default
@@ -125,7 +123,6 @@ ATTENTION_KERNELS = {   # kind -> name patterns (the kernels' names in kernels/;
     "attention": ("paged_attention", "merge_splits", "prefill_kernel"),
 }
 SPLIT = ("dense_attention", "indexer", "selection", "sparse_attention")
-NO_SPARSE_SWITCH = "triton (no M3_SPARSE_PREFILL here)"   # a checkout whose sparse prefill is Triton's only
 
 
 # -- which kernels are attention's ---------------------------------------------------------------
@@ -206,10 +203,9 @@ def prefill_env(backend: str):
 
 
 def resolved_backends() -> dict:
-    """The prefill and indexer backends this checkout resolves from the environment."""
-    sparse = getattr(backends, "sparse_prefill_backend", None)   # only in checkouts with M3_SPARSE_PREFILL
+    """The prefill and indexer backends resolved from the environment."""
     return dict(dense_prefill_backend=backends.dense_prefill_backend(),
-                sparse_prefill_backend=sparse() if sparse else NO_SPARSE_SWITCH,
+                sparse_prefill_backend=backends.sparse_prefill_backend(),
                 indexer_backend=backends.indexer_backend())
 
 

@@ -15,9 +15,9 @@ EOS. Reported per start:
   nothing was compiled on the request path);
 * ``late_programs``: what was made after ``LLM()`` returned, in the two passes: torch, the
   Triton kernel variants its launcher did not hold in memory (compiled, or read back from the
-  disk cache; Triton's ``jit_post_compile_hook``), named in ``late_kernels``; JAX, the step
-  programs compiled (``compiled_steps`` and ``compiled_masked``). 0 is the "ready means ready"
-  target;
+  disk cache; Triton's ``jit_post_compile_hook``), named in ``late_kernels``; JAX, the
+  programs compiled (``compiled_forwards`` and ``compiled_sampling``). 0 is the "ready means
+  ready" target;
 * ``passes``: per pass (first, steady), from the engine's step timeline (``M3_STEP_TIMELINE``,
   ``m3_engine.step_timeline``): ``steps``, ``host_ms`` (a step call's time less its wait for the
   device, per step) and ``wait_ms`` (that wait, per step). A pass slower on the host shows in
@@ -32,7 +32,7 @@ EOS. Reported per start:
   compiles none).
 
 Writes warm_start.json and warm_start.md to --out. About 3-4 minutes on an H200 for both engines
-(the JAX cold start compiles ~40 step programs). ``--tiny``: the tiny test model on the CPU (Triton's
+(the JAX cold start compiles ~40 forwards). ``--tiny``: the tiny test model on the CPU (Triton's
 interpreter), 4 prompts of 16 tokens, to check the script, not to measure.
 """
 
@@ -81,7 +81,7 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
     else:
         from m3_jax._triton_call import kernel_cache_stats
 
-        made_at_ready = len(llm.runner.compiled_steps) + len(llm.runner.compiled_masked)
+        made_at_ready = len(llm.runner.compiled_forwards) + len(llm.runner.compiled_sampling)
         kernels = kernel_cache_stats()   # jax-triton's kernels made by the start-up: compiled, read back
     rng = np.random.default_rng(0)
     vocab = llm.config.vocab_size
@@ -102,7 +102,7 @@ def one_start(framework: str, model_dir: str, cache_dir: str, precompile: bool, 
     if framework == "torch":
         late_programs = len(late)
     else:
-        late_programs = len(llm.runner.compiled_steps) + len(llm.runner.compiled_masked) - made_at_ready
+        late_programs = len(llm.runner.compiled_forwards) + len(llm.runner.compiled_sampling) - made_at_ready
     llm.close()
     extra = dict(kernel_profile=profile) if framework == "torch" else \
         dict(kernels_compiled=kernels["compiled"], kernels_read=kernels["read"])

@@ -12,7 +12,7 @@ its argument checks (``validate``); it reads shapes, dtypes and a device
 description only (no values, no device sync), and imports ``cutlass`` only
 when the CuTeDSL backend is asked for.
 
-``dense_prefill`` has the same switch (SPEC.md, "Dense prefill backends"):
+``dense_prefill`` has the same switch (SPEC.md, "Prefill attention backends"):
 ``backend="triton"`` (the default) runs ``attention.paged_attention_kernel``,
 ``backend="cutedsl"`` the CuTeDSL kernel of ``cute_prefill.py`` (Hopper sm_90a only,
 bf16/fp16 q with K/V caches of its dtype, D in 64/128, up to 128 query heads
@@ -20,6 +20,14 @@ per KV head); the environment variable ``M3_DENSE_PREFILL`` sets the default,
 an argument wins, and the errors are the indexer's
 (:func:`check_dense_prefill_backend`). ``msa_attention_step`` on a dense layer
 (the models' layers 0-2) runs its context span with the variable's backend.
+
+``sparse_prefill`` has its own switch of the same kind (SPEC.md, "Prefill attention backends"):
+the CuTeDSL kernel is ``cute_prefill.py``'s sparse mode, under ``dense_prefill``'s conditions plus
+tiles of at most ``CUTEDSL_SPARSE_MAX_TOKENS`` tokens (``Hq // Hk`` of 4 or more) and at most
+``CUTEDSL_SPARSE_MAX_ENTRIES`` (tokens x topk) block ids per tile; the variable is
+``M3_SPARSE_PREFILL`` (:func:`check_sparse_prefill_backend`). ``msa_prefill`` and
+``msa_attention_step`` on a sparse layer (the models' MSA layers: their context span) attend with
+the variable's backend too; their ``backend`` argument is the indexer's.
 """
 
 from __future__ import annotations
@@ -34,6 +42,12 @@ INDEXER_BACKENDS = ("triton", "cutedsl")
 ENV_VAR = "M3_INDEXER_SCORE"
 DENSE_PREFILL_BACKENDS = INDEXER_BACKENDS
 DENSE_PREFILL_ENV_VAR = "M3_DENSE_PREFILL"
+SPARSE_PREFILL_BACKENDS = INDEXER_BACKENDS
+SPARSE_PREFILL_ENV_VAR = "M3_SPARSE_PREFILL"
+# cute_prefill.SPARSE_MAX_TOKENS / SPARSE_MAX_ENTRIES: a block's choosing tokens are one int32 bit
+# mask, a tile's block list has room for 128 ids in shared memory (M3: 8 tokens x topk 16)
+CUTEDSL_SPARSE_MAX_TOKENS = 32
+CUTEDSL_SPARSE_MAX_ENTRIES = 128
 CUTEDSL_HEAD_DIMS = (64, 128)
 CUTEDSL_DTYPES = ("bfloat16", "float16")   # idx_q (and a 16-bit index-K cache: the same dtype)
 CUTEDSL_FP8 = "float8_e4m3fn"              # an FP8 index-K cache (unscaled), with any of those queries or an e4m3 one
@@ -51,6 +65,11 @@ def indexer_backend(backend: Optional[str] = None) -> str:
 def dense_prefill_backend(backend: Optional[str] = None) -> str:
     """``backend``, or ``$M3_DENSE_PREFILL``, or "triton" -> a valid backend name (else ValueError)."""
     return _backend_name(backend, DENSE_PREFILL_ENV_VAR, DENSE_PREFILL_BACKENDS)
+
+
+def sparse_prefill_backend(backend: Optional[str] = None) -> str:
+    """``backend``, or ``$M3_SPARSE_PREFILL``, or "triton" -> a valid backend name (else ValueError)."""
+    return _backend_name(backend, SPARSE_PREFILL_ENV_VAR, SPARSE_PREFILL_BACKENDS)
 
 
 def _backend_name(backend: Optional[str], env_var: str, names: Tuple[str, ...]) -> str:
@@ -105,8 +124,38 @@ def check_dense_prefill_backend(backend: Optional[str], *, group: int, head_dim:
     not an sm_90+ NVIDIA GPU RuntimeError; the package missing ImportError (with the install hint).
     """
     name = dense_prefill_backend(backend)
+    if name == "cutedsl":
+        _check_cutedsl_prefill("dense_prefill", group, head_dim, dtype, cache_dtype, device, capability)
+    return name
+
+
+def check_sparse_prefill_backend(backend: Optional[str], *, group: int, head_dim: int, topk: int, dtype: str,
+                                 cache_dtype: str, device: str, capability: Optional[Tuple[int, int]]) -> str:
+    """Resolve the backend of one ``sparse_prefill`` call and check that it can run it -> "triton" or
+    "cutedsl". As :func:`check_dense_prefill_backend` (``$M3_SPARSE_PREFILL``), with ``topk`` (block
+    ids per token); ``topk`` 0, a tile of more than ``CUTEDSL_SPARSE_MAX_TOKENS`` tokens (``Hq // Hk`` < 4)
+    or of more than ``CUTEDSL_SPARSE_MAX_ENTRIES`` ids (tokens x topk) is a ValueError.
+    """
+    name = sparse_prefill_backend(backend)
     if name == "triton":
         return name
+    if topk < 1:
+        # the kernel's block list has tokens x topk slots in shared memory: none to build it in
+        raise ValueError(f"block_ids: backend='cutedsl' for sparse_prefill needs topk >= 1 (block_ids [Hk, T, topk]), "
+                         f"got topk={topk}; use backend='triton'")
+    tokens = MAX_TILE_ROWS // next_pow2(group)
+    if tokens > CUTEDSL_SPARSE_MAX_TOKENS or tokens * topk > CUTEDSL_SPARSE_MAX_ENTRIES:
+        raise ValueError(f"q/block_ids: backend='cutedsl' for sparse_prefill takes tiles of at most "
+                         f"{CUTEDSL_SPARSE_MAX_TOKENS} tokens (Hq // Hk >= {MAX_TILE_ROWS // CUTEDSL_SPARSE_MAX_TOKENS})"
+                         f" and at most {CUTEDSL_SPARSE_MAX_ENTRIES} block ids per tile (tokens x topk), got "
+                         f"Hq // Hk = {group} ({tokens} tokens per tile) and topk={topk}; use backend='triton'")
+    _check_cutedsl_prefill("sparse_prefill", group, head_dim, dtype, cache_dtype, device, capability)
+    return name
+
+
+def _check_cutedsl_prefill(op: str, group: int, head_dim: int, dtype: str, cache_dtype: str, device: str,
+                           capability: Optional[Tuple[int, int]]) -> None:
+    """The CuTeDSL prefill kernel (``cute_prefill.py``) can run this call of ``op``, or the error."""
     if head_dim not in CUTEDSL_HEAD_DIMS:
         raise ValueError(f"q: backend='cutedsl' supports head dims D in {CUTEDSL_HEAD_DIMS}, got D={head_dim}; "
                          f"use backend='triton'")
@@ -118,11 +167,10 @@ def check_dense_prefill_backend(backend: Optional[str], *, group: int, head_dim:
                          f"Hq // Hk = {group}")
     _check_cutedsl_device(device, capability)
     if capability[0] != 9:
-        raise RuntimeError(f"backend='cutedsl' for dense_prefill uses Hopper's warpgroup MMA (wgmma, sm_90a), which "
+        raise RuntimeError(f"backend='cutedsl' for {op} uses Hopper's warpgroup MMA (wgmma, sm_90a), which "
                            f"this GPU (compute capability {'.'.join(map(str, capability))}) lacks; "
                            f"use backend='triton'")
     cutedsl_prefill_module()
-    return name
 
 
 def _check_cutedsl_device(device: str, capability: Optional[Tuple[int, int]]) -> None:

@@ -76,6 +76,15 @@ def _dense_prefill_backend(backend, q, k) -> str:
                                                 cache_dtype=validate.dtype_name(k), **_device())
 
 
+def _sparse_prefill_backend(backend, q, k, topk: int) -> str:
+    """The sparse prefill backend of one call with ``topk`` block ids per token (None:
+    ``$M3_SPARSE_PREFILL``, else "triton"), checked as :func:`_backend` checks the indexer's."""
+    return backends.check_sparse_prefill_backend(backend, group=int(q.shape[1]) // int(k.shape[1]),
+                                                 head_dim=int(q.shape[2]), topk=int(topk),
+                                                 dtype=validate.dtype_name(q), cache_dtype=validate.dtype_name(k),
+                                                 **_device())
+
+
 def _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, skip_blocks=0):
     """scores [Hi, T, max_blocks] with the resolved ``backend``'s kernel. ``skip_blocks``: the MSA ops
     pass ``topk``; the Triton scorer then leaves tiles that see at most that many blocks unscored
@@ -109,6 +118,15 @@ def _select_and_attend(q, k, v, scores, block_table, seq_lens, token_map, tile, 
                                 strides((scores.shape[0], scores.shape[1], topk)))
     result = run(_attention(q, k, v, None, block_table, seq_lens, tile_map, tile, sm_scale, kv_scales, select))
     return result["out"], result["block_ids"]
+
+
+def _select_and_attend_cutedsl(q, k, v, scores, block_table, seq_lens, token_map, tile, tile_map, sm_scale, topk,
+                               init_blocks, local_blocks):
+    """The MSA ops' selection and sparse attention on the CuTeDSL prefill backend -> (out, block_ids):
+    a selection launch, then the CuTeDSL kernel over its block ids (``tile``/``tile_map``: the
+    indexer's tiles of the group, filling the kernel's 128 MMA rows)."""
+    block_ids = run(_select_blocks(scores, seq_lens, token_map, topk, init_blocks, local_blocks))["block_ids"]
+    return cute_call.sparse_prefill(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, sm_scale), block_ids
 
 
 def _kv(k_cache, v_cache, kv_layout):
@@ -267,27 +285,24 @@ def _check_prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, se
     return k, v, maps_, call, seq_lens
 
 
-def _prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
-                       kv_layout, k_scale, v_scale):
-    """Validate a prefill attention call -> its launch."""
-    k, v, maps_, call, seq_lens = _check_prefill_attention(op, q, k_cache, v_cache, block_ids, block_table, seq_lens,
-                                                           cu_seqlens_q, plan, sm_scale, kv_layout, k_scale, v_scale)
-    sparse = block_ids is not None
-    tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(sparse, call.max_blocks,
-                                                                    block_ids.shape[2] if sparse else 0))
-    return _attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
-                      ops.kv_scales(k, k_scale, v_scale))  # the launch
-
-
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None,
-                   plan=None, kv_layout="HND", k_scale=None, v_scale=None):
+                   plan=None, kv_layout="HND", k_scale=None, v_scale=None, backend=None):
     """Block-sparse GQA attention, each token over its own blocks -> ``[T, Hq, D]`` in q's dtype.
 
     Causal inside every block (the diagonal one included). Arguments as in
-    ``m3_torch.sparse_prefill``; K/V arrays in ``kv_layout`` or PagedViews.
+    ``m3_torch.sparse_prefill``; K/V arrays in ``kv_layout`` or PagedViews. ``backend`` (static): as
+    in ``m3_torch.sparse_prefill``: "triton", "cutedsl" or None for ``$M3_SPARSE_PREFILL``.
     """
-    return run(_prefill_attention("sparse_prefill", q, k_cache, v_cache, block_ids, block_table, seq_lens,
-                                  cu_seqlens_q, plan, sm_scale, kv_layout, k_scale, v_scale))["out"]
+    k, v, maps_, call, seq_lens = _check_prefill_attention("sparse_prefill", q, k_cache, v_cache, block_ids,
+                                                           block_table, seq_lens, cu_seqlens_q, plan, sm_scale,
+                                                           kv_layout, k_scale, v_scale)
+    if _sparse_prefill_backend(backend, q, k, block_ids.shape[2]) == "cutedsl":
+        # the kernel's tiles fill its 128 MMA rows: the indexer's (as many tokens as 128 rows hold)
+        tile, tile_map = maps_.tile(call.group, "index")
+        return cute_call.sparse_prefill(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale)
+    tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(True, call.max_blocks, int(block_ids.shape[2])))
+    return run(_attention(q, k, v, block_ids, block_table, seq_lens, tile_map, tile, call.sm_scale,
+                          ops.kv_scales(k, k_scale, v_scale)))["out"]
 
 
 def dense_prefill(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, sm_scale=None, plan=None,
@@ -315,7 +330,8 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``
     (selection inside the attention launch when it has one split: ``launches.Selection``).
 
-    ``backend``: the indexer's, as in ``index_scores``.
+    ``backend``: the indexer's, as in ``index_scores``. The attention runs with the backend of
+    ``$M3_SPARSE_PREFILL``, as in ``m3_torch.msa_prefill``.
     """
     k, v = _kv(k_cache, v_cache, kv_layout)
     index_k = as_index_k_view(index_k_cache)
@@ -328,8 +344,13 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     seq_lens = guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k)
+    cute_prefill = _sparse_prefill_backend(None, q, k, topk) == "cutedsl"
     tile, tile_map = maps_.tile(call.num_index_heads, "index")
     scores = _scores(backend, idx_q, index_k, block_table, seq_lens, tile_map, tile, int(topk))
+    if cute_prefill:
+        tile, tile_map = maps_.tile(call.group, "index")
+        return _select_and_attend_cutedsl(q, k, v, scores, block_table, seq_lens, maps_.token_map, tile, tile_map,
+                                          call.sm_scale, int(topk), int(init_blocks), int(local_blocks))
     tile, tile_map = maps_.tile(call.group, _maps.prefill_tile_kind(True, call.max_blocks, int(topk)))
     return _select_and_attend(q, k, v, scores, block_table, seq_lens, maps_.token_map, tile, tile_map, call.sm_scale,
                               ops.kv_scales(k, k_scale, v_scale), int(topk), int(init_blocks), int(local_blocks))
@@ -384,8 +405,9 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     Arguments as in ``m3_torch.msa_attention_step`` (no ``out``/``arena``); K/V
     arrays in ``kv_layout`` or PagedViews, index-K an array or a PagedView.
     plan: a StepPlan, or a StepSpec together with ``maps`` (see :func:`step_inputs`).
-    backend: the indexer's (sparse layers), as in ``index_scores``. Dense layers run their context
-    span with the backend of ``$M3_DENSE_PREFILL`` (as ``dense_prefill(backend=None)``).
+    backend: the indexer's (sparse layers), as in ``index_scores``. The context span's attention runs
+    with the backend of ``$M3_SPARSE_PREFILL`` on sparse layers (as ``msa_prefill``) and of
+    ``$M3_DENSE_PREFILL`` on dense ones (as ``dense_prefill(backend=None)``).
     """
     if isinstance(plan, planner.StepPlan):
         spec, plan_maps = step_inputs(plan)
@@ -403,7 +425,8 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     seq_lens = guards.check_call("msa_attention_step", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
     backend = _backend(backend, idx_q, index_k) if sparse else None
-    cute_prefill = not sparse and _dense_prefill_backend(None, q, k) == "cutedsl"
+    cute_prefill = (_sparse_prefill_backend(None, q, k, cfg.topk) if sparse
+                    else _dense_prefill_backend(None, q, k)) == "cutedsl"
     if spec.context_tokens and (not isinstance(maps, PrefillMaps) or (maps.num_rows, maps.num_tokens)
                                 != (spec.context_rows, spec.context_tokens)):
         raise ValueError("maps: a step with context tokens needs the PrefillMaps of its context span "
@@ -411,7 +434,8 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     # (rows, tokens, max_blocks, index (tile, tile_map, token_map), attention (tile, tile_map), CuTeDSL attention)
     spans = []
     if spec.context_tokens:
-        # CuTeDSL dense prefill: its tiles fill the 128 MMA rows (the indexer's, as in dense_prefill)
+        # CuTeDSL prefill: its tiles fill the 128 MMA rows (the indexer's, as in dense_prefill and
+        # sparse_prefill)
         kind = "index" if cute_prefill else _maps.prefill_tile_kind(sparse, spec.context_max_blocks, cfg.topk)
         spans.append((slice(0, spec.context_rows), slice(0, spec.context_tokens), spec.context_max_blocks,
                       (*maps.tile(cfg.num_kv_heads, "index"), maps.token_map), maps.tile(cfg.group, kind),
@@ -432,8 +456,14 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             tile, tile_map, token_map = index_maps
             scores = _scores(backend, idx_q[toks], index_k, table, lens, tile_map, tile, cfg.topk)
             tile, tile_map = attention_maps
-            out, block_ids = _select_and_attend(q[toks], k, v, scores, table, lens, token_map, tile, tile_map,
-                                                call.sm_scale, scales, cfg.topk, int(init_blocks), int(local_blocks))
+            if cute:
+                out, block_ids = _select_and_attend_cutedsl(q[toks], k, v, scores, table, lens, token_map, tile,
+                                                            tile_map, call.sm_scale, cfg.topk, int(init_blocks),
+                                                            int(local_blocks))
+            else:
+                out, block_ids = _select_and_attend(q[toks], k, v, scores, table, lens, token_map, tile, tile_map,
+                                                    call.sm_scale, scales, cfg.topk, int(init_blocks),
+                                                    int(local_blocks))
             outs.append(out)
             ids.append(block_ids)
         elif cute:

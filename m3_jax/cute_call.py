@@ -2,8 +2,8 @@
 
 The same kernels as ``m3_torch.cute_ops``: the indexer scorer
 (``m3_kernels.cute_index``, entered through ``cute_index.index_scores_xla``)
-and the dense prefill attention (``m3_kernels.cute_prefill``, through
-``cute_prefill.dense_prefill_xla``). Dense row-major arrays whose sizes reach
+and the dense and sparse prefill attention (``m3_kernels.cute_prefill``, through
+``cute_prefill.dense_prefill_xla`` and ``sparse_prefill_xla``). Dense row-major arrays whose sizes reach
 the kernel at run time (one compiled kernel per shape class, as with torch);
 each cache as the flat buffer of its PagedView with the view's dtype, offset
 and strides as compile-time constants (a byte pool's e4m3 or bf16 sub-pages:
@@ -26,7 +26,8 @@ COMPILE_OPTIONS: str | None = None
 # Names the kernel for cutlass_call's compile cache (which adds the shapes, dtypes and keyword
 # constants itself), so a cache hit under a new trace skips regenerating the kernel's IR.
 _COMPILE_KEY = ("m3_kernels.cute_index.index_scores_xla", 2)
-_PREFILL_COMPILE_KEY = ("m3_kernels.cute_prefill.dense_prefill_xla", 1)
+_PREFILL_COMPILE_KEY = ("m3_kernels.cute_prefill.dense_prefill_xla", 2)
+_SPARSE_PREFILL_COMPILE_KEY = ("m3_kernels.cute_prefill.sparse_prefill_xla", 2)
 
 
 def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, tile: maps.RowTile):
@@ -54,14 +55,9 @@ def index_scores(idx_q, index_k: PagedView, block_table, seq_lens, tile_map, til
     return call(idx_q, jnp.reshape(index_k.buffer, (-1,)), block_table, seq_lens, jnp.asarray(tile_map, jnp.int32))
 
 
-def dense_prefill(q, k_cache: PagedView, v_cache: PagedView, block_table, seq_lens, tile_map, tile: maps.RowTile,
-                  sm_scale: float):
-    """``out [T, Hq, D]`` in q's dtype of ``tile_map``'s row tiles (``maps.index_tile`` of the group: up to
-    128 rows of tokens x heads) with the CuTeDSL kernel; k_cache/v_cache: HND views ``[pages, Hk, 128, D]``."""
-    num_tokens, num_heads, head_dim = (int(s) for s in q.shape)
-    num_pages, num_kv_heads = int(k_cache.shape[0]), int(k_cache.shape[1])
-    if num_tokens == 0 or int(tile_map.shape[0]) == 0:
-        return jnp.zeros(q.shape, q.dtype)
+def _check_kv(q, k_cache: PagedView, v_cache: PagedView):
+    """TMA reads whole 128 x D pages of one head: rows contiguous, page/head/token strides and the
+    offset multiples of 16 bytes."""
     itemsize = jnp.dtype(q.dtype).itemsize
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if (cache.strides[-1] != 1 or cache.offset * itemsize % 16
@@ -69,14 +65,59 @@ def dense_prefill(q, k_cache: PagedView, v_cache: PagedView, block_table, seq_le
             raise ValueError(f"{name}: backend='cutedsl' needs contiguous rows (last stride 1), page/head/token "
                              f"strides that are multiples of 16 bytes and a 16-byte aligned start, got strides "
                              f"{cache.strides} at element offset {cache.offset}; use backend='triton'")
+
+
+def sm_count() -> int:
+    """The streaming multiprocessors of the GPU JAX computes on (its default device): the prefill
+    kernel's persistent grid has at most one CTA on each."""
+    device = jax.config.jax_default_device
+    device = device if device is not None and not isinstance(device, str) else jax.devices()[0]
+    count = getattr(device, "core_count", None)
+    if not count:
+        raise RuntimeError(f"backend='cutedsl': the prefill kernel's grid needs the GPU's SM count, JAX's device "
+                           f"{device} gives core_count={count!r}")
+    return int(count)
+
+
+def _prefill_constants(q, k_cache: PagedView, v_cache: PagedView, tile: maps.RowTile, sm_scale: float) -> dict:
+    """The keyword constants both prefill entries of ``cute_prefill`` take."""
+    num_heads, head_dim = int(q.shape[1]), int(q.shape[2])
+    num_kv_heads = int(k_cache.shape[1])
+    return dict(sm_scale=float(sm_scale), k_offset=k_cache.offset, k_strides=k_cache.strides[:3],
+                v_offset=v_cache.offset, v_strides=v_cache.strides[:3], num_pages=int(k_cache.shape[0]),
+                num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads, heads_pad=tile.heads_pad,
+                head_dim=head_dim, stages=tuning.CUTEDSL_PREFILL_STAGES[head_dim], num_sms=sm_count())
+
+
+def dense_prefill(q, k_cache: PagedView, v_cache: PagedView, block_table, seq_lens, tile_map, tile: maps.RowTile,
+                  sm_scale: float):
+    """``out [T, Hq, D]`` in q's dtype of ``tile_map``'s row tiles (``maps.index_tile`` of the group: up to
+    128 rows of tokens x heads) with the CuTeDSL kernel; k_cache/v_cache: HND views ``[pages, Hk, 128, D]``."""
+    if int(q.shape[0]) == 0 or int(tile_map.shape[0]) == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    _check_kv(q, k_cache, v_cache)
     cp = backends.cutedsl_prefill_module()
     from cutlass.jax import cutlass_call
 
     call = cutlass_call(cp.dense_prefill_xla, output_shape_dtype=jax.ShapeDtypeStruct(q.shape, q.dtype),
-                        sm_scale=float(sm_scale), k_offset=k_cache.offset, k_strides=k_cache.strides[:3],
-                        v_offset=v_cache.offset, v_strides=v_cache.strides[:3], num_pages=num_pages,
-                        num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads, heads_pad=tile.heads_pad,
-                        head_dim=head_dim, stages=tuning.CUTEDSL_PREFILL_STAGES[head_dim],
+                        **_prefill_constants(q, k_cache, v_cache, tile, sm_scale),
                         compile_options=COMPILE_OPTIONS, compile_key=_PREFILL_COMPILE_KEY)
     return call(q, jnp.reshape(k_cache.buffer, (-1,)), jnp.reshape(v_cache.buffer, (-1,)), block_table, seq_lens,
                 jnp.asarray(tile_map, jnp.int32))
+
+
+def sparse_prefill(q, k_cache: PagedView, v_cache: PagedView, block_ids, block_table, seq_lens, tile_map,
+                   tile: maps.RowTile, sm_scale: float):
+    """``out [T, Hq, D]`` in q's dtype of ``tile_map``'s row tiles (``maps.index_tile`` of the group),
+    each row over its token's ``block_ids [Hk, T, topk]``, with the CuTeDSL kernel's sparse mode."""
+    if int(q.shape[0]) == 0 or int(tile_map.shape[0]) == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    _check_kv(q, k_cache, v_cache)
+    cp = backends.cutedsl_prefill_module()
+    from cutlass.jax import cutlass_call
+
+    call = cutlass_call(cp.sparse_prefill_xla, output_shape_dtype=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                        **_prefill_constants(q, k_cache, v_cache, tile, sm_scale), topk=int(block_ids.shape[2]),
+                        compile_options=COMPILE_OPTIONS, compile_key=_SPARSE_PREFILL_COMPILE_KEY)
+    return call(q, jnp.reshape(k_cache.buffer, (-1,)), jnp.reshape(v_cache.buffer, (-1,)), block_ids, block_table,
+                seq_lens, jnp.asarray(tile_map, jnp.int32))

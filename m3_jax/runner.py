@@ -4,9 +4,15 @@ The framework-neutral scheduler (``m3_engine.scheduler``) decides each step
 (admission, slots, chunked prefill, mixed steps) and the step builder
 (``m3_engine.step_inputs``) pads and plans it by this runner's
 :attr:`JaxRunner.buckets` (``m3_engine.buckets``: every step padded); this
-module only moves the built arrays to the device and runs ONE jitted function,
-model forward + the shared sampling kernel (``m3_jax.sample``), with the pool
-donated (cache writes in place). What the compile cache is keyed by:
+module only moves the built arrays to the device and runs each step as TWO
+jitted programs, one after the other: the **forward** (the model, with the
+pool donated: cache writes in place) -> the float32 logits of the step's
+logits rows, then the **sampling** of those logits (the shared sampling
+kernel, ``m3_jax.sample``) -> the packed sampled outputs. The sampling
+arrays are packed on the host while the device runs the forward; a step
+whose token bitmask comes late (``SamplingBatch.late_token_bitmask``:
+structured outputs, min_tokens, bad_words) has its mask filled there too.
+What the forward's compile cache is keyed by:
 
 * **pure decode steps**: the graph batch size (``graph_batch_sizes`` = 1, 2, 4,
   8, then multiples of 16 up to ``max_batch``, as ``m3_torch``'s CUDA graphs).
@@ -19,46 +25,43 @@ donated (cache writes in place). What the compile cache is keyed by:
   token count (``StepConfig.static_row_tiles``): the key is the padded shape,
   never a length.
 
-So the step programs are exactly one per shape of ``buckets.shapes()`` (and
-sampling variant, below), plus, for a step whose token bitmask comes late
-(``SamplingBatch.late_token_bitmask``: the engine's masked steps), two programs
-run one after the other: the forward (one per shape), dispatched before the
-host fills the mask, and the masked sampling of its logits (one per logits
-rows and sampling variant): :meth:`JaxRunner.warm_up` compiles them all at start
-(``precompile``), and the persistent compilation cache
-(``m3_engine.compile_cache``, set up when the runner starts) keeps them for the
-next start.
+So the forwards are exactly one per shape of ``buckets.shapes()`` (a step
+asking for prompt logprobs adds its padded prompt rows to the logits rows: a
+forward of its own), and the sampling programs one per logits rows and
+sampling variant. Sampling parameters key only the sampling program, through
+what changes the traced function: whether a row uses penalties (their id
+arrays padded to powers of two), whether a row forbids tokens (the token
+bitmask), how many top logprobs are asked, and on a step that computes prompt
+logprobs, its prompt rows (padded to powers of two) and their top-N.
+:meth:`JaxRunner.warm_up` compiles at start (``precompile``) every forward
+and the plain (temperature, top-k/p, min-p: arrays, one program per logits
+rows) and masked sampling programs; the others compile on their first use.
+The persistent compilation cache (``m3_engine.compile_cache``, set up when
+the runner starts) keeps them all for the next start.
+:attr:`JaxRunner.compiled_forwards` lists the ``StepSpec`` of every
+compilation of the forward, :attr:`JaxRunner.compiled_sampling` the key
+``(logits rows, packing, num_logprobs, prompt)`` of every compilation of the
+sampling.
 
-With ``tensor_parallel_size=N`` the same jitted function runs the model step
-in ``shard_map`` over a mesh of N devices (``m3_jax.tp``); the scheduler,
-the padding and the compile keys are unchanged (plans are made for one
-shard's heads).
-
-:attr:`JaxRunner.compiled_steps` lists the ``StepSpec`` of every compilation of the
-one-program step, :attr:`JaxRunner.compiled_masked` those of the two programs of a
-late-masked step.
-Sampling parameters join the key only through what changes the traced
-function: whether a row uses penalties (their id arrays padded to powers of
-two), whether a row forbids tokens (the token bitmask: structured outputs,
-min_tokens, bad_words), how many top logprobs are asked, and on a step that
-computes prompt logprobs, its prompt rows (padded to powers of two) and
-their top-N.
-The warm-up compiles the plain variant (temperature, top-k/p, min-p: arrays,
-one program) and the late-masked one (a masked step's forward and its plain
-masked sampling); the others compile on their first use of a shape.
+With ``tensor_parallel_size=N`` the forward runs the model step in
+``shard_map`` over a mesh of N devices (``m3_jax.tp``) and returns the logits
+replicated on every device, where the sampling runs as on one device; the
+scheduler, the padding and the compile keys are unchanged (plans are made
+for one shard's heads).
 
 With an EAGLE-3 draft (``speculative_config`` method "eagle3", one device)
-the jitted step also returns the target's aux hidden states, and
+the forward also returns the target's aux hidden states, and
 :meth:`JaxRunner.propose` runs the draft on them after the step
 (``m3_jax.eagle3.Eagle3Proposer``: a jitted first pass per step bucket, a
 jitted chain per padded batch size).
 
-:meth:`JaxRunner.submit` dispatches the jitted step and starts the copy of its
-packed outputs to the host; :meth:`JaxRunner.result` waits for them. With
-``async_scheduling`` the jitted step also takes the previous step's sampled
+:meth:`JaxRunner.submit` dispatches the two programs and starts the copy of
+the packed outputs to the host; :meth:`JaxRunner.result` waits for them. With
+``async_scheduling`` the forward also takes the previous step's sampled
 tokens as a device array of fixed size (the "feed": ``buckets.max_rows``
 entries, so it adds no compilations) and the step's ``carry_from`` among its
-packed inputs, and returns its own feed for the next step.
+packed inputs, and the sampling returns the step's own feed for the next
+step.
 """
 
 from __future__ import annotations
@@ -213,10 +216,8 @@ class JaxRunner:
             self.pool_layout = layout(sc.num_slots)
             self.pool = allocate_pool(self.pool_layout, self.device) if self.mesh is None else \
                 tp.allocate_pool(self.pool_layout, self.mesh)
-        self.compiled_steps: list[StepSpec] = []   # one entry per compilation: the spec it was traced for
-        self.compiled_masked: list[tuple] = []      # the same for the two programs of a late-masked step
-        self._step = jax.jit(self._run, static_argnames=("spec", "packing", "num_logprobs", "prompt"),
-                             donate_argnames=("pool",))
+        self.compiled_forwards: list[StepSpec] = []   # one entry per compilation: the spec it was traced for
+        self.compiled_sampling: list[tuple] = []      # one per compilation: (rows, packing, num_logprobs, prompt)
         self._forward = jax.jit(self._run_forward, static_argnames=("spec", "packing"), donate_argnames=("pool",))
         self._sample = jax.jit(self._run_sample, static_argnames=("packing", "num_logprobs", "prompt"))
         # async scheduling: the sampled tokens a step passes to the next one, on the device (None: off)
@@ -242,30 +243,28 @@ class JaxRunner:
 
     def submit(self, step: Step, sampling: SamplingBatch, previous: Optional["SubmittedStep"] = None) \
             -> "SubmittedStep":
-        """Dispatch ``step`` and its sampling, and start the copy of the outputs to the host; returns
-        without waiting. ``previous``: the step submitted before it, when ``step.carry_from`` takes
-        its tokens. A late token bitmask (``sampling.late_token_bitmask``) splits the step in two
-        programs: the forward is dispatched, the mask filled on the host while it runs, then the
-        masked sampling is dispatched."""
+        """Dispatch ``step``'s forward, then its sampling, and start the copy of the outputs to the host;
+        returns without waiting. ``previous``: the step submitted before it, when ``step.carry_from`` takes
+        its tokens. The sampling arrays are packed (and a late token bitmask,
+        ``sampling.late_token_bitmask``, filled) on the host while the device runs the forward."""
         if self.pool is None:
             raise RuntimeError("this LLM is closed (close() was called)")
-        program = self._first_program(step, sampling, previous)
+        forward = self._forward_inputs(step, previous)
         with self._on_device():
-            out, self.pool = program.fn(*program.args, **program.static)
-        if sampling.late_token_bitmask is None:
-            flat_out, next_feed, aux = out
-        else:
-            logits, aux = out
-            sampling = sampling.with_token_bitmask()   # the host fills it while the device runs the forward
-            flat, packing = pack_inputs(_sampling_arrays(sampling, program.rows, program.prompt))
-            with self._on_device():
-                flat_out, next_feed = self._sample(logits, self._step_input(flat), program.feed, packing=packing,
-                                                   num_logprobs=sampling.num_logprobs, prompt=program.prompt)
+            (logits, aux), self.pool = self._forward(*forward.args, **forward.static)
+        if sampling.late_token_bitmask is not None:
+            sampling = sampling.with_token_bitmask()
+        num_prompt = len(step.prompt_logits_indices)
+        prompt = (_prompt_rows(num_prompt), sampling.num_prompt_logprobs) if num_prompt else None
+        flat, packing = pack_inputs(_sampling_arrays(sampling, forward.rows, prompt))
+        with self._on_device():
+            flat_out, next_feed = self._sample(logits, self._step_input(flat), forward.feed, packing=packing,
+                                               num_logprobs=sampling.num_logprobs, prompt=prompt)
         flat_out.copy_to_host_async()
         if self.proposer is not None:
-            self._last = (step, eagle3.TargetStep(program.batch, aux))
-        return SubmittedStep(flat_out, next_feed, len(step.logits_indices), program.rows,
-                             sampling.num_logprobs, len(step.prompt_logits_indices), program.prompt)
+            self._last = (step, eagle3.TargetStep(forward.batch, aux))
+        return SubmittedStep(flat_out, next_feed, len(step.logits_indices), forward.rows,
+                             sampling.num_logprobs, num_prompt, prompt)
 
     def result(self, handle: "SubmittedStep") -> SampleResult:
         """Wait for a submitted step -> its sampled outputs (numpy), and its prompt logprobs."""
@@ -279,23 +278,14 @@ class JaxRunner:
                             prompt_top_ids=out.get("prompt_top_ids"),
                             prompt_top_logprobs=out.get("prompt_top_logprobs"))
 
-    def _first_program(self, step: Step, sampling: SamplingBatch, previous: Optional["SubmittedStep"]) \
-            -> "_Program":
-        """What :meth:`submit` dispatches first for ``step``: the one step program, or the forward of a
-        step whose token bitmask comes late, with its arguments."""
+    def _forward_inputs(self, step: Step, previous: Optional["SubmittedStep"]) -> "_Forward":
+        """The arguments of ``step``'s forward (``self._forward(*args, **static)``), its batch, logits rows
+        (sampled ones; the prompt-logprob rows follow them) and feed."""
         batch, spec, maps = self._layout(step)
         carry, feed = self._carry(step, previous)
-        num_prompt = len(step.prompt_logits_indices)
-        prompt = (_prompt_rows(num_prompt), sampling.num_prompt_logprobs) if num_prompt else None
-        rows = _num_logits(spec)
-        if sampling.late_token_bitmask is None:
-            flat, packing = pack_inputs((batch, maps, _sampling_arrays(sampling, rows, prompt), carry))
-            return _Program(self._step, (self.params, self.pool, self._step_input(flat), feed),
-                            dict(spec=spec, packing=packing, num_logprobs=sampling.num_logprobs, prompt=prompt),
-                            batch, rows, prompt, feed)
         flat, packing = pack_inputs((batch, maps, carry))
-        return _Program(self._forward, (self.params, self.pool, self._step_input(flat), feed),
-                        dict(spec=spec, packing=packing), batch, rows, prompt, feed)
+        return _Forward((self.params, self.pool, self._step_input(flat), feed), dict(spec=spec, packing=packing),
+                        batch, _num_logits(spec), feed)
 
     @property
     def on_gpu(self) -> bool:
@@ -303,43 +293,51 @@ class JaxRunner:
         return device.platform == "gpu"
 
     def warm_up(self, builder: StepBuilder) -> dict:
-        """Compile the step programs of every shape of ``self.buckets`` (``shapes()``: the bounded set): the one
-        program of plain sampling, and the forward and masked sampling programs of a step whose token bitmask
-        comes late. First the step programs and forwards are traced and compiled on a thread pool (XLA
-        compiles with the GIL released; nothing runs), then one step of each shape and variant runs, reading
-        and writing nothing (``builder.dummy``): it takes the programs just compiled, compiles the masked
-        sampling ones and checks that each runs."""
+        """Compile the programs of every shape of ``self.buckets`` (``shapes()``: the bounded set): its forward,
+        and the plain and masked sampling programs of its logits rows. First the forwards are traced and
+        compiled on a thread pool (XLA compiles with the GIL released; nothing runs), then one step of each
+        shape runs with plain and with masked sampling, reading and writing nothing (``builder.dummy``): it
+        takes the forwards just compiled, compiles the (small) sampling programs and checks that each runs."""
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm.auto import tqdm
 
-        start, before = time.perf_counter(), len(self.compiled_steps) + len(self.compiled_masked)
+        start, before = time.perf_counter(), len(self.compiled_forwards) + len(self.compiled_sampling)
         plain = SamplingBatch.greedy(1)
         bitmask = np.full((1, bitmask_width(self.config.vocab_size)), -1, np.int32)
         masked = dataclasses.replace(plain, late_token_bitmask=lambda: bitmask)
         steps = [builder.dummy(shape) for shape in self.buckets.shapes()]
 
-        def compile_first(step: Step, sampling: SamplingBatch) -> None:
-            program = self._first_program(step, sampling, None)
+        def compile_forward(step: Step) -> tuple:
+            """Trace, lower and compile ``step``'s forward -> the seconds each phase took."""
+            forward = self._forward_inputs(step, None)
             with self._on_device():
-                program.fn.lower(*program.args, **program.static).compile()
+                t0 = time.perf_counter()
+                traced = self._forward.trace(*forward.args, **forward.static)
+                t1 = time.perf_counter()
+                lowered = traced.lower()
+                t2 = time.perf_counter()
+                lowered.compile()   # XLA, or a read of its persistent cache
+            return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-        work = [(step, sampling) for step in steps for sampling in (plain, masked)]
-        threads = max(1, min(len(work), os.cpu_count() or 1, WARM_UP_THREADS))
+        threads = max(1, min(len(steps), os.cpu_count() or 1, WARM_UP_THREADS))
         with ThreadPoolExecutor(threads) as pool:
-            list(tqdm(pool.map(lambda w: compile_first(*w), work), total=len(work),
-                      desc=f"Compiling step programs (jax, {threads} threads)", unit="program"))
+            phases = list(tqdm(pool.map(compile_forward, steps), total=len(steps),
+                               desc=f"Compiling the forwards (jax, {threads} threads)", unit="program"))
+        trace, lower, xla = (sum(p[i] for p in phases) for i in range(3))
         compiled = time.perf_counter()
-        for step in tqdm(steps, desc="Running each step program once (jax)", unit="shape"):
+        for step in tqdm(steps, desc="Running each shape once, plain and masked (jax)", unit="shape"):
             self.execute(step, plain)
             self.execute(step, masked)
         self._last = None
-        programs = len(self.compiled_steps) + len(self.compiled_masked) - before
+        programs = len(self.compiled_forwards) + len(self.compiled_sampling) - before
         done = time.perf_counter()
         kernels = kernel_cache_stats()
-        logger.info("jax warm-up: %d step programs and forwards compiled in %.1f s on %d threads (Triton kernels "
-                    "so far: %d compiled, %d read from the cache); each shape's programs run once in %.1f s",
-                    len(work), compiled - start, threads, kernels["compiled"], kernels["read"], done - compiled)
+        logger.info("jax warm-up: %d forwards compiled in %.1f s on %d threads (summed over the threads: trace "
+                    "%.1f s, lower %.1f s, XLA compile or cache read %.1f s; Triton kernels so far: %d compiled, "
+                    "%d read from the cache); each shape run once with plain and masked sampling in %.1f s",
+                    len(steps), compiled - start, threads, trace, lower, xla, kernels["compiled"], kernels["read"],
+                    done - compiled)
         return dict(programs=programs, compile=done - start, capture=0.0)
 
     def execute(self, step: Step, sampling: SamplingBatch) -> SampleResult:
@@ -347,7 +345,7 @@ class JaxRunner:
 
     def _carry(self, step: Step, previous: Optional["SubmittedStep"]) -> tuple:
         """The step's ``carry_from`` (every entry -1 when it carries nothing) and the feed it indexes;
-        ``(None, None)`` without async scheduling (the jitted step then has neither)."""
+        ``(None, None)`` without async scheduling (the forward and the sampling then have neither)."""
         if self._no_feed is None:
             if step.carry_from is not None:
                 raise ValueError("step.carry_from: this engine was built with async_scheduling=False")
@@ -375,27 +373,11 @@ class JaxRunner:
 
     # -- one step -----------------------------------------------------------------------------------
 
-    def _run(self, params, pool, flat, feed, *, spec, packing, num_logprobs, prompt):
-        """The step program: forward, then sampling."""
-        self.compiled_steps.append(spec)  # runs once per trace, i.e. per compilation
-        batch, maps, sampling, carry = unpack_inputs(flat, packing)
-        logits, aux, pool = self._logits(params, pool, batch, maps, feed, carry, spec)
-        return self._sampled(logits, sampling, feed, num_logprobs, prompt) + (aux,), pool
-
     def _run_forward(self, params, pool, flat, feed, *, spec, packing):
-        """The forward program of a step whose token bitmask comes late -> (logits, aux)."""
-        self.compiled_masked.append(("forward", spec))
+        """Traced: the forward program -> ((float32 logits of the step's logits rows, aux or None), pool).
+        On a mesh the logits come back replicated: the sampling runs on every device as on one."""
+        self.compiled_forwards.append(spec)  # runs once per trace, i.e. per compilation
         batch, maps, carry = unpack_inputs(flat, packing)
-        logits, aux, pool = self._logits(params, pool, batch, maps, feed, carry, spec)
-        return (logits, aux), pool
-
-    def _run_sample(self, logits, flat, feed, *, packing, num_logprobs, prompt):
-        """The sampling program of a step whose token bitmask comes late -> (packed outputs, next feed)."""
-        self.compiled_masked.append(("sampling", logits.shape[0], packing, num_logprobs, prompt))
-        return self._sampled(logits, unpack_inputs(flat, packing), feed, num_logprobs, prompt)
-
-    def _logits(self, params, pool, batch, maps, feed, carry, spec):
-        """Traced: the model forward -> (float32 logits of the step's logits rows, aux or None, pool)."""
         if feed is not None:   # async scheduling: carried input ids from the previous step's tokens
             taken = feed[jnp.maximum(carry, 0)]
             batch = batch._replace(input_ids=jnp.where(carry >= 0, taken, batch.input_ids))
@@ -403,17 +385,19 @@ class JaxRunner:
         if self.mesh is not None:
             logits, pool = tp.forward(params, pool, batch, maps, plan=self.tp, layout=self.pool_layout, spec=spec,
                                       mesh=self.mesh)
-        elif self._aux_layers:   # an EAGLE-3 draft (one device): the aux states come back beside the samples
+            logits = jax.lax.with_sharding_constraint(logits, tp.replicated(self.mesh))
+        elif self._aux_layers:   # an EAGLE-3 draft (one device): the aux states come back beside the logits
             (logits, aux), pool = model.forward(params, pool, batch, maps, config=self.config,
                                                 layout=self.pool_layout, spec=spec, aux_layers=self._aux_layers)
         else:
             logits, pool = model.forward(params, pool, batch, maps, config=self.config, layout=self.pool_layout,
                                          spec=spec)
-        return logits.astype(jnp.float32), aux, pool
+        return (logits.astype(jnp.float32), aux), pool
 
-    @staticmethod
-    def _sampled(logits, sampling, feed, num_logprobs, prompt):
-        """Traced: the sampling of a step's logits -> (packed outputs, next feed or None)."""
+    def _run_sample(self, logits, flat, feed, *, packing, num_logprobs, prompt):
+        """Traced: the sampling program of a step's logits -> (packed outputs, next feed or None)."""
+        self.compiled_sampling.append((logits.shape[0], packing, num_logprobs, prompt))
+        sampling = unpack_inputs(flat, packing)
         num_sampled = sampling["temperature"].shape[0]
         out = sample_logits(logits[:num_sampled], sampling, num_logprobs)
         if prompt is not None:   # the prompt-logprob rows follow the sampled ones
@@ -422,7 +406,7 @@ class JaxRunner:
         return pack_outputs(out, num_logprobs, prompt), next_feed
 
     def _layout(self, step: Step):
-        """The step, already padded and planned (``m3_engine.step_inputs``), as the jitted step takes it:
+        """The step, already padded and planned (``m3_engine.step_inputs``), as the forward takes it:
         (StepBatch of numpy arrays, StepSpec, PrefillMaps | None)."""
         spec, maps = step_inputs(step.plan)
         # every span reads the whole table: no length recompiles a step (the key is the padded shape)
@@ -445,8 +429,8 @@ class JaxRunner:
         return jax.default_device(self.device) if self.device is not None else contextlib.nullcontext()
 
     def _step_input(self, flat: np.ndarray):
-        """The step's packed host inputs as the jitted step takes them. One device: the numpy array itself,
-        which jit's C++ dispatch copies to the device of the step's other arguments (~35 us a step on the
+        """A step's packed host inputs as its jitted programs take them. One device: the numpy array itself,
+        which jit's C++ dispatch copies to the device of the program's other arguments (~35 us a step on the
         CPU machine, against ~200 us through ``jax.device_put``'s Python path); on a mesh: replicated."""
         return flat if self.mesh is None else self._put(flat)
 
@@ -457,15 +441,13 @@ class JaxRunner:
         return jax.device_put(tree, self.device) if self.device is not None else jax.device_put(tree)
 
 
-class _Program(typing.NamedTuple):
-    """A jitted program of a step with its arguments (``fn(*args, **static)``), the step's batch
-    (``model.StepBatch``), padded logits rows, prompt key and feed (as :class:`SubmittedStep`)."""
-    fn: object
+class _Forward(typing.NamedTuple):
+    """A step's forward program's arguments (``JaxRunner._forward(*args, **static)``), the step's batch
+    (``model.StepBatch``), sampled logits rows (padded) and feed (as :class:`SubmittedStep`)."""
     args: tuple
     static: dict
     batch: object
     rows: int
-    prompt: Optional[tuple]
     feed: Optional[jax.Array]
 
 
@@ -474,7 +456,7 @@ class SubmittedStep:
     """A step dispatched by :meth:`JaxRunner.submit`: its packed sampled outputs (a device array whose
     copy to the host has started), its feed for the next step (async scheduling, else None), its real
     and padded logits rows, the top logprobs asked, and its prompt-logprob rows (real, and the
-    jitted step's ``prompt`` key: ``(padded rows, top-N)`` or None)."""
+    sampling program's ``prompt`` key: ``(padded rows, top-N)`` or None)."""
     outputs: jax.Array
     feed: Optional[jax.Array]
     num_logits: int
@@ -517,17 +499,18 @@ _ALIGN = 4
 @dataclasses.dataclass(frozen=True)
 class Packing:
     """Where each array of a step's host inputs lies in the one int32 array they travel in: the pytree's
-    structure and ``(shape, dtype, offset)`` per leaf. A static argument of the jitted step (it follows
+    structure and ``(shape, dtype, offset)`` per leaf. A static argument of the jitted programs (it follows
     from the step's shapes, so it adds no compilations)."""
     treedef: object
     leaves: tuple
 
 
 def pack_inputs(tree) -> tuple[np.ndarray, Packing]:
-    """A pytree of int32 / float32 numpy arrays (the step's batch, maps and sampling arrays) -> one int32
-    array holding them all (float32 bits as they are) and its :class:`Packing`. One host-to-device copy a
-    step instead of one per array: in a profile of the engine on an H200 (M3 layer shapes, batch 1) the
-    three ``jax.device_put`` calls of the step's 12-16 arrays took ~2 ms of host time a step."""
+    """A pytree of int32 / float32 numpy arrays (the forward's batch, maps and carry, or the sampling's
+    arrays) -> one int32 array holding them all (float32 bits as they are) and its :class:`Packing`. One
+    host-to-device copy a program instead of one per array: in a profile of the engine on an H200 (M3 layer
+    shapes, batch 1) the three ``jax.device_put`` calls of the step's 12-16 arrays took ~2 ms of host time a
+    step."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     arrays = [np.asarray(leaf) for leaf in leaves]
     layout, offset = [], 0

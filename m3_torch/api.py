@@ -57,6 +57,16 @@ def _dense_prefill_backend(backend, q, k_cache) -> str:
         capability=ops.device_capability(q.device))
 
 
+def _sparse_prefill_backend(backend, q, k_cache, topk: int) -> str:
+    """The sparse prefill backend of one call with ``topk`` block ids per token (None:
+    ``$M3_SPARSE_PREFILL``, else "triton"), checked against the shapes, the dtypes and the device
+    (m3_kernels.backends)."""
+    return backends.check_sparse_prefill_backend(
+        backend, group=int(q.shape[1]) // int(k_cache.shape[1]), head_dim=int(q.shape[2]), topk=int(topk),
+        dtype=validate.dtype_name(q), cache_dtype=validate.dtype_name(k_cache), device=q.device.type,
+        capability=ops.device_capability(q.device))
+
+
 def prefill_plan(cu_seqlens_q=None, plan=None) -> planner.PrefillPlan:
     """``plan`` if given, else the plan of ``cu_seqlens_q`` (one host read: syncs a CUDA tensor)."""
     if plan is not None:
@@ -250,14 +260,22 @@ def _triton_prefill_tiles(plan, call, device, block_ids):
 
 
 def sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, *, cu_seqlens_q, sm_scale=None, plan=None,
-                   out=None, k_scale=None, v_scale=None):
+                   out=None, k_scale=None, v_scale=None, backend=None):
     """Block-sparse GQA attention, each token over its own blocks -> ``[T, Hq, D]`` in q's dtype.
 
     Causal inside every block (the diagonal one included): the token at position
     p sees positions <= p. Arguments as in ``sparse_decode``, with cu_seqlens_q.
+    ``backend``: "triton" (``attention.paged_attention_kernel``), "cutedsl" (``cute_prefill``'s
+    sparse mode, Hopper sm_90a, bf16/fp16 caches, Hq // Hk >= 4) or None for ``$M3_SPARSE_PREFILL``
+    (default "triton"); a backend that cannot run this call is an error (``m3_kernels.backends``).
     """
     plan, call, device, out = _check_prefill_attention("sparse_prefill", q, k_cache, v_cache, block_ids, block_table,
                                                        seq_lens, cu_seqlens_q, plan, sm_scale, out, k_scale, v_scale)
+    if _sparse_prefill_backend(backend, q, k_cache, block_ids.shape[2]) == "cutedsl":
+        # the kernel's tiles fill its 128 MMA rows: the indexer's (as many tokens as 128 rows hold)
+        _, tile_map, _ = ops.prefill_maps(plan, device, call.group, "index")
+        cute_ops.sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, call.sm_scale)
+        return out
     tokens_per_tile, tile_map = _triton_prefill_tiles(plan, call, device, block_ids)
     ops.paged_attention(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, None, None,
                         tokens_per_tile, call.sm_scale, *ops.kv_scales(k_cache, k_scale, v_scale, device))
@@ -291,7 +309,9 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     """``index_scores_prefill`` -> ``select_blocks_prefill`` -> ``sparse_prefill``; returns ``(out, block_ids)``
     (selection inside the attention launch when it has one split: ``launches.Selection``).
 
-    ``backend``: the indexer's, as in ``index_scores``.
+    ``backend``: the indexer's, as in ``index_scores``. The attention runs with the backend of
+    ``$M3_SPARSE_PREFILL`` (as ``sparse_prefill(backend=None)``); with "cutedsl" the selection is a
+    launch of its own, then the CuTeDSL kernel attends over its ``block_ids``.
     """
     plan = prefill_plan(cu_seqlens_q, plan)
     call = validate.check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, topk=topk,
@@ -304,12 +324,20 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     device = guards.check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                                   block_table=block_table, seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     scorer = _scorer(backend, idx_q, index_k_cache, skip_blocks=int(topk))
+    cute_prefill = _sparse_prefill_backend(None, q, k_cache, topk) == "cutedsl"
     topk = int(topk)
     out = _empty(q.shape, q.dtype, device, out)
     scores = torch.empty((call.num_kv_heads, call.num_tokens, call.max_blocks), dtype=torch.float32, device=device)
     block_ids = torch.empty((call.num_kv_heads, call.num_tokens, topk), dtype=torch.int32, device=device)
     tile, tile_map, token_map = ops.prefill_maps(plan, device, call.num_index_heads, "index")
     scorer(idx_q, index_k_cache, block_table, seq_lens, tile_map, scores, tile.tokens_per_tile)
+    if cute_prefill:
+        # CuTeDSL sparse prefill: selection first, then the kernel over tiles filling its 128 MMA rows
+        # (the indexer's, as in sparse_prefill)
+        ops.select_blocks(scores, seq_lens, token_map, block_ids, topk, int(init_blocks), int(local_blocks))
+        _, tile_map, _ = ops.prefill_maps(plan, device, call.group, "index")
+        cute_ops.sparse_prefill(q, k_cache, v_cache, block_ids, block_table, seq_lens, tile_map, out, call.sm_scale)
+        return out, block_ids
     tile, tile_map, _ = ops.prefill_maps(plan, device, call.group, maps.prefill_tile_kind(True, call.max_blocks, topk))
     ops.paged_attention(q, k_cache, v_cache, None, block_table, seq_lens, tile_map, out, None, None,
                         tile.tokens_per_tile, call.sm_scale, *ops.kv_scales(k_cache, k_scale, v_scale, device), scores,
@@ -334,8 +362,9 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
     sparse: True for MSA layers (indexer + top-k + block-sparse attention),
             False for dense layers 0-2 (``block_ids`` is then None).
     arena:  optional :class:`m3_torch.ops.StepArena` (default: one per layout and device).
-    backend: the indexer's (sparse layers), as in ``index_scores``. Dense layers run their context
-            span with the backend of ``$M3_DENSE_PREFILL`` (as ``dense_prefill(backend=None)``).
+    backend: the indexer's (sparse layers), as in ``index_scores``. The context span's attention runs
+            with the backend of ``$M3_SPARSE_PREFILL`` on sparse layers (as ``msa_prefill``) and of
+            ``$M3_DENSE_PREFILL`` on dense ones (as ``dense_prefill(backend=None)``).
     k_scale, v_scale: for FP8 K/V caches, as in ``sparse_decode``.
 
     Context rows run over the plan's prefill maps, generation rows over decode
@@ -355,7 +384,8 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                   index_k_cache=index_k_cache if sparse else None, block_table=block_table,
                                   seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     scorer = _scorer(backend, idx_q, index_k_cache, skip_blocks=cfg.topk) if sparse else None
-    cute_prefill = not sparse and _dense_prefill_backend(None, q, k_cache) == "cutedsl"
+    cute_prefill = (_sparse_prefill_backend(None, q, k_cache, cfg.topk) if sparse
+                    else _dense_prefill_backend(None, q, k_cache)) == "cutedsl"
     out = _empty(q.shape, q.dtype, device, out)
     kv_scales = ops.kv_scales(k_cache, k_scale, v_scale, device)
     arena = arena if arena is not None else ops.step_arena(plan.layout, device)
@@ -366,7 +396,8 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
         table, lens = block_table[rows, :span.max_blocks], seq_lens[rows]
         if span.prefill is not None:
             index_maps = ops.prefill_maps(span.prefill, device, cfg.num_kv_heads, "index")
-            # CuTeDSL dense prefill: its tiles fill the 128 MMA rows (the indexer's, as in dense_prefill)
+            # CuTeDSL prefill: its tiles fill the 128 MMA rows (the indexer's, as in dense_prefill and
+            # sparse_prefill)
             kind = "index" if cute_prefill else maps.prefill_tile_kind(sparse, span.max_blocks, cfg.topk)
             attention_maps = ops.prefill_maps(span.prefill, device, cfg.group, kind)
         else:
@@ -385,7 +416,13 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
             selection = (scores, token_map, [cfg.topk, int(init_blocks), int(local_blocks)], block_ids[:, toks])
         tile, tile_map, _ = attention_maps
         if cute_prefill and span.prefill is not None:
-            cute_ops.dense_prefill(q[toks], k_cache, v_cache, table, lens, tile_map, out[toks], call.sm_scale)
+            if sparse:   # selection first, then the kernel over the chosen blocks (as in msa_prefill)
+                ops.select_blocks(scores, lens, token_map, block_ids[:, toks], cfg.topk, int(init_blocks),
+                                  int(local_blocks))
+                cute_ops.sparse_prefill(q[toks], k_cache, v_cache, block_ids[:, toks], table, lens, tile_map,
+                                        out[toks], call.sm_scale)
+            else:
+                cute_ops.dense_prefill(q[toks], k_cache, v_cache, table, lens, tile_map, out[toks], call.sm_scale)
             continue
         ops.paged_attention(q[toks], k_cache, v_cache, None, table, lens, tile_map, out[toks], *partials,
                             tile.tokens_per_tile, call.sm_scale, *kv_scales, *selection)

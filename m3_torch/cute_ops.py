@@ -1,7 +1,7 @@
 """The torch side of the CuTeDSL kernels (``backend="cutedsl"``): compile once per shape class, launch.
 
-The indexer scorer (``cute_index``) and the dense prefill attention (``cute_prefill``, below the
-scorer's code), each behind its op's backend switch (``m3_kernels.backends``).
+The indexer scorer (``cute_index``) and the dense and sparse prefill attention (``cute_prefill``,
+below the scorer's code), each behind its op's backend switch (``m3_kernels.backends``).
 
 ``torch.ops.m3.index_scores_cutedsl`` takes the arguments of
 ``torch.ops.m3.index_scores`` (internal; the public ops choose between them,
@@ -79,7 +79,8 @@ def compile_index_scores(key: tuple, arch: str | None = None):
 
 def _compiled_for(key: tuple, device: torch.device, what: str = "scorer"):
     """The kernel compiled for shape class ``key`` on ``device`` (compiled on its first call): the
-    scorer's (``what="scorer"``) or the dense prefill's (``"dense prefill"``)."""
+    scorer's (``what="scorer"``), the dense prefill's (``"dense prefill"``) or the sparse prefill's
+    (``"sparse prefill"``)."""
     full = (what, str(device), *key)
     fn = _compiled.get(full)
     if fn is None:
@@ -90,7 +91,8 @@ def _compiled_for(key: tuple, device: torch.device, what: str = "scorer"):
         with _lock:
             fn = _compiled.get(full)
             if fn is None:
-                compile_fn = compile_index_scores if what == "scorer" else compile_dense_prefill
+                compile_fn = {"scorer": compile_index_scores, "dense prefill": compile_dense_prefill,
+                              "sparse prefill": compile_sparse_prefill}[what]
                 fn = _compiled[full] = compile_fn(key)
     return fn
 
@@ -145,12 +147,40 @@ index_scores = ops.define(
 
 # Fake addresses for compiling, as above: q/out at their element size, the caches' pages 16 B aligned.
 _PREFILL_ALIGN = dict(q=2, k=16, v=16, table=4, lens=4, tile_map=4, out=2)
+_SPARSE_PREFILL_ALIGN = dict(_PREFILL_ALIGN, ids=4)   # the launch's pointer order: ids after out
 
 
 def prefill_shape_class(dtype: str, group: int, head_dim: int) -> tuple:
     """What one compiled dense prefill kernel is specialized on: (dtype, group, heads_pad, D, stages)."""
     tile = maps.index_tile(group, maps.MAX_TILE_ROWS)
     return (dtype, group, tile.heads_pad, head_dim, tuning.CUTEDSL_PREFILL_STAGES[head_dim])
+
+
+def sparse_prefill_shape_class(dtype: str, group: int, head_dim: int, topk: int) -> tuple:
+    """What one compiled sparse prefill kernel is specialized on: the dense class and topk."""
+    return (*prefill_shape_class(dtype, group, head_dim), topk)
+
+
+def compile_sparse_prefill(key: tuple, arch: str | None = None):
+    """Compile ``cute_prefill.sparse_prefill_launch`` for shape class ``key``
+    (:func:`sparse_prefill_shape_class`); ``arch`` as in :func:`compile_dense_prefill`."""
+    cp = backends.cutedsl_prefill_module()
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    dtype, group, heads_pad, head_dim, stages, topk = key
+    gmem = cute.AddressSpace.gmem
+    elem = cp.dtype_of(dtype)
+    types = dict(q=elem, k=elem, v=elem, table=cutlass.Int32, lens=cutlass.Int32, tile_map=cutlass.Int32, out=elem,
+                 ids=cutlass.Int32)
+    ptrs = [make_ptr(types[n], 1 << 16, gmem, assumed_align=a) for n, a in _SPARSE_PREFILL_ALIGN.items()]
+    sizes = [1] * 7                    # num_tokens .. num_kv_heads, num_sms (runtime values)
+    strides = [1] * 18
+    kwargs = {} if arch is None else dict(options=f"--gpu-arch {arch}")
+    return cute.compile(cp.sparse_prefill_launch, *ptrs, *sizes, cutlass.Float32(1.0), *strides, cuda.CUstream(0),
+                        group=group, heads_pad=heads_pad, head_dim=head_dim, stages=stages, topk=topk, **kwargs)
 
 
 def compile_dense_prefill(key: tuple, arch: str | None = None):
@@ -169,11 +199,17 @@ def compile_dense_prefill(key: tuple, arch: str | None = None):
     elem = cp.dtype_of(dtype)
     types = dict(q=elem, k=elem, v=elem, table=cutlass.Int32, lens=cutlass.Int32, tile_map=cutlass.Int32, out=elem)
     ptrs = [make_ptr(types[n], 1 << 16, gmem, assumed_align=a) for n, a in _PREFILL_ALIGN.items()]
-    sizes = [1] * 6                    # num_tokens .. num_kv_heads (runtime values)
+    sizes = [1] * 7                    # num_tokens .. num_kv_heads, num_sms (runtime values)
     strides = [1] * 15
     kwargs = {} if arch is None else dict(options=f"--gpu-arch {arch}")
     return cute.compile(cp.dense_prefill_launch, *ptrs, *sizes, cutlass.Float32(1.0), *strides, cuda.CUstream(0),
                         group=group, heads_pad=heads_pad, head_dim=head_dim, stages=stages, **kwargs)
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of ``device``: the prefill kernel's persistent grid has at most
+    one CTA on each."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_kv_cache(name: str, cache: torch.Tensor):
@@ -214,12 +250,55 @@ def _dense_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ptrs = [make_ptr(types[n], tensors[n].data_ptr(), gmem, assumed_align=a) for n, a in _PREFILL_ALIGN.items()]
     with torch.cuda.device(device):
         stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-        fn(*ptrs, num_tokens, num_requests, max_blocks, k_cache.shape[0], num_tiles, num_kv_heads,
+        fn(*ptrs, num_tokens, num_requests, max_blocks, k_cache.shape[0], num_tiles, num_kv_heads, sm_count(device),
            cutlass.Float32(sm_scale), *q.stride(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *block_table.stride(), seq_lens.stride(0),
            *out.stride(), stream)
 
 
+def _sparse_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, tile_map: torch.Tensor, out: torch.Tensor,
+                    sm_scale: float) -> None:
+    """``out [T, Hq, D]`` (any strides) of ``tile_map``'s row tiles (``maps.index_tile`` of the group),
+    each row over its token's ``block_ids [Hk, T, topk]`` (any strides), with the CuTeDSL kernel."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    num_requests, max_blocks = block_table.shape
+    num_tiles = tile_map.shape[0]
+    if num_tokens == 0 or num_tiles == 0:
+        return
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_kv_cache(name, cache)
+    key = sparse_prefill_shape_class(str(q.dtype).removeprefix("torch."), num_heads // num_kv_heads, head_dim,
+                                     block_ids.shape[2])
+    device = out.device
+    fn = _compiled_for(key, device, "sparse prefill")
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    elem = backends.cutedsl_prefill_module().dtype_of(key[0])
+    gmem = cute.AddressSpace.gmem
+    types = dict(q=elem, k=elem, v=elem, table=cutlass.Int32, lens=cutlass.Int32, tile_map=cutlass.Int32, out=elem,
+                 ids=cutlass.Int32)
+    tensors = dict(q=q, k=k_cache, v=v_cache, table=block_table, lens=seq_lens, tile_map=tile_map, out=out,
+                   ids=block_ids)
+    ptrs = [make_ptr(types[n], tensors[n].data_ptr(), gmem, assumed_align=a)
+            for n, a in _SPARSE_PREFILL_ALIGN.items()]
+    with torch.cuda.device(device):
+        stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+        fn(*ptrs, num_tokens, num_requests, max_blocks, k_cache.shape[0], num_tiles, num_kv_heads, sm_count(device),
+           cutlass.Float32(sm_scale), *q.stride(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+           v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *block_table.stride(), seq_lens.stride(0),
+           *out.stride(), *block_ids.stride(), stream)
+
+
 dense_prefill = ops.define(
     "dense_prefill_cutedsl(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
     "Tensor tile_map, Tensor(a!) out, float sm_scale) -> ()", _dense_prefill)
+
+
+sparse_prefill = ops.define(
+    "sparse_prefill_cutedsl(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_ids, Tensor block_table, "
+    "Tensor seq_lens, Tensor tile_map, Tensor(a!) out, float sm_scale) -> ()", _sparse_prefill)

@@ -65,15 +65,17 @@ def test_jax_compiles_nothing_after_precompile(model_dir, one_program_per_tile):
     import m3_jax
 
     llm = m3_jax.LLM(model_dir, precompile=True, **SMALL)
-    warmed, masked = list(llm.runner.compiled_steps), list(llm.runner.compiled_masked)
+    forwards, sampling = list(llm.runner.compiled_forwards), list(llm.runner.compiled_sampling)
     shapes = len(set(llm.runner.buckets.shapes()))
-    assert len(warmed) == shapes == sum(program[0] == "forward" for program in masked)
-    assert llm.startup_times["programs"] == len(warmed) + len(masked)
+    assert len(forwards) == shapes
+    masked = [key for key in sampling if "token_bitmask" in str(key[1].treedef)]   # key: (rows, packing, ...)
+    assert len(sampling) == 2 * len(masked) == 2 * len({key[0] for key in sampling})   # plain + masked a rows
+    assert llm.startup_times["programs"] == len(forwards) + len(sampling)
     assert llm.startup_times["compile"] > 0 and llm.startup_times["total"] >= llm.startup_times["load"]
     varied_workload(llm)
     generate_ids(llm, [[5, 6, 7]], max_new_tokens=2, min_tokens=1)   # masked steps: the token bitmask comes late
-    assert llm.runner.compiled_steps == warmed   # every step hit a program the warm-up compiled
-    assert llm.runner.compiled_masked == masked
+    assert llm.runner.compiled_forwards == forwards   # every step hit a program the warm-up compiled
+    assert llm.runner.compiled_sampling == sampling
     llm.close()
 
 

@@ -186,10 +186,10 @@ def test_generate_matches_transformers(model_dir, one_program_per_tile):
     checked = [hf_reference.assert_tokens_match(hf_reference.reference_generate(model_dir, p, NEW_TOKENS), out)
                for p, out in zip(prompts, outputs)]
     assert sum(checked) >= 2 * NEW_TOKENS
-    decode = [s.generation_rows for s in llm.runner.compiled_steps if s.context_rows == 0]
+    decode = [s.generation_rows for s in llm.runner.compiled_forwards if s.context_rows == 0]
     assert sorted(decode) == sorted(set(decode)), decode        # one compilation per decode batch size, whatever
     assert len(decode) < NEW_TOKENS // 2                        # the lengths (127 + 16 crosses a block)
-    assert any(s.context_rows and s.generation_rows for s in llm.runner.compiled_steps)   # a mixed step ran
+    assert any(s.context_rows and s.generation_rows for s in llm.runner.compiled_forwards)   # a mixed step ran
 
 
 @pytest.mark.long
@@ -211,7 +211,7 @@ def test_batching_is_invisible(model_dir, monkeypatch, one_program_per_tile):
     monkeypatch.setattr(Scheduler, "_finish", poison)
     outputs = generate_ids(llm, prompts, max_new_tokens=6)
     assert len(freed) == 3 and set(freed[2]) & (set(freed[0]) | set(freed[1]))   # the last one reused slots
-    decode = [s.generation_rows for s in llm.runner.compiled_steps if s.context_rows == 0]
+    decode = [s.generation_rows for s in llm.runner.compiled_forwards if s.context_rows == 0]
     assert sorted(decode) == sorted(set(decode))   # one decode compilation per batch size, though 127 + 6 crosses
     for p, out in zip(prompts, outputs):
         ref = hf_reference.reference_generate(model_dir, p, NEW_TOKENS)
@@ -234,7 +234,7 @@ def test_bad_input_fails_before_any_work(model_dir):
             generate_ids(llm, [good], **kwargs)
     with pytest.raises(TypeError, match="seed"):
         generate_ids(llm, [good], seed=1.5)
-    assert not llm.engine.scheduler.has_unfinished() and not llm.runner.compiled_steps   # nothing queued, nothing ran
+    assert not llm.engine.scheduler.has_unfinished() and not llm.runner.compiled_forwards  # nothing queued, nothing ran
 
     with pytest.raises(ValueError, match="num_gpu_blocks_override"):
         m3_jax.LLM(model_dir, max_num_seqs=2, max_model_len=1024, num_gpu_blocks_override=7)
@@ -294,7 +294,7 @@ def test_gpu_bf16_against_transformers(tmp_path):
         n = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
         agree, total = agree + n, total + len(ref)
     print(f"bf16 JAX engine vs fp32 transformers: {agree}/{total} greedy tokens agree before the first divergence")
-    decode = [s.generation_rows for s in llm.runner.compiled_steps if s.context_rows == 0]
+    decode = [s.generation_rows for s in llm.runner.compiled_forwards if s.context_rows == 0]
     assert sorted(decode) == sorted(set(decode))   # one decode compilation per batch size
 
 

@@ -242,5 +242,5 @@ def test_gpu_tp2_jax_bf16_gives_the_tokens_of_tp1(gpu_model_dir):
     total = sum(map(len, want))
     print(f"bf16 JAX TP=2 vs TP=1: {agree}/{total} greedy tokens agree before the first divergence")
     assert agree >= total // 2
-    decode = [s.generation_rows for s in tp2.runner.compiled_steps if s.context_rows == 0]
+    decode = [s.generation_rows for s in tp2.runner.compiled_forwards if s.context_rows == 0]
     assert sorted(decode) == sorted(set(decode))   # one decode compilation per batch size

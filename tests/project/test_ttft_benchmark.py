@@ -15,7 +15,7 @@ ATTENTION = {   # kernels/ file -> its attention kernels and their kind
     "attention.py": {"paged_attention_kernel": "attention"},
     "merge.py": {"merge_splits_kernel": "attention"},
     "cute_index.py": {"index_scores_kernel": "indexer"},
-    "cute_prefill.py": {"dense_prefill_kernel": "attention"},
+    "cute_prefill.py": {"prefill_kernel": "attention"},
 }
 
 
