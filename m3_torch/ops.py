@@ -144,9 +144,9 @@ def compile_only(threads: int):
     constexprs, warps, stages, integer values 1 and multiples of 16, pointer alignment) to a pool of
     ``threads`` threads (``triton.AsyncCompileMode``; one compilation per variant). On leaving, every
     compilation has finished, each kernel's in-memory cache holds its variants and each variant is loaded
-    (its module and launcher), so the launches of the same step afterwards compile and load nothing. Yields the mode: ``mode.raw_futures``, one future per
-    compilation. Outputs of the kernels stay unwritten: a step run inside computes garbage (on purpose:
-    nothing depends on it)."""
+    (its module and launcher), so the launches of the same step afterwards compile and load nothing.
+    Yields the mode: ``mode.raw_futures``, one future per compilation. Outputs of the kernels stay
+    unwritten: a step run inside computes garbage (on purpose: nothing depends on it)."""
     import triton
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="m3-compile") as executor:
