@@ -102,7 +102,7 @@ def test_arguments_of_another_framework_and_bad_sm_scale(target):
     """A numpy array to a torch op, a torch tensor to a JAX op, a non-number ``sm_scale``: a TypeError
     naming the argument (before anything reads them)."""
     x = inputs(target, DECODE)
-    other = x["seq_lens"].numpy() if target.framework == "torch" else make_inputs(DECODE)["seq_lens"]
+    other = x["seq_lens"].cpu().numpy() if target.framework == "torch" else make_inputs(DECODE)["seq_lens"]
     expected = "a torch.Tensor, got ndarray" if target.framework == "torch" else "a jax array, got Tensor"
     with target.active():
         with pytest.raises(TypeError, match=f"m3_{target.framework}.sparse_decode: seq_lens: expected {expected}"):
@@ -177,8 +177,9 @@ def test_msa_ops_check_kv_strides_before_the_indexer_runs(target, monkeypatch):
     with target.active():
         j = inputs(target, DECODE)
         if target.framework == "torch":
-            k_bad = torch.randn(k.numel() * 2).to(k.dtype).as_strided(
-                k.shape, (k.shape[1] * 128 * 65, 128 * 65, 65, 1)).to(target.torch_device)
+            # made on the device: moving a strided view to another device would make it contiguous
+            k_bad = torch.randn(k.numel() * 2, device=target.torch_device).to(k.dtype).as_strided(
+                k.shape, (k.shape[1] * 128 * 65, 128 * 65, 65, 1))
             monkeypatch.setattr(m3_torch.ops, "run", lambda *a, **kw: pytest.fail("a launch ran"))
         else:
             buffer = to_jax(torch.randn(k.numel() + 5).to(k.dtype))
