@@ -218,9 +218,9 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     call = validate.check_msa_call(q, idx_q, k, v, index_k, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
                                    decode_query_len=decode_query_len, k_scale=k_scale, v_scale=v_scale)
-    ops.check_kv_layout(k, v)
     seq_lens = guards.check_call("msa_decode", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
+    ops.check_kv_layout(k, v)
     backend = _backend(backend, idx_q, index_k)
     n, topk = int(decode_query_len), int(topk)
     tile = _maps.index_tile(call.num_index_heads, n)
@@ -340,9 +340,9 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
     call = validate.check_msa_call(q, idx_q, k, v, index_k, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
                                    prefill=maps_, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale)
-    ops.check_kv_layout(k, v)
     seq_lens = guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
+    ops.check_kv_layout(k, v)
     backend = _backend(backend, idx_q, index_k)
     cute_prefill = _sparse_prefill_backend(None, q, k, topk) == "cutedsl"
     tile, tile_map = maps_.tile(call.num_index_heads, "index")
@@ -421,9 +421,9 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                     num_rows=spec.num_rows, num_tokens=spec.num_tokens, block_bound=spec.block_bound,
                                     sparse=sparse, init_blocks=init_blocks, local_blocks=local_blocks,
                                     sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
-    ops.check_kv_layout(k, v)
     seq_lens = guards.check_call("msa_attention_step", q=q, idx_q=idx_q, k_cache=k, v_cache=v, index_k_cache=index_k,
                                  block_table=block_table, seq_lens=seq_lens)
+    ops.check_kv_layout(k, v)
     backend = _backend(backend, idx_q, index_k) if sparse else None
     cute_prefill = (_sparse_prefill_backend(None, q, k, cfg.topk) if sparse
                     else _dense_prefill_backend(None, q, k)) == "cutedsl"

@@ -176,9 +176,9 @@ def msa_decode(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens,
     call = validate.check_msa_call(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens, topk=topk,
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
                                    decode_query_len=decode_query_len, out=out, k_scale=k_scale, v_scale=v_scale)
-    ops.check_kv_layout(k_cache, v_cache)
     guards.check_call("msa_decode", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                       block_table=block_table, seq_lens=seq_lens)
+    ops.check_kv_layout(k_cache, v_cache)
     device = guards.check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                                   block_table=block_table, seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     scorer = _scorer(backend, idx_q, index_k_cache, skip_blocks=int(topk))
@@ -318,9 +318,9 @@ def msa_prefill(q, idx_q, k_cache, v_cache, index_k_cache, block_table, seq_lens
                                    init_blocks=init_blocks, local_blocks=local_blocks, sm_scale=sm_scale,
                                    prefill=plan, cu_seqlens_q=cu_seqlens_q, out=out, k_scale=k_scale,
                                    v_scale=v_scale)
-    ops.check_kv_layout(k_cache, v_cache)
     guards.check_call("msa_prefill", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                       block_table=block_table, seq_lens=seq_lens)
+    ops.check_kv_layout(k_cache, v_cache)
     device = guards.check_devices(q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache, index_k_cache=index_k_cache,
                                   block_table=block_table, seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)
     scorer = _scorer(backend, idx_q, index_k_cache, skip_blocks=int(topk))
@@ -377,9 +377,9 @@ def msa_attention_step(q, idx_q, k_cache, v_cache, index_k_cache, block_table, s
                                     num_rows=plan.num_rows, num_tokens=plan.num_tokens, block_bound=plan.block_bound,
                                     sparse=sparse, init_blocks=init_blocks, local_blocks=local_blocks,
                                     sm_scale=sm_scale, out=out, k_scale=k_scale, v_scale=v_scale)
-    ops.check_kv_layout(k_cache, v_cache)
     guards.check_call("msa_attention_step", q=q, idx_q=idx_q, k_cache=k_cache, v_cache=v_cache,
                       index_k_cache=index_k_cache, block_table=block_table, seq_lens=seq_lens)
+    ops.check_kv_layout(k_cache, v_cache)
     device = guards.check_devices(q=q, idx_q=idx_q if sparse else None, k_cache=k_cache, v_cache=v_cache,
                                   index_k_cache=index_k_cache if sparse else None, block_table=block_table,
                                   seq_lens=seq_lens, out=out, k_scale=k_scale, v_scale=v_scale)

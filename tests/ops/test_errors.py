@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -110,6 +111,13 @@ def test_arguments_of_another_framework_and_bad_sm_scale(target):
         with pytest.raises(TypeError, match="sm_scale: expected a float or None"):
             api(target).dense_decode(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
                                       decode_query_len=1, sm_scale="0.5")
+        # a cache of the other framework, of the right dtype: named before the MSA ops read its strides
+        k = make_inputs(DECODE)["k_cache"]
+        k_other, expected = ((k.view(torch.int16).numpy().view(ml_dtypes.bfloat16), "a torch.Tensor, got ndarray")
+                             if target.framework == "torch" else (k, "a jax array or PagedView, got Tensor"))
+        with pytest.raises(TypeError, match=f"k_cache: expected {expected}"):
+            api(target).msa_decode(x["q"], x["idx_q"], k_other, x["v_cache"], x["index_k_cache"], x["block_table"],
+                                   x["seq_lens"], decode_query_len=1, topk=2)
 
 
 # -- torch only: out=, strides, devices ---------------------------------------------------------
